@@ -1,0 +1,191 @@
+"""Tests for gae.py: GAE and the k-step estimates (Eq. 7–11), each against an independent python-loop computation."""
+
+import pytest
+import torch
+
+import gae
+
+ATOL = RTOL = 1e-12  # float64 throughout
+
+
+def ragged_batch(seed: int = 0, B: int = 5, T: int = 7):
+    """Random float64 rewards/values and a right-padded mask with lengths 1 … T (one row full, one of length 1).
+
+    Padded positions hold large junk so that any leak of padding into the result is visible.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    lengths = [T, 1] + torch.randint(1, T + 1, (B - 2,), generator=g).tolist()
+    mask = torch.zeros(B, T, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1.0
+    rewards = torch.where(mask.bool(), rewards, torch.full_like(rewards, 1e3))
+    values = torch.where(mask.bool(), values, torch.full_like(values, -1e3))
+    return rewards, values, mask, lengths
+
+
+def td_errors(r: list[float], v: list[float], gamma: float) -> list[float]:
+    """δ_t = r_t + γ V(s_{t+1}) − V(s_t) for one episode of python floats, V after the end = 0."""
+    n = len(r)
+    return [r[t] + gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
+
+
+def rows(rewards, values, lengths, b):
+    n = lengths[b]
+    return rewards[b, :n].tolist(), values[b, :n].tolist()
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.9), (0.9, 0.5), (0.99, 0.95), (0.7, 1.0), (0.8, 0.0)])
+def test_gae_eq9_equals_explicit_double_sum(gamma, lam):
+    rewards, values, mask, lengths = ragged_batch(seed=1)
+    adv, ret = gae.compute_gae(rewards, values, mask, gamma, lam)
+    expected_adv = torch.zeros_like(adv)
+    for b in range(len(lengths)):
+        r, v = rows(rewards, values, lengths, b)
+        n = len(r)
+        delta = td_errors(r, v, gamma)
+        for t in range(n):
+            expected_adv[b, t] = sum((gamma * lam) ** l * delta[t + l] for l in range(n - t))  # Eq. 9
+    torch.testing.assert_close(adv, expected_adv, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ret, (expected_adv + values) * mask, atol=ATOL, rtol=RTOL)
+
+
+def test_gae_eq10_lambda0_is_td_error():
+    gamma = 0.9
+    rewards, values, mask, lengths = ragged_batch(seed=2)
+    adv, _ = gae.compute_gae(rewards, values, mask, gamma, 0.0)
+    expected = torch.zeros_like(adv)
+    for b in range(len(lengths)):
+        r, v = rows(rewards, values, lengths, b)
+        expected[b, : len(r)] = torch.tensor(td_errors(r, v, gamma), dtype=torch.float64)
+    torch.testing.assert_close(adv, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_gae_eq11_lambda1_is_discounted_return_minus_value():
+    gamma = 0.95
+    rewards, values, mask, lengths = ragged_batch(seed=3)
+    adv, ret = gae.compute_gae(rewards, values, mask, gamma, 1.0)
+    expected_ret = torch.zeros_like(adv)
+    for b in range(len(lengths)):
+        r, _ = rows(rewards, values, lengths, b)
+        for t in range(len(r)):
+            expected_ret[b, t] = sum(gamma**l * r[t + l] for l in range(len(r) - t))  # Σ_l γ^l r_{t+l}
+    torch.testing.assert_close(adv, (expected_ret - values) * mask, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ret, expected_ret, atol=ATOL, rtol=RTOL)  # λ=1: the returns are Monte Carlo
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 10])
+def test_k_step_eq7_return_equals_explicit_sum(k):
+    gamma = 0.9
+    rewards, values, mask, lengths = ragged_batch(seed=4)
+    got = gae.k_step_return(rewards, values, mask, gamma, k)
+    expected = torch.zeros_like(got)
+    for b in range(len(lengths)):
+        r, v = rows(rewards, values, lengths, b)
+        n = len(r)
+        for t in range(n):
+            total = sum(gamma**l * r[t + l] for l in range(k) if t + l < n)
+            total += gamma**k * (v[t + k] if t + k < n else 0.0)  # V = 0 at and beyond the terminal state
+            expected[b, t] = total
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 10])
+def test_k_step_eq8_sum_of_td_errors_equals_return_minus_value(k):
+    gamma = 0.8
+    rewards, values, mask, lengths = ragged_batch(seed=5)
+    got = gae.k_step_advantage(rewards, values, mask, gamma, k)
+    expected = torch.zeros_like(got)
+    for b in range(len(lengths)):
+        r, v = rows(rewards, values, lengths, b)
+        n = len(r)
+        delta = td_errors(r, v, gamma)
+        for t in range(n):
+            expected[b, t] = sum(gamma**l * delta[t + l] for l in range(k) if t + l < n)  # Σ_{l<k} γ^l δ_{t+l}
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    # and Âᵏ_t = R̂ᵏ_t − V(s_t) (Eq. 8, the telescoped form)
+    torch.testing.assert_close(
+        got, (gae.k_step_return(rewards, values, mask, gamma, k) - values) * mask, atol=ATOL, rtol=RTOL
+    )
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.9), (0.9, 0.5), (0.95, 0.0), (0.9, 1.0)])
+def test_gae_is_exponential_average_of_k_step_advantages(gamma, lam):
+    """Â_t = (1−λ) Σ_{k≥1} λ^{k−1} Âᵏ_t. For an episode with n_t = n − t steps left, Âᵏ_t = Âⁿᵗ_t for every
+    k ≥ n_t, so the infinite tail (1−λ) Σ_{k≥n_t} λ^{k−1} = λ^{n_t−1} goes to the full-return advantage."""
+    rewards, values, mask, lengths = ragged_batch(seed=6)
+    T = mask.shape[1]
+    k_adv = {k: gae.k_step_advantage(rewards, values, mask, gamma, k) for k in range(1, T + 1)}
+    expected = torch.zeros_like(mask)
+    for b in range(len(lengths)):
+        n = lengths[b]
+        for t in range(n):
+            left = n - t
+            total = sum((1 - lam) * lam ** (k - 1) * k_adv[k][b, t].item() for k in range(1, left))
+            total += lam ** (left - 1) * k_adv[left][b, t].item()  # tail weight → full-return advantage
+            expected[b, t] = total
+    adv, _ = gae.compute_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_gae_outputs_zero_after_mask():
+    rewards, values, mask, _ = ragged_batch(seed=7)  # padding holds ±1e3 junk
+    adv, ret = gae.compute_gae(rewards, values, mask, 0.9, 0.9)
+    pad = mask == 0
+    assert pad.any()
+    for out in (adv, ret, gae.k_step_return(rewards, values, mask, 0.9, 3),
+                gae.k_step_advantage(rewards, values, mask, 0.9, 3)):
+        assert (out[pad] == 0).all()
+        assert out.abs().max() < 100  # the junk never leaked into a real position
+
+
+def test_gae_padding_does_not_change_result():
+    """The same episodes, padded to a longer T, give the same numbers on the real tokens."""
+    rewards, values, mask, _ = ragged_batch(seed=8)
+    extra = torch.zeros(mask.shape[0], 3, dtype=torch.float64)
+    adv, ret = gae.compute_gae(rewards, values, mask, 0.95, 0.9)
+    adv2, ret2 = gae.compute_gae(
+        torch.cat([rewards, extra + 5], 1), torch.cat([values, extra - 5], 1), torch.cat([mask, extra], 1), 0.95, 0.9
+    )
+    torch.testing.assert_close(adv2[:, : mask.shape[1]], adv, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ret2[:, : mask.shape[1]], ret, atol=ATOL, rtol=RTOL)
+
+
+def test_gae_worked_example_numbers():
+    """The numbers printed by `python gae.py` and pasted at the bottom of the file."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    f64 = lambda xs: torch.tensor([xs], dtype=torch.float64)  # noqa: E731
+    adv, ret = gae.compute_gae(rewards, values, mask, 0.9, 0.5)
+    torch.testing.assert_close(adv, f64([0.11425, 0.165, 0.3, 0.0]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ret, f64([0.61425, 0.765, 1.0, 0.0]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(gae.compute_gae(rewards, values, mask, 0.9, 0.0)[0], f64([0.04, 0.03, 0.3, 0.0]),
+                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(gae.compute_gae(rewards, values, mask, 0.9, 1.0)[0], f64([0.31, 0.3, 0.3, 0.0]),
+                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(gae.k_step_advantage(rewards, values, mask, 0.9, 2), f64([0.067, 0.3, 0.3, 0.0]),
+                               atol=1e-12, rtol=0)
+
+
+def test_gae_float32_matches_float64():
+    rewards, values, mask, _ = ragged_batch(seed=9)
+    adv64, ret64 = gae.compute_gae(rewards, values, mask, 0.99, 0.9)
+    adv32, ret32 = gae.compute_gae(rewards.float(), values.float(), mask.float(), 0.99, 0.9)
+    assert adv32.dtype == torch.float32
+    torch.testing.assert_close(adv32.double(), adv64, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ret32.double(), ret64, atol=1e-4, rtol=1e-4)
+
+
+def test_gae_rejects_bad_shapes_and_masks():
+    rewards, values, mask, _ = ragged_batch(seed=10)
+    with pytest.raises(ValueError, match="same shape"):
+        gae.compute_gae(rewards, values[:, :-1], mask, 0.9, 0.9)
+    with pytest.raises(ValueError, match="same shape"):
+        gae.compute_gae(rewards[0], values[0], mask[0], 0.9, 0.9)
+    left_padded = mask.flip(1)
+    with pytest.raises(ValueError, match="contiguous"):
+        gae.compute_gae(rewards, values, left_padded, 0.9, 0.9)
+    with pytest.raises(ValueError, match="k >= 1"):
+        gae.k_step_return(rewards, values, mask, 0.9, 0)
