@@ -1,0 +1,338 @@
+"""The terms of the RLHF PPO objective, one pure function each: clipped policy loss, value loss, KL, entropy, ptx.
+
+Implements (Zheng et al., "Secrets of RLHF in Large Language Models Part I: PPO", arXiv 2307.04964):
+    policy_loss                 PPO-clip surrogate, ρ_t = π_θ/π_θold                        (Eq. 15)
+    value_loss                  critic loss (V − R̂)², optional value clipping              (Eq. 16)
+    ptx_loss                    pretraining LM term of PPO-ptx, as a token NLL              (Eq. 17)
+    kl_full, kl_sampled         per-token KL(π_RL ‖ π_SFT) for the KL penalty               (Eq. 3, 19)
+    entropy, entropy_bonus_loss entropy bonus with an optional clip region                  (App. B.3, Fig. 16)
+    masked_mean, masked_var, masked_whiten   token-level statistics; advantage normalization (Fig. 6)
+    logprobs_from_logits        log π(a_t | s_t) of the sampled tokens, the ρ_t of          (Eq. 15)
+
+Run: python ppo_loss.py        (prints the worked example at the end of this file)
+
+Shapes: B batch, T response tokens, L = P + T full sequence (P prompt tokens), V vocabulary.
+Masks are explicit float tensors of the same shape as the tensor they mask: 1.0 on real tokens, 0.0 on
+padding. Every loss is a token-level mean: the sum over all real tokens of the batch divided by their
+count, so a long response weighs more than a short one (as in the authors' code, DeepSpeed-Chat and
+lm-human-preference-details; a per-sequence mean first would weigh every response equally).
+Losses are to be MINIMIZED: each is the negative of the paper's maximized objective where the signs differ.
+
+References:
+    Schulman et al., "Proximal Policy Optimization Algorithms", arXiv 1707.06347 (2017).
+    Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html (2020): k1, k2, k3.
+    Ouyang et al., "Training language models to follow instructions with human feedback" (2022): PPO-ptx.
+    Huang et al., "The N Implementation Details of RLHF with PPO" (lm-human-preference-details, 2023).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _check_shapes(fn: str, ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    """Raise a ValueError naming the argument whose shape differs (a silent broadcast would corrupt the mean)."""
+    for name, t in others.items():
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"ppo_loss.{fn}: `{name}` has shape {tuple(t.shape)}, expected {tuple(ref.shape)} "
+                f"(the shape of `{ref_name}`)"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Masked statistics
+# ----------------------------------------------------------------------------------------------------
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ mask·x / Σ mask over all entries (dim=None, a scalar) or along `dim`.
+
+    Entries where mask == 0 never reach the sum, even if they hold inf or NaN (e.g. padding logprobs).
+    An all-zero mask (or an all-zero row along `dim`) gives 0, not NaN: an empty minibatch adds nothing.
+    """
+    _check_shapes("masked_mean", "x", x, mask=mask)
+    mask = mask.to(x.dtype)
+    x = torch.where(mask != 0, x, torch.zeros_like(x))
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp_min(1e-12)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1e-12)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
+    """Variance of the entries where mask == 1 (a scalar).
+
+    unbiased=False (ddof = 0, divide by n) is the default: it is what the paper's released code
+    (MOSS-RLHF `whiten`) and lm-human-preference-details (`unbiased=False`, for parity with TF's
+    `tf.nn.moments`) use, and it makes the whitened entries have variance exactly 1.
+    trl's `masked_var` uses unbiased=True (ddof = 1, Bessel's n/(n−1)). Over the thousands of tokens of a
+    minibatch the two differ by a factor 1 + 1/(n−1), which does not matter; it matters for tiny tests.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)  # σ² = Σ m (x − μ)² / Σ m
+    if unbiased:
+        n = float(mask.sum())
+        if n <= 1:
+            raise ValueError(f"ppo_loss.masked_var: unbiased=True needs at least 2 real entries, the mask has {n:g}")
+        var = var * n / (n - 1)  # Bessel's correction
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x − μ) / sqrt(σ² + eps) with μ, σ² over the real entries only (ddof = 0, see masked_var).
+
+    shift_mean=False adds μ back (scale only), as in trl / lm-human-preference-details for rewards.
+    eps = 1e-8 as in trl (the authors' code uses 1e-6); it only matters when σ² is tiny.
+    Masked entries are returned unchanged (output == input where mask == 0), so the zeros that
+    compute_gae writes after the last real token stay zero; they never enter μ or σ².
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=False)
+    whitened = (x - mean) * torch.rsqrt(var + eps)  # Â ← (Â − mean(Â)) / std(Â), per minibatch
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask != 0, whitened, x)
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log π(tokens | context): log_softmax over V, then pick the sampled token. (B, T, V), (B, T) -> (B, T)."""
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(
+            f"ppo_loss.logprobs_from_logits: `logits` has shape {tuple(logits.shape)}, expected "
+            f"{tuple(tokens.shape)} + (V,) to match `tokens`"
+        )
+    logp = F.log_softmax(logits, dim=-1)  # (B, T, V)
+    return torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Policy and value losses
+# ----------------------------------------------------------------------------------------------------
+
+def policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float | None
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip loss −mean_t min(ρ_t Â_t, clip(ρ_t, 1−ε, 1+ε) Â_t), ρ_t = π_θ(a_t|s_t) / π_θold(a_t|s_t) (Eq. 15).
+
+    logprobs      log π_θ(a_t|s_t) of the sampled tokens under the policy being trained   (B, T)
+    old_logprobs  the same under the policy that sampled them (treated as a constant)     (B, T)
+    advantages    Â_t, e.g. from gae.compute_gae, whitened or not (treated as a constant) (B, T)
+    mask          1.0 on real response tokens                                              (B, T)
+    clip_eps      ε (paper: 0.2); None gives the unclipped surrogate ρ_t Â_t, whose gradient at ρ = 1 is Eq. 12
+
+    stats: clipfrac = fraction of real tokens where the clipped term is the minimum, i.e. where the clip
+    binds and the token's gradient is zero (A>0 and ρ>1+ε, or A<0 and ρ<1−ε); approx_kl = k3 estimate of
+    KL(π_old ‖ π_θ) on the sampled tokens, mean of (ρ − 1) − log ρ; ratio = mean ρ.
+    """
+    _check_shapes("policy_loss", "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    if clip_eps is not None and clip_eps < 0:
+        raise ValueError(f"ppo_loss.policy_loss: clip_eps must be >= 0 or None, got {clip_eps}")
+    advantages = advantages.detach()
+    log_ratio = logprobs - old_logprobs.detach()  # (B, T)
+    ratio = torch.exp(log_ratio)  # ρ_t = π_θ / π_θold
+    surr1 = ratio * advantages  # ρ_t Â_t
+    if clip_eps is None:
+        objective = surr1
+        clipped = torch.zeros_like(surr1)
+    else:
+        surr2 = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages  # clip(ρ_t, 1−ε, 1+ε) Â_t
+        objective = torch.minimum(surr1, surr2)  # min(ρÂ, clip(ρ)Â)   (Eq. 15)
+        clipped = (surr2 < surr1).to(surr1.dtype)
+    loss = -masked_mean(objective, mask)  # token-level mean over every real token of the batch
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean(clipped, mask).item(),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),  # k3 of KL(π_old ‖ π_θ)
+            "ratio": masked_mean(ratio, mask).item(),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """Critic loss mean_t (V_φ(s_t) − R̂_t)² (Eq. 16), optionally with value clipping.
+
+    values      V_φ(s_t) from the critic being trained      (B, T)
+    old_values  the critic's values at rollout time (const)  (B, T)
+    returns     R̂_t = Â_t + V_old(s_t) from GAE (const)     (B, T)
+    clip_range  c: with it, max((V − R̂)², (V_old + clip(V − V_old, −c, c) − R̂)²) elementwise, so the
+                critic gains nothing by moving more than c from its rollout value (PPO2 / PPO-max).
+    No ½ factor, as in Eq. 16 (the authors' code and trl multiply by 0.5; that only rescales the
+    critic's learning rate / loss weight).
+
+    stats: vf_clipfrac = fraction of real tokens where the clipped term is the larger one (its gradient
+    is then zero); vf_explained_var = 1 − Var[R̂ − V] / Var[R̂] over real tokens (1 = perfect, ≤ 0 = no better
+    than a constant; NaN when the returns are constant).
+    """
+    _check_shapes("value_loss", "values", values, old_values=old_values, returns=returns, mask=mask)
+    old_values, returns = old_values.detach(), returns.detach()
+    vf_loss1 = (values - returns) ** 2  # (V − R̂)²   (Eq. 16)
+    if clip_range is None:
+        vf_loss = vf_loss1
+        clipped = torch.zeros_like(vf_loss1)
+    else:
+        values_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)  # (B, T)
+        vf_loss2 = (values_clipped - returns) ** 2
+        vf_loss = torch.maximum(vf_loss1, vf_loss2)
+        clipped = (vf_loss2 > vf_loss1).to(vf_loss1.dtype)
+    loss = masked_mean(vf_loss, mask)
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask).item()
+        residual_var = masked_var(returns - values, mask).item()
+        stats = {
+            "vf_clipfrac": masked_mean(clipped, mask).item(),
+            "vf_explained_var": 1.0 - residual_var / var_returns if var_returns > 0 else float("nan"),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# KL to the reference policy, entropy
+# ----------------------------------------------------------------------------------------------------
+
+def kl_full(logits: Tensor, ref_logits: Tensor) -> Tensor:
+    """Exact KL(π ‖ π_ref) = Σ_v π(v) log(π(v) / π_ref(v)) at each position. (B, T, V), (B, T, V) -> (B, T).
+
+    Computed from log_softmax (no softmax then log), so it is stable for large logits. Logits must be
+    finite: pass the raw model logits, not top-k / top-p filtered ones (−inf would give 0·∞ = NaN).
+    """
+    _check_shapes("kl_full", "logits", logits, ref_logits=ref_logits)
+    logp = F.log_softmax(logits, dim=-1)  # (B, T, V)
+    ref_logp = F.log_softmax(ref_logits, dim=-1)  # (B, T, V)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)  # Σ_v π log(π/π_ref)   (B, T)
+
+
+def kl_sampled(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from the sampled tokens only. (B, T), (B, T) -> (B, T).
+
+    With a_t ~ π and log r = log π(a_t) − log π_ref(a_t) (Schulman 2020; his r is π_ref/π = exp(−log r)):
+        k1 = log r                      unbiased; can be negative per token; high variance.
+                                        What the authors' code and most RLHF code use in the penalty (Eq. 19).
+        k2 = ½ (log r)²                 biased (exact to second order when π ≈ π_ref); ≥ 0; low variance.
+        k3 = (exp(−log r) − 1) + log r  unbiased; ≥ 0 (since eˣ ≥ 1 + x); low variance when π ≈ π_ref.
+    Averaged over tokens sampled from π, k1 and k3 converge to kl_full; from another policy they do not.
+    """
+    _check_shapes("kl_sampled", "logprobs", logprobs, ref_logprobs=ref_logprobs)
+    log_r = logprobs - ref_logprobs  # log π/π_ref   (B, T)
+    if kind == "k1":
+        return log_r
+    if kind == "k2":
+        return 0.5 * log_r**2
+    if kind == "k3":
+        return torch.expm1(-log_r) + log_r  # (π_ref/π − 1) − log(π_ref/π)
+    raise ValueError(f"ppo_loss.kl_sampled: unknown kind {kind!r}, expected 'k1', 'k2' or 'k3'")
+
+
+def entropy(logits: Tensor) -> Tensor:
+    """H(π(·|s_t)) = −Σ_v π(v) log π(v) at each position, in nats. (B, T, V) -> (B, T). Finite logits only."""
+    logp = F.log_softmax(logits, dim=-1)  # (B, T, V)
+    return -(logp.exp() * logp).sum(-1)  # (B, T)
+
+
+def entropy_bonus_loss(
+    logits: Tensor, mask: Tensor, coef: float, clip: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """The entropy bonus (App. B.3, Fig. 16) as a loss term to ADD to the PPO loss. (B, T, V), (B, T).
+
+    H̄ = token-level mean entropy of the policy over the real tokens.
+        clip=None:  loss = −coef · H̄               (maximizes entropy without bound: Fig. 16 diverges)
+        clip=δ:     loss = coef · max(0, δ − H̄)    (a hinge: below δ its gradient is exactly that of
+                                                    −coef·H̄; at or above δ the term is 0 with zero gradient)
+    The hinge is the one-sided version of the authors' code, which uses coef · |H̄ − δ| and so also
+    pushes the entropy DOWN once it is above δ. A token-mean entropy in nats is at most log V
+    (≈ 10.4 for V = 32k), so δ must lie below log V to ever bind. Paper: coef = 0.01.
+
+    stats: entropy = H̄; entropy_bonus_active = 1.0 when the bonus acts (no clip, or H̄ < δ), else 0.0.
+    """
+    _check_shapes("entropy_bonus_loss", "logits[..., 0]", logits[..., 0], mask=mask)
+    mean_entropy = masked_mean(entropy(logits), mask)  # H̄
+    if clip is None:
+        loss = -coef * mean_entropy
+    else:
+        loss = coef * torch.relu(clip - mean_entropy)  # coef · max(0, δ − H̄)
+    h = mean_entropy.item()
+    stats = {"entropy": h, "entropy_bonus_active": float(clip is None or h < clip)}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pretraining (ptx) loss
+# ----------------------------------------------------------------------------------------------------
+
+def ptx_loss(logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """Mean next-token NLL on pretraining / SFT text: the λ_ptx term of PPO-ptx (Eq. 17), as a loss.
+
+    logits     the policy's logits on the full sequences   (B, L, V)
+    input_ids  the token ids                                (B, L)
+    loss_mask  1.0 on the tokens of input_ids to predict    (B, L)
+
+    Alignment: logits[:, i] predict input_ids[:, i+1], so the loss pairs logits[:, :-1] with
+    input_ids[:, 1:] and uses loss_mask[:, 1:]: loss_mask marks TARGET tokens in input_ids' own positions
+    (like Hugging Face `labels`); loss_mask[:, 0] is never used (nothing predicts the first token).
+    Sign: Eq. 17 maximizes L_clip + λ_ptx E[log π_RL(x)]; as a minimized loss that is
+    pg_loss + λ_ptx · NLL, so the caller ADDS λ_ptx · ptx_loss(...) to the PPO loss.
+
+    stats: ptx_loss = the mean NLL; ptx_ppl = exp(mean NLL) (a token-level perplexity); ptx_tokens.
+    """
+    _check_shapes("ptx_loss", "input_ids", input_ids, loss_mask=loss_mask)
+    if logits.shape[:-1] != input_ids.shape:
+        raise ValueError(
+            f"ppo_loss.ptx_loss: `logits` has shape {tuple(logits.shape)}, expected {tuple(input_ids.shape)} + (V,)"
+        )
+    nll = -logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # −log π(x_{i+1} | x_≤i)   (B, L−1)
+    target_mask = loss_mask[:, 1:].to(nll.dtype)  # (B, L−1)
+    loss = masked_mean(nll, target_mask)  # −E[log π_RL(x)] per token   (Eq. 17)
+    stats = {"ptx_loss": loss.item(), "ptx_ppl": math.exp(loss.item()), "ptx_tokens": float(target_mask.sum())}
+    return loss, stats
+
+
+if __name__ == "__main__":
+    torch.set_printoptions(precision=6)
+    # 1. PPO-clip on a ragged batch, ε = 0.2: the four textbook cases, one more clipped A>0 token, one padded slot.
+    old_logprobs = torch.log(torch.full((2, 3), 0.5, dtype=torch.float64))
+    ratio = torch.tensor([[1.1, 1.5, 0.9], [0.5, 1.3, 1.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, 1.0, -1.0], [-1.0, 0.5, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    loss, stats = policy_loss(old_logprobs + ratio.log(), old_logprobs, advantages, mask, clip_eps=0.2)
+    print(f"policy_loss    loss={loss.item():.6f} clipfrac={stats['clipfrac']:.6f} "
+          f"approx_kl={stats['approx_kl']:.6f} ratio={stats['ratio']:.6f}")
+    loss, _ = policy_loss(old_logprobs + ratio.log(), old_logprobs, advantages, mask, clip_eps=None)
+    print(f"unclipped      loss={loss.item():.6f}")
+    # 2. value loss with and without clipping, c = 0.2
+    values = torch.tensor([[1.0, 0.5, -0.3]], dtype=torch.float64)
+    old_values = torch.tensor([[0.5, 0.6, 0.0]], dtype=torch.float64)
+    returns = torch.tensor([[2.0, 0.0, 0.2]], dtype=torch.float64)
+    vmask = torch.ones(1, 3, dtype=torch.float64)
+    loss, stats = value_loss(values, old_values, returns, vmask, clip_range=0.2)
+    print(f"value_loss     loss={loss.item():.6f} vf_clipfrac={stats['vf_clipfrac']:.6f}")
+    loss, _ = value_loss(values, old_values, returns, vmask)
+    print(f"unclipped      loss={loss.item():.6f}")
+    # 3. KL to the reference and entropy, V = 3; the sampled token is token 0
+    logits = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=torch.float64)
+    ref_logits = torch.zeros(1, 1, 3, dtype=torch.float64)
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    lp, ref_lp = logprobs_from_logits(logits, tok), logprobs_from_logits(ref_logits, tok)
+    print(f"kl_full={kl_full(logits, ref_logits).item():.6f} k1={kl_sampled(lp, ref_lp, 'k1').item():.6f} "
+          f"k2={kl_sampled(lp, ref_lp, 'k2').item():.6f} k3={kl_sampled(lp, ref_lp, 'k3').item():.6f}")
+    print(f"entropy={entropy(logits).item():.6f} uniform={entropy(ref_logits).item():.6f} (log 3 = {math.log(3):.6f})")
+    loss, _ = entropy_bonus_loss(logits, torch.ones(1, 1, dtype=torch.float64), coef=0.01, clip=1.0)
+    print(f"entropy_bonus  clip=1.0 loss={loss.item():.6f}")
+    # 4. ptx: one sequence of 4 tokens, predict tokens 2 and 3 only
+    ptx_logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0], [1.0, 1.0, 1.0]]],
+                              dtype=torch.float64)
+    input_ids = torch.tensor([[0, 1, 2, 0]])
+    loss, stats = ptx_loss(ptx_logits, input_ids, torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
+    print(f"ptx_loss       loss={loss.item():.6f} ppl={stats['ptx_ppl']:.6f} tokens={stats['ptx_tokens']:.0f}")
+
+# Output of `python ppo_loss.py`:
+#   policy_loss    loss=-0.240000 clipfrac=0.600000 approx_kl=0.067074 ratio=1.060000
+#   unclipped      loss=-0.370000
+#   value_loss     loss=0.730000 vf_clipfrac=0.333333
+#   unclipped      loss=0.500000
+#   kl_full=0.266217 k1=0.691006 k2=0.238745 k3=0.192078
+#   entropy=0.832396 uniform=1.098612 (log 3 = 1.098612)
+#   entropy_bonus  clip=1.0 loss=0.001676
+#   ptx_loss       loss=2.239545 ppl=9.389056 tokens=2

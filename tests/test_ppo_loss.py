@@ -1,0 +1,398 @@
+"""Tests for ppo_loss.py: each loss against an independent computation (python loops, autograd, torch.distributions).
+
+Run: python -m pytest tests/test_ppo_loss.py -q
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributions import Categorical, kl_divergence
+
+import ppo_loss
+
+D = torch.float64
+EXACT = dict(rtol=1e-12, atol=1e-12)  # float64 arithmetic, same formula evaluated two ways
+PASTED = dict(rtol=0, atol=1e-6)  # numbers pasted with 6 decimals in ppo_loss.py's worked example
+
+
+def ragged_mask(lengths, T):
+    """(B, T) float mask, 1.0 on the first lengths[b] positions of each row (right-padded)."""
+    return torch.tensor([[1.0 if t < n else 0.0 for t in range(T)] for n in lengths], dtype=D)
+
+
+# ----------------------------------------------------------------------------------------------------
+# PPO-clip (Eq. 15)
+# ----------------------------------------------------------------------------------------------------
+
+EPS = 0.2
+# (advantage, ratio, expected objective min(ρA, clip(ρ)A), clip binds?)
+PPO_CASES = [
+    pytest.param(1.0, 1.1, 1.1, False, id="A>0-inside"),
+    pytest.param(1.0, 1.5, 1.2, True, id="A>0-above-clipped"),
+    pytest.param(1.0, 0.5, 0.5, False, id="A>0-below-unclipped"),  # pessimistic min keeps ρA
+    pytest.param(-1.0, 0.9, -0.9, False, id="A<0-inside"),
+    pytest.param(-1.0, 0.5, -0.8, True, id="A<0-below-clipped"),
+    pytest.param(-1.0, 1.5, -1.5, False, id="A<0-above-unclipped"),  # pessimistic min keeps ρA
+]
+
+
+@pytest.mark.parametrize("adv, ratio, objective, binds", PPO_CASES)
+def test_eq15_clip_cases_value_and_gradient(adv, ratio, objective, binds):
+    old = torch.tensor([[math.log(0.3)]], dtype=D)
+    logprobs = (old + math.log(ratio)).requires_grad_(True)
+    loss, stats = ppo_loss.policy_loss(logprobs, old, torch.tensor([[adv]], dtype=D), torch.ones(1, 1, dtype=D), EPS)
+    torch.testing.assert_close(loss, torch.tensor(-objective, dtype=D), **EXACT)
+    loss.backward()
+    # d(−ρA)/d log π = −ρA inside or on the pessimistic side; exactly 0 where the clip binds
+    expected_grad = 0.0 if binds else -ratio * adv
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[expected_grad]], dtype=D), **EXACT)
+    assert stats["clipfrac"] == (1.0 if binds else 0.0)
+
+
+def test_eq15_no_clip_is_mean_ratio_times_advantage():
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(3, 4, generator=g, dtype=D)
+    logprobs = old + 0.5 * torch.randn(3, 4, generator=g, dtype=D)  # ratios far outside [0.8, 1.2]
+    adv = torch.randn(3, 4, generator=g, dtype=D)
+    mask = torch.ones(3, 4, dtype=D)
+    loss, stats = ppo_loss.policy_loss(logprobs, old, adv, mask, clip_eps=None)
+    torch.testing.assert_close(loss, -(torch.exp(logprobs - old) * adv).mean(), **EXACT)
+    assert stats["clipfrac"] == 0.0
+
+
+def test_eq15_token_level_mean_ragged_mask_matches_loop():
+    g = torch.Generator().manual_seed(1)
+    B, T, lengths = 3, 5, [5, 2, 3]
+    old = torch.randn(B, T, generator=g, dtype=D)
+    logprobs = old + 0.3 * torch.randn(B, T, generator=g, dtype=D)
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = ragged_mask(lengths, T)
+    logprobs[mask == 0] = float("nan")  # padding may hold garbage; it must not leak into the loss
+    loss, stats = ppo_loss.policy_loss(logprobs, old, adv, mask, EPS)
+
+    total, n_tok, n_clip, kl_sum, ratio_sum = 0.0, 0, 0, 0.0, 0.0
+    for b in range(B):
+        for t in range(lengths[b]):
+            r = math.exp(logprobs[b, t].item() - old[b, t].item())
+            a = adv[b, t].item()
+            total += min(r * a, min(max(r, 1 - EPS), 1 + EPS) * a)
+            n_clip += (a > 0 and r > 1 + EPS) or (a < 0 and r < 1 - EPS)  # textbook condition for "clip binds"
+            kl_sum += (r - 1) - math.log(r)
+            ratio_sum += r
+            n_tok += 1
+    torch.testing.assert_close(loss, torch.tensor(-total / n_tok, dtype=D), **EXACT)
+    assert n_clip > 0
+    assert stats["clipfrac"] == pytest.approx(n_clip / n_tok, abs=1e-12)
+    assert stats["approx_kl"] == pytest.approx(kl_sum / n_tok, abs=1e-12)
+    assert stats["ratio"] == pytest.approx(ratio_sum / n_tok, abs=1e-12)
+    # the token-level mean is not the mean of per-sequence means when lengths differ
+    per_seq = []
+    for b in range(B):
+        r = [math.exp(logprobs[b, t].item() - old[b, t].item()) for t in range(lengths[b])]
+        a = [adv[b, t].item() for t in range(lengths[b])]
+        per_seq.append(sum(min(ri * ai, min(max(ri, 1 - EPS), 1 + EPS) * ai) for ri, ai in zip(r, a)) / lengths[b])
+    assert abs(-sum(per_seq) / B - loss.item()) > 1e-3
+
+
+def test_eq15_ratio_one_gives_minus_mean_advantage_and_zero_kl():
+    old = torch.randn(2, 3, dtype=D)
+    adv = torch.randn(2, 3, dtype=D)
+    mask = torch.ones(2, 3, dtype=D)
+    loss, stats = ppo_loss.policy_loss(old.clone(), old, adv, mask, EPS)
+    torch.testing.assert_close(loss, -adv.mean(), **EXACT)
+    assert stats["approx_kl"] == 0.0 and stats["ratio"] == pytest.approx(1.0) and stats["clipfrac"] == 0.0
+
+
+def test_eq15_shape_mismatch_is_an_error():
+    x = torch.zeros(2, 3, dtype=D)
+    with pytest.raises(ValueError, match="advantages"):
+        ppo_loss.policy_loss(x, x, torch.zeros(2, 1, dtype=D), torch.ones(2, 3, dtype=D), EPS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Value loss (Eq. 16)
+# ----------------------------------------------------------------------------------------------------
+
+def test_eq16_value_loss_clipping_matches_loop():
+    g = torch.Generator().manual_seed(2)
+    B, T, lengths, c = 3, 4, [4, 1, 3], 0.2
+    values = torch.randn(B, T, generator=g, dtype=D)
+    old_values = values + 0.4 * torch.randn(B, T, generator=g, dtype=D)
+    returns = torch.randn(B, T, generator=g, dtype=D)
+    mask = ragged_mask(lengths, T)
+    loss, stats = ppo_loss.value_loss(values, old_values, returns, mask, clip_range=c)
+
+    total, n_clip, n = 0.0, 0, 0
+    for b in range(B):
+        for t in range(lengths[b]):
+            v, vo, r = values[b, t].item(), old_values[b, t].item(), returns[b, t].item()
+            v_clipped = vo + min(max(v - vo, -c), c)
+            total += max((v - r) ** 2, (v_clipped - r) ** 2)
+            n_clip += (v_clipped - r) ** 2 > (v - r) ** 2
+            n += 1
+    torch.testing.assert_close(loss, torch.tensor(total / n, dtype=D), **EXACT)
+    assert n_clip > 0
+    assert stats["vf_clipfrac"] == pytest.approx(n_clip / n, abs=1e-12)
+
+
+def test_eq16_value_loss_no_clip_is_masked_mse_without_half():
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 5, generator=g, dtype=D)
+    returns = torch.randn(2, 5, generator=g, dtype=D)
+    mask = ragged_mask([5, 3], 5)
+    loss, stats = ppo_loss.value_loss(values, values + 1.0, returns, mask)  # old_values unused without clip
+    sel = mask.bool()
+    torch.testing.assert_close(loss, F.mse_loss(values[sel], returns[sel]), **EXACT)
+    assert stats["vf_clipfrac"] == 0.0
+    expected_ev = 1 - torch.var(returns[sel] - values[sel], unbiased=False) / torch.var(returns[sel], unbiased=False)
+    assert stats["vf_explained_var"] == pytest.approx(expected_ev.item(), abs=1e-12)
+
+
+def test_eq16_value_clipping_zero_gradient_outside_clip_region():
+    # V moved 0.5 away from V_old (beyond c = 0.2) in the direction away from R: the clipped term wins.
+    values = torch.tensor([[1.5]], dtype=D, requires_grad=True)
+    loss, _ = ppo_loss.value_loss(values, torch.tensor([[1.0]], dtype=D), torch.tensor([[3.0]], dtype=D),
+                                  torch.ones(1, 1, dtype=D), clip_range=0.2)
+    loss.backward()
+    torch.testing.assert_close(loss, torch.tensor((1.2 - 3.0) ** 2, dtype=D), **EXACT)
+    assert values.grad.item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# KL (Eq. 3, 19)
+# ----------------------------------------------------------------------------------------------------
+
+def test_eq19_kl_full_matches_torch_distributions():
+    g = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(2, 5, 7, generator=g, dtype=D)
+    ref_logits = 3 * torch.randn(2, 5, 7, generator=g, dtype=D)
+    expected = kl_divergence(Categorical(logits=logits), Categorical(logits=ref_logits))  # (2, 5)
+    torch.testing.assert_close(ppo_loss.kl_full(logits, ref_logits), expected, rtol=1e-10, atol=1e-12)
+    assert (ppo_loss.kl_full(logits, ref_logits) >= 0).all()
+
+
+def test_eq19_kl_full_zero_for_equal_logits_and_shift_invariant():
+    logits = torch.randn(3, 4, 11, dtype=D)
+    torch.testing.assert_close(ppo_loss.kl_full(logits, logits), torch.zeros(3, 4, dtype=D), rtol=0, atol=1e-14)
+    torch.testing.assert_close(ppo_loss.kl_full(logits, logits + 100.0), torch.zeros(3, 4, dtype=D), rtol=0, atol=1e-12)
+
+
+def test_eq19_kl_full_stable_for_large_logits():
+    logits = torch.tensor([[[1000.0, 0.0, -1000.0]]], dtype=torch.float32)
+    ref_logits = torch.zeros(1, 1, 3)
+    kl = ppo_loss.kl_full(logits, ref_logits)
+    torch.testing.assert_close(kl, torch.tensor([[math.log(3)]]), rtol=1e-6, atol=1e-6)  # KL(δ_0 ‖ uniform) = log 3
+
+
+def test_eq19_k2_k3_nonnegative_k1_can_be_negative():
+    g = torch.Generator().manual_seed(5)
+    logprobs = torch.randn(4, 50, generator=g, dtype=D)
+    ref_logprobs = torch.randn(4, 50, generator=g, dtype=D)
+    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k3") >= 0).all()
+    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k2") >= 0).all()
+    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k1") < 0).any()
+    torch.testing.assert_close(ppo_loss.kl_sampled(logprobs, logprobs, "k3"), torch.zeros(4, 50, dtype=D), **EXACT)
+
+
+def test_eq19_k1_k3_monte_carlo_mean_approaches_exact_kl():
+    # Tokens sampled from π: the means of k1 and k3 are unbiased for KL(π ‖ π_ref). N = 200,000 samples,
+    # fixed seed; tolerance = 4 standard errors of each estimator (measured from the same samples).
+    # π_ref is a perturbation of π (KL ≈ 0.06), the regime of RLHF, where k3 has the lower variance.
+    g = torch.Generator().manual_seed(6)
+    V, N = 6, 200_000
+    logits = torch.randn(V, generator=g, dtype=D)
+    ref_logits = logits + 0.4 * torch.randn(V, generator=g, dtype=D)
+    exact = kl_divergence(Categorical(logits=logits), Categorical(logits=ref_logits)).item()
+    tokens = torch.multinomial(torch.softmax(logits, -1), N, replacement=True, generator=g).view(1, N)
+    logprobs = torch.log_softmax(logits, -1)[tokens]  # (1, N)
+    ref_logprobs = torch.log_softmax(ref_logits, -1)[tokens]  # (1, N)
+    for kind in ("k1", "k3"):
+        k = ppo_loss.kl_sampled(logprobs, ref_logprobs, kind)
+        stderr = (k.std() / math.sqrt(N)).item()
+        assert abs(k.mean().item() - exact) < 4 * stderr, (kind, k.mean().item(), exact, stderr)
+    assert 0.01 < exact < 0.2
+    # k3 has lower variance than k1 when π ≈ π_ref (Schulman 2020); far apart it need not
+    k1, k3 = (ppo_loss.kl_sampled(logprobs, ref_logprobs, kind) for kind in ("k1", "k3"))
+    assert k3.std() < k1.std()
+
+
+def test_eq19_kl_sampled_formulas():
+    lp, ref = torch.tensor([[-0.5]], dtype=D), torch.tensor([[-1.25]], dtype=D)
+    log_r = 0.75
+    torch.testing.assert_close(ppo_loss.kl_sampled(lp, ref, "k1"), torch.tensor([[log_r]], dtype=D), **EXACT)
+    torch.testing.assert_close(ppo_loss.kl_sampled(lp, ref, "k2"), torch.tensor([[0.5 * log_r**2]], dtype=D), **EXACT)
+    torch.testing.assert_close(ppo_loss.kl_sampled(lp, ref, "k3"),
+                               torch.tensor([[math.exp(-log_r) - 1 + log_r]], dtype=D), **EXACT)
+    with pytest.raises(ValueError, match="k4"):
+        ppo_loss.kl_sampled(lp, ref, "k4")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entropy and the entropy bonus (App. B.3, Fig. 16)
+# ----------------------------------------------------------------------------------------------------
+
+def test_entropy_uniform_is_log_V():
+    V = 17
+    torch.testing.assert_close(ppo_loss.entropy(torch.full((2, 3, V), 4.2, dtype=D)),
+                               torch.full((2, 3), math.log(V), dtype=D), **EXACT)
+
+
+def test_entropy_matches_torch_distributions():
+    logits = 2 * torch.randn(3, 4, 9, dtype=D)
+    torch.testing.assert_close(ppo_loss.entropy(logits), Categorical(logits=logits).entropy(), rtol=1e-12, atol=1e-12)
+
+
+def test_entropy_bonus_zero_gradient_above_clip_nonzero_below():
+    V = 8
+    mask = ragged_mask([3, 1], 3)
+    # near-uniform logits: H̄ ≈ log 8 ≈ 2.08 > clip = 1.5 → the term is 0 with zero gradient
+    high = (0.01 * torch.randn(2, 3, V, dtype=D)).requires_grad_(True)
+    loss, stats = ppo_loss.entropy_bonus_loss(high, mask, coef=0.01, clip=1.5)
+    loss.backward()
+    assert stats["entropy"] > 1.5 and stats["entropy_bonus_active"] == 0.0
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(high.grad) == 0
+
+    # peaked logits: H̄ < clip → the gradient equals that of the unclipped bonus −coef·H̄, nonzero
+    low = (5 * torch.randn(2, 3, V, dtype=D)).requires_grad_(True)
+    loss, stats = ppo_loss.entropy_bonus_loss(low, mask, coef=0.01, clip=1.5)
+    assert stats["entropy"] < 1.5 and stats["entropy_bonus_active"] == 1.0
+    (grad_clipped,) = torch.autograd.grad(loss, low)
+    mean_h = (Categorical(logits=low).entropy() * mask).sum() / mask.sum()  # independent H̄
+    (grad_unclipped,) = torch.autograd.grad(-0.01 * mean_h, low)
+    assert grad_clipped.abs().max() > 0
+    torch.testing.assert_close(grad_clipped, grad_unclipped, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(loss, 0.01 * (1.5 - mean_h.detach()), **EXACT)
+    # padding positions (mask 0) get no gradient
+    assert torch.count_nonzero(grad_clipped[1, 1:]) == 0
+
+
+def test_entropy_bonus_no_clip_is_minus_coef_mean_entropy():
+    logits = torch.randn(2, 4, 5, dtype=D)
+    mask = ragged_mask([4, 2], 4)
+    loss, _ = ppo_loss.entropy_bonus_loss(logits, mask, coef=0.01)
+    h = Categorical(logits=logits).entropy()
+    torch.testing.assert_close(loss, -0.01 * h[mask.bool()].mean(), **EXACT)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Masked statistics and log-probs
+# ----------------------------------------------------------------------------------------------------
+
+def test_masked_mean_matches_loop():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 6, generator=g, dtype=D)
+    lengths = [6, 2, 4]
+    mask = ragged_mask(lengths, 6)
+    vals = [x[b, t].item() for b in range(3) for t in range(lengths[b])]
+    torch.testing.assert_close(ppo_loss.masked_mean(x, mask), torch.tensor(sum(vals) / len(vals), dtype=D), **EXACT)
+    rows = torch.tensor([sum(x[b, :n].tolist()) / n for b, n in enumerate(lengths)], dtype=D)
+    torch.testing.assert_close(ppo_loss.masked_mean(x, mask, dim=1), rows, **EXACT)
+
+
+def test_masked_var_ddof():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, generator=g, dtype=D)
+    mask = ragged_mask([5, 2], 5)
+    sel = x[mask.bool()]
+    torch.testing.assert_close(ppo_loss.masked_var(x, mask), torch.var(sel, unbiased=False), **EXACT)
+    torch.testing.assert_close(ppo_loss.masked_var(x, mask, unbiased=True), torch.var(sel, unbiased=True), **EXACT)
+
+
+def test_masked_whiten_zero_mean_unit_variance_padding_untouched():
+    g = torch.Generator().manual_seed(9)
+    x = 3.0 + 2.0 * torch.randn(3, 7, generator=g, dtype=D)
+    mask = ragged_mask([7, 3, 5], 7)
+    x[mask == 0] = 0.0  # as compute_gae leaves it
+    w = ppo_loss.masked_whiten(x, mask)
+    sel = w[mask.bool()]
+    torch.testing.assert_close(sel.mean(), torch.tensor(0.0, dtype=D), rtol=0, atol=1e-12)
+    one = torch.tensor(1.0, dtype=D)
+    torch.testing.assert_close(torch.var(sel, unbiased=False), one, rtol=0, atol=1e-7)  # ddof 0; eps = 1e-8
+    torch.testing.assert_close(w[mask == 0], x[mask == 0], rtol=0, atol=0)
+    # shift_mean=False keeps the mean and only rescales
+    w2 = ppo_loss.masked_whiten(x, mask, shift_mean=False)
+    xs = x[mask.bool()]
+    torch.testing.assert_close(w2[mask.bool()].mean(), xs.mean(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.var(w2[mask.bool()], unbiased=False), one, rtol=0, atol=1e-7)
+
+
+def test_logprobs_from_logits_matches_categorical_log_prob():
+    g = torch.Generator().manual_seed(10)
+    logits = 4 * torch.randn(2, 5, 13, generator=g, dtype=D)
+    tokens = torch.randint(0, 13, (2, 5), generator=g)
+    torch.testing.assert_close(ppo_loss.logprobs_from_logits(logits, tokens),
+                               Categorical(logits=logits).log_prob(tokens), **EXACT)
+    with pytest.raises(ValueError, match="logits"):
+        ppo_loss.logprobs_from_logits(logits, tokens[:, :4])
+
+
+# ----------------------------------------------------------------------------------------------------
+# PPO-ptx (Eq. 17)
+# ----------------------------------------------------------------------------------------------------
+
+def test_eq17_ptx_loss_matches_cross_entropy_on_unmasked_positions():
+    g = torch.Generator().manual_seed(11)
+    B, L, V = 3, 6, 10
+    logits = torch.randn(B, L, V, generator=g, dtype=D)
+    input_ids = torch.randint(0, V, (B, L), generator=g)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 0]], dtype=D)
+    loss, stats = ppo_loss.ptx_loss(logits, input_ids, loss_mask)
+    # Hugging Face convention: labels = input_ids with -100 where not predicted; shift by one
+    labels = input_ids.clone()
+    labels[loss_mask == 0] = -100
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(loss, expected, **EXACT)
+    assert stats["ptx_tokens"] == 4 + 2 + 4  # loss_mask[:, 0] is never a target
+    assert stats["ptx_ppl"] == pytest.approx(math.exp(expected.item()), rel=1e-12)
+    # the last position's logits predict nothing: changing them leaves the loss unchanged
+    logits2 = logits.clone()
+    logits2[:, -1] += 5.0
+    torch.testing.assert_close(ppo_loss.ptx_loss(logits2, input_ids, loss_mask)[0], loss, **EXACT)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The worked example printed by `python ppo_loss.py`
+# ----------------------------------------------------------------------------------------------------
+
+def test_worked_example_numbers():
+    old = torch.log(torch.full((2, 3), 0.5, dtype=D))
+    ratio = torch.tensor([[1.1, 1.5, 0.9], [0.5, 1.3, 1.0]], dtype=D)
+    adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, 0.5, 0.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=D)
+    loss, stats = ppo_loss.policy_loss(old + ratio.log(), old, adv, mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(-0.240000, abs=1e-6)  # −(1.1 + 1.2 − 0.9 − 0.8 + 0.6) / 5
+    assert stats["clipfrac"] == pytest.approx(0.600000, abs=1e-6)
+    assert stats["approx_kl"] == pytest.approx(0.067074, abs=1e-6)
+    assert stats["ratio"] == pytest.approx(1.060000, abs=1e-6)
+    loss, _ = ppo_loss.policy_loss(old + ratio.log(), old, adv, mask, clip_eps=None)
+    assert loss.item() == pytest.approx(-0.370000, abs=1e-6)
+
+    values = torch.tensor([[1.0, 0.5, -0.3]], dtype=D)
+    old_values = torch.tensor([[0.5, 0.6, 0.0]], dtype=D)
+    returns = torch.tensor([[2.0, 0.0, 0.2]], dtype=D)
+    vmask = torch.ones(1, 3, dtype=D)
+    loss, stats = ppo_loss.value_loss(values, old_values, returns, vmask, clip_range=0.2)
+    assert loss.item() == pytest.approx(0.730000, abs=1e-6)  # (1.69 + 0.25 + 0.25) / 3
+    assert stats["vf_clipfrac"] == pytest.approx(0.333333, abs=1e-6)
+    assert ppo_loss.value_loss(values, old_values, returns, vmask)[0].item() == pytest.approx(0.5, abs=1e-6)
+
+    logits = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=D)
+    ref_logits = torch.zeros(1, 1, 3, dtype=D)
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    lp, ref_lp = ppo_loss.logprobs_from_logits(logits, tok), ppo_loss.logprobs_from_logits(ref_logits, tok)
+    assert ppo_loss.kl_full(logits, ref_logits).item() == pytest.approx(0.266217, abs=1e-6)
+    assert ppo_loss.kl_sampled(lp, ref_lp, "k1").item() == pytest.approx(0.691006, abs=1e-6)
+    assert ppo_loss.kl_sampled(lp, ref_lp, "k2").item() == pytest.approx(0.238745, abs=1e-6)
+    assert ppo_loss.kl_sampled(lp, ref_lp, "k3").item() == pytest.approx(0.192078, abs=1e-6)
+    assert ppo_loss.entropy(logits).item() == pytest.approx(0.832396, abs=1e-6)
+    assert ppo_loss.entropy(ref_logits).item() == pytest.approx(1.098612, abs=1e-6)
+    loss, _ = ppo_loss.entropy_bonus_loss(logits, torch.ones(1, 1, dtype=D), coef=0.01, clip=1.0)
+    assert loss.item() == pytest.approx(0.001676, abs=1e-6)
+
+    ptx_logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0], [1.0, 1.0, 1.0]]], dtype=D)
+    loss, stats = ppo_loss.ptx_loss(ptx_logits, torch.tensor([[0, 1, 2, 0]]), torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
+    assert loss.item() == pytest.approx(2.239545, abs=1e-6)  # log(e² + 2)
+    assert stats["ptx_ppl"] == pytest.approx(9.389056, abs=1e-6)  # e² + 2
+    assert stats["ptx_tokens"] == 2
