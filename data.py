@@ -1,0 +1,542 @@
+"""Real data in, clear errors out: HH-RLHF and JSONL loaders, prompt truncation, tokenizers.
+
+Every bad input becomes a `DataError` that names the file, the line and the field and says what was
+expected; `cli_guard` turns it into one line `error: …` on stderr and exit status 2 (no traceback).
+With `skip_bad=True` bad lines are skipped and counted by reason in a `DataReport` instead.
+
+Implements (the data behind the paper's equations; data.py itself computes none):
+    load_pairs          the preference pairs (x, y_w, y_l) of the reward-model loss        (Eq. 1–2)
+    split_hh_transcript x = shared prefix up to and including the last "\\n\\nAssistant:"  (HH-RLHF)
+    load_prompts        the prompts x that PPO samples responses for                         (Eq. 3, 15)
+    load_texts          SFT text and D_pretrain of PPO-ptx                                    (Eq. 17)
+    encode_pair / encode_prompt / encode_text
+                        token ids; a too-long prompt keeps its latest turns, a too-long
+                        response is dropped and counted, never cut
+    train_bpe_tokenizer byte-level BPE trained with `tokenizers` on the training split, saved as a
+                        Hugging Face tokenizer directory
+    load_tokenizer      AutoTokenizer.from_pretrained with a clear error
+
+Formats, one JSON object per line, `.jsonl` or `.jsonl.gz` (detected per line):
+    {"chosen": "\\n\\nHuman: …\\n\\nAssistant: …", "rejected": "…"}   HH-RLHF transcripts
+    {"prompt": "…", "chosen": "…", "rejected": "…"}                    preference pairs
+    {"prompt": "…"}                                                    PPO prompts
+    {"text": "…"} or {"prompt": "…", "response": "…"}                  SFT / ptx text
+
+Conventions (one choice, used everywhere):
+    - A response is kept exactly as written, leading space included: for an HH transcript
+      prompt + response == transcript, character for character (byte-level BPE then tokenizes
+      " Sure" as it would inside the transcript). "Empty" and "identical" compare after .strip().
+    - Token ids come from tokenizer.encode(text, add_special_tokens=False): no BOS is added; every
+      response ends with the tokenizer's EOS id.
+    - Truncation (prompts only): drop whole earliest "\\n\\nHuman:" turns until the prompt fits
+      max_prompt_tokens; if its last turn alone is still too long, keep its last max_prompt_tokens
+      tokens. A last turn that cannot fit the model's context with one response token
+      (len(last turn) + 1 > context_len) is a DataError (prompt_too_long). A response longer than
+      max_response_tokens (EOS included) is never cut: the example is dropped and counted
+      (report.dropped["response_too_long"]).
+
+Run: python data.py ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
+References: Bai et al. 2022, "Training a Helpful and Harmless Assistant with RLHF" (HH-RLHF,
+github.com/anthropics/hh-rlhf); Zheng et al. 2023, "Secrets of RLHF in LLMs Part I: PPO" (arXiv 2307.04964).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HUMAN = "\n\nHuman:"
+ASSISTANT = "\n\nAssistant:"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors and counts
+# ----------------------------------------------------------------------------------------------
+class DataError(Exception):
+    """A user's data problem: str() is one line `path:line: field 'f': message`.
+
+    reason is a short machine key (not_found, empty_file, bad_gzip, not_utf8, not_json, not_object,
+    missing_field, not_string, empty_response, empty_prompt, identical, no_assistant_marker,
+    prompt_mismatch, prompt_too_long, all_skipped, no_tokenizer).
+    """
+
+    def __init__(self, path, line: int | None, field: str | None, reason: str, message: str):
+        self.path, self.line, self.field, self.reason = str(path), line, field, reason
+        self.message = message.replace("\n", " ")
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        what = self.message if self.field is None else f"field '{self.field}': {self.message}"
+        return f"{where}: {what}"
+
+    @property
+    def source(self) -> str:
+        return self.path if self.line is None else f"{self.path}:{self.line}"
+
+
+@dataclass
+class DataReport:
+    """What happened to the examples of one file; print `summary()`, save `to_dict()`."""
+
+    kept: int = 0                                           # lines loaded
+    skipped: Counter = field(default_factory=Counter)       # reason → lines skipped (skip_bad)
+    truncated: int = 0                                      # prompts shortened to fit (latest turns kept)
+    dropped: Counter = field(default_factory=Counter)       # reason → examples dropped when encoding
+    first: dict = field(default_factory=dict)               # reason → "file:line" where it first happened
+
+    def skip(self, err: DataError) -> None:
+        self.skipped[err.reason] += 1
+        self.first.setdefault(err.reason, err.source)
+
+    def drop(self, reason: str, source: str) -> None:
+        self.dropped[reason] += 1
+        self.first.setdefault(reason, source)
+
+    def summary(self) -> str:
+        def by_reason(c: Counter) -> str:
+            return ", ".join(f"{r} {n} (first at {self.first.get(r, '?')})" for r, n in sorted(c.items()))
+        parts = [f"kept {self.kept}"]
+        parts.append(f"skipped {sum(self.skipped.values())}" + (f": {by_reason(self.skipped)}" if self.skipped else ""))
+        parts.append(f"truncated {self.truncated} prompts")
+        parts.append(f"dropped {sum(self.dropped.values())}" + (f": {by_reason(self.dropped)}" if self.dropped else ""))
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"kept": self.kept, "skipped": dict(self.skipped), "truncated": self.truncated,
+                "dropped": dict(self.dropped), "first": dict(self.first)}
+
+
+def _show(value, limit: int = 40) -> str:
+    """A short one-line JSON rendering of a bad value for an error message."""
+    s = json.dumps(value, ensure_ascii=False)
+    return s if len(s) <= limit else s[: limit - 4] + "…" + s[-3:]
+
+
+def _type_name(value) -> str:
+    return {dict: "an object", list: "a list", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null", str: "a string"}.get(type(value), type(value).__name__)
+
+
+def _split_source(source: str) -> tuple[str, int | None]:
+    path, _, line = source.rpartition(":")
+    return (path, int(line)) if path and line.isdigit() else (source, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading JSONL
+# ----------------------------------------------------------------------------------------------
+def read_jsonl(path, skip_bad: bool = False, report: DataReport | None = None) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, object) for each non-blank line of a .jsonl or .jsonl.gz file (1-based)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(path, None, None, "not_found", "no such file")
+    if path.is_dir():
+        raise DataError(path, None, None, "not_found", "is a directory, expected a .jsonl or .jsonl.gz file")
+    return _read_jsonl(path, skip_bad, report if report is not None else DataReport())
+
+
+def _read_jsonl(path: Path, skip_bad: bool, report: DataReport) -> Iterator[tuple[int, dict]]:
+    gz = path.suffix == ".gz"
+    n_lines = 0
+    with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+        line_no = 0
+        while True:
+            try:
+                raw = f.readline()
+            except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+                raise DataError(path, None, None, "bad_gzip", f"not a readable gzip file ({e})") from None
+            if not raw:
+                break
+            line_no += 1
+            if not raw.strip():
+                continue
+            n_lines += 1
+            try:
+                obj = _parse_line(path, line_no, raw)
+            except DataError as err:
+                if not skip_bad:
+                    raise
+                report.skip(err)
+                continue
+            yield line_no, obj
+    if n_lines == 0:
+        raise DataError(path, None, None, "empty_file", "file is empty (no JSON lines)")
+
+
+def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, line_no, None, "not_utf8",
+                        f"bytes that are not UTF-8 at byte {e.start + 1} of the line (save the file as UTF-8)") from None
+    if line_no == 1:
+        text = text.lstrip("\ufeff")  # a UTF-8 byte-order mark is harmless
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(path, line_no, None, "not_json", f"line is not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise DataError(path, line_no, None, "not_object", f"expected a JSON object {{...}}, got {_type_name(obj)}")
+    return obj
+
+
+def _get_str(obj: dict, key: str, path, line_no: int, nonempty: bool = False, reason: str = "empty_response") -> str:
+    if key not in obj:
+        have = ", ".join(repr(k) for k in obj) or "none"
+        raise DataError(path, line_no, key, "missing_field", f"missing (fields present: {have})")
+    value = obj[key]
+    if not isinstance(value, str):
+        got = "null" if value is None else f"{_type_name(value)} {_show(value)}"
+        raise DataError(path, line_no, key, "not_string", f"expected a string, got {got}")
+    if nonempty and not value.strip():
+        raise DataError(path, line_no, key, reason, f"expected a non-empty string, got {_show(value)}")
+    return value
+
+
+def _load(path, parse: Callable, skip_bad: bool, report: DataReport | None) -> list:
+    report = report if report is not None else DataReport()
+    out = []
+    for line_no, obj in read_jsonl(path, skip_bad, report):
+        try:
+            out.append(parse(obj, path, line_no))
+        except DataError as err:
+            if not skip_bad:
+                raise
+            report.skip(err)
+            continue
+        report.kept += 1
+    if not out:
+        raise DataError(path, None, None, "all_skipped",
+                        f"no usable lines ({sum(report.skipped.values())} skipped: {report.summary()})")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Preference pairs, prompts, texts
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class PreferencePair:
+    """One comparison: prompt x, chosen response y_w, rejected response y_l (Eq. 1)."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    source: str = "file:line"
+
+
+def split_hh_transcript(chosen: str, rejected: str, path="<transcript>",
+                        line: int | None = None) -> tuple[str, str, str]:
+    """(prompt, chosen_response, rejected_response) of two HH-RLHF transcripts.
+
+    prompt = everything up to and including the last "\\n\\nAssistant:" (earlier turns keep their role
+    markers); a response is what follows, leading space kept, so prompt + response == transcript.
+    """
+    cut = {}
+    for name, text in (("chosen", chosen), ("rejected", rejected)):
+        i = text.rfind(ASSISTANT)
+        if i < 0:
+            raise DataError(path, line, name, "no_assistant_marker",
+                            f'expected an HH transcript containing "\\n\\nAssistant:", got {_show(text)}')
+        cut[name] = i + len(ASSISTANT)
+    prompt, prompt_r = chosen[: cut["chosen"]], rejected[: cut["rejected"]]
+    if prompt != prompt_r:
+        at = next((k for k, (a, b) in enumerate(zip(prompt, prompt_r)) if a != b), min(len(prompt), len(prompt_r)))
+        hint = ""
+        n_c, n_r = chosen.count(ASSISTANT), rejected.count(ASSISTANT)
+        if n_c != n_r:
+            hint = f'; chosen has {n_c} "\\n\\nAssistant:" markers, rejected {n_r}'
+        raise DataError(path, line, None, "prompt_mismatch",
+                        "chosen and rejected have different prompts (the text up to their last "
+                        f'"\\n\\nAssistant:"), first difference at character {at + 1}{hint}')
+    return prompt, chosen[cut["chosen"]:], rejected[cut["rejected"]:]
+
+
+def _parse_pair(obj: dict, path, line_no: int) -> PreferencePair:
+    if "prompt" in obj:  # {"prompt", "chosen", "rejected"}
+        prompt = _get_str(obj, "prompt", path, line_no, nonempty=True, reason="empty_prompt")
+        chosen = _get_str(obj, "chosen", path, line_no)
+        rejected = _get_str(obj, "rejected", path, line_no)
+    else:  # HH-RLHF transcripts {"chosen", "rejected"}
+        chosen_t = _get_str(obj, "chosen", path, line_no)
+        rejected_t = _get_str(obj, "rejected", path, line_no)
+        prompt, chosen, rejected = split_hh_transcript(chosen_t, rejected_t, path, line_no)
+    for name, text in (("chosen", chosen), ("rejected", rejected)):
+        if not text.strip():
+            raise DataError(path, line_no, name, "empty_response", f"expected a non-empty response, got {_show(text)}")
+    if chosen.strip() == rejected.strip():
+        raise DataError(path, line_no, "rejected", "identical",
+                        "chosen and rejected responses are identical, so the pair carries no preference")
+    return PreferencePair(prompt, chosen, rejected, f"{path}:{line_no}")
+
+
+def load_pairs(path, skip_bad: bool = False, report: DataReport | None = None) -> list[PreferencePair]:
+    """Preference pairs from HH transcripts or {"prompt","chosen","rejected"} lines (Eq. 1–2 data)."""
+    return _load(path, _parse_pair, skip_bad, report)
+
+
+def _parse_prompt(obj: dict, path, line_no: int) -> tuple[str, str]:
+    if "chosen" in obj or "rejected" in obj:  # a pair file also gives prompts
+        prompt = _parse_pair(obj, path, line_no).prompt
+    else:
+        prompt = _get_str(obj, "prompt", path, line_no, nonempty=True, reason="empty_prompt")
+    return prompt, f"{path}:{line_no}"
+
+
+def load_prompts(path, skip_bad: bool = False, report: DataReport | None = None,
+                 with_source: bool = False) -> list[str] | list[tuple[str, str]]:
+    """PPO prompts from {"prompt"} lines (or the prompts of a pair file); (prompt, source) if with_source."""
+    items = _load(path, _parse_prompt, skip_bad, report)
+    return items if with_source else [p for p, _ in items]
+
+
+def _parse_text(obj: dict, path, line_no: int) -> tuple[str, str, str]:
+    src = f"{path}:{line_no}"
+    if "text" in obj:
+        return "", _get_str(obj, "text", path, line_no, nonempty=True, reason="empty_response"), src
+    if "chosen" in obj or "rejected" in obj:  # SFT on the chosen responses of a pair file
+        pair = _parse_pair(obj, path, line_no)
+        return pair.prompt, pair.chosen, src
+    if "prompt" not in obj and "response" not in obj:
+        have = ", ".join(repr(k) for k in obj) or "none"
+        raise DataError(path, line_no, "text", "missing_field",
+                        f'missing: expected {{"text"}} or {{"prompt", "response"}} (fields present: {have})')
+    prompt = _get_str(obj, "prompt", path, line_no)
+    return prompt, _get_str(obj, "response", path, line_no, nonempty=True, reason="empty_response"), src
+
+
+def load_texts(path, skip_bad: bool = False, report: DataReport | None = None,
+               with_source: bool = False) -> list[tuple[str, str]] | list[tuple[str, str, str]]:
+    """(prompt, response) for SFT / ptx: {"text"} gives prompt "", {"prompt","response"} as is,
+    pair lines give (prompt, chosen); (prompt, response, source) if with_source."""
+    items = _load(path, _parse_text, skip_bad, report)
+    return items if with_source else [(p, r) for p, r, _ in items]
+
+
+def train_heldout_split(items: list, heldout_frac: float = 0.1, seed: int = 0) -> tuple[list, list]:
+    """A seeded shuffle cut into (train, held-out); at least one held-out item when there are ≥ 2."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    n_held = max(1, round(heldout_frac * len(items))) if len(items) >= 2 else 0
+    held = sorted(order[:n_held])
+    train = sorted(order[n_held:])
+    return [items[i] for i in train], [items[i] for i in held]
+
+
+def hh_to_messages(prompt: str) -> list[dict]:
+    """An HH prompt as chat messages [{"role": "user"|"assistant", "content"}] for a real model's
+    chat template; the final empty "Assistant:" turn is left for add_generation_prompt."""
+    messages = []
+    for chunk in prompt.split(HUMAN)[1:]:
+        parts = chunk.split(ASSISTANT)
+        messages.append({"role": "user", "content": parts[0].strip()})
+        messages += [{"role": "assistant", "content": p.strip()} for p in parts[1:] if p.strip()]
+    return messages
+
+
+# ----------------------------------------------------------------------------------------------
+# Token ids with truncation
+# ----------------------------------------------------------------------------------------------
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: int | None = None,
+                  source: str = "", report: DataReport | None = None) -> list[int]:
+    """Prompt ids (P ≤ max_prompt_tokens), keeping the latest turns.
+
+    1. fits → as is;  2. drop whole earliest "\\n\\nHuman:" turns until it fits;  3. the last turn
+    alone too long → keep its last max_prompt_tokens tokens. Steps 2–3 count report.truncated.
+    If the last turn + one response token cannot fit context_len → DataError prompt_too_long.
+    """
+    ids = _ids(tokenizer, prompt)  # (P,)
+    if len(ids) <= max_prompt_tokens:
+        return ids
+    starts = []  # character offsets of the "\n\nHuman:" turns that can start a shorter prompt
+    i = prompt.find(HUMAN, 1)
+    while i > 0:
+        starts.append(i)
+        i = prompt.find(HUMAN, i + 1)
+    last_turn = prompt[starts[-1]:] if starts else prompt
+    last_ids = _ids(tokenizer, last_turn) if starts else ids
+    if context_len is not None and len(last_ids) + 1 > context_len:
+        path, line = _split_source(source)
+        raise DataError(path, line, "prompt", "prompt_too_long",
+                        f"prompt has {len(ids)} tokens and its last turn alone {len(last_ids)}, longer than the "
+                        f"model's context of {context_len} tokens minus 1 response token, even after truncation")
+    if report is not None:
+        report.truncated += 1
+    for s in starts:  # earliest cut first: keep as many of the latest turns as fit
+        kept = _ids(tokenizer, prompt[s:])
+        if len(kept) <= max_prompt_tokens:
+            return kept
+    return last_ids[-max_prompt_tokens:]  # left cut at token level, keeping the end
+
+
+def _encode_response(text: str, tokenizer, max_response_tokens: int) -> list[int] | None:
+    ids = _ids(tokenizer, text) + [tokenizer.eos_token_id]  # (T,)  EOS ends every response
+    return ids if len(ids) <= max_response_tokens else None
+
+
+def encode_pair(pair: PreferencePair, tokenizer, max_prompt_tokens: int, max_response_tokens: int,
+                context_len: int | None = None, report: DataReport | None = None) -> dict | None:
+    """{"prompt_ids", "chosen_ids", "rejected_ids", "source"}, or None when a response (EOS included)
+    is longer than max_response_tokens: dropped and counted, never cut.
+    context_len defaults to max_prompt_tokens + max_response_tokens."""
+    context_len = context_len if context_len is not None else max_prompt_tokens + max_response_tokens
+    chosen_ids = _encode_response(pair.chosen, tokenizer, max_response_tokens)  # (T_w,)
+    rejected_ids = _encode_response(pair.rejected, tokenizer, max_response_tokens)  # (T_l,)
+    if chosen_ids is None or rejected_ids is None:
+        if report is not None:
+            report.drop("response_too_long", pair.source)
+        return None
+    prompt_ids = encode_prompt(pair.prompt, tokenizer, max_prompt_tokens, context_len, pair.source, report)  # (P,)
+    return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "source": pair.source}
+
+
+def encode_text(prompt: str, response: str, tokenizer, max_prompt_tokens: int, max_response_tokens: int,
+                context_len: int | None = None, source: str = "", report: DataReport | None = None) -> dict | None:
+    """{"prompt_ids", "response_ids", "source"} for SFT / ptx, same rules as encode_pair."""
+    context_len = context_len if context_len is not None else max_prompt_tokens + max_response_tokens
+    response_ids = _encode_response(response, tokenizer, max_response_tokens)  # (T,)
+    if response_ids is None:
+        if report is not None:
+            report.drop("response_too_long", source)
+        return None
+    prompt_ids = encode_prompt(prompt, tokenizer, max_prompt_tokens, context_len, source, report) if prompt else []
+    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "source": source}
+
+
+def encode_pairs(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
+                 context_len: int | None = None, skip_bad: bool = False,
+                 report: DataReport | None = None) -> list[dict]:
+    """encode_pair over a list: dropped pairs left out; prompt_too_long raised, or skipped with skip_bad."""
+    out = []
+    for pair in pairs:
+        try:
+            enc = encode_pair(pair, tokenizer, max_prompt_tokens, max_response_tokens, context_len, report)
+        except DataError as err:
+            if not skip_bad:
+                raise
+            if report is not None:
+                report.skip(err)
+            continue
+        if enc is not None:
+            out.append(enc)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------
+def train_bpe_tokenizer(texts, out_dir, vocab_size: int = 2000, min_frequency: int = 2):
+    """Train a byte-level BPE on the training split's texts and save it as a Hugging Face tokenizer
+    directory (AutoTokenizer.from_pretrained(out_dir)). Specials: <pad>=0, <s>=1, </s>=2, <unk>=3.
+    Deterministic for the same texts in the same order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # every byte has a token: no <unk> in practice
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def load_tokenizer(path):
+    """AutoTokenizer.from_pretrained(path); DataError (no_tokenizer) if missing, without EOS, or unreadable.
+    A tokenizer without a pad token gets pad = EOS."""
+    p = Path(path)
+    if not p.is_dir():
+        raise DataError(path, None, None, "no_tokenizer", "no such model/tokenizer directory")
+    if not any((p / name).exists() for name in TOKENIZER_FILES):
+        raise DataError(path, None, None, "no_tokenizer",
+                        f"directory has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(path, None, None, "no_tokenizer", f"cannot load the tokenizer ({first})") from None
+    if tok.eos_token_id is None:
+        raise DataError(path, None, None, "no_tokenizer", "tokenizer has no EOS token (responses must end with one)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines
+# ----------------------------------------------------------------------------------------------
+def cli_guard(fn: Callable) -> Callable:
+    """Wrap a CLI entry point: DataError / FileNotFoundError → one line `error: …` on stderr, exit 2."""
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+        except FileNotFoundError as e:
+            print(f"error: {e.filename or ''}: {e.strerror or e}".replace("\n", " "), file=sys.stderr)
+        raise SystemExit(2)
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    return wrapped
+
+
+def _kind(path) -> str:
+    for _, obj in read_jsonl(path, skip_bad=True):
+        if "chosen" in obj or "rejected" in obj:
+            return "pairs"
+        return "texts" if "text" in obj or "response" in obj else "prompts"
+    return "pairs"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Validate a data file: counts, mean lengths in characters, and lines skipped by reason."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("file", help=".jsonl or .jsonl.gz")
+    ap.add_argument("--kind", choices=["auto", "pairs", "prompts", "texts"], default="auto")
+    ap.add_argument("--skip-bad", action="store_true", help="skip bad lines and count them by reason")
+    args = ap.parse_args(argv)
+    kind = _kind(args.file) if args.kind == "auto" else args.kind
+    report = DataReport()
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    if kind == "pairs":
+        pairs = load_pairs(args.file, args.skip_bad, report)
+        print(f"{len(pairs)} pairs; mean chars: prompt {mean([len(p.prompt) for p in pairs]):.1f}, "
+              f"chosen {mean([len(p.chosen) for p in pairs]):.1f}, rejected {mean([len(p.rejected) for p in pairs]):.1f}; "
+              f"mean turns {mean([p.prompt.count(HUMAN) for p in pairs]):.2f}")
+    elif kind == "prompts":
+        prompts = load_prompts(args.file, args.skip_bad, report)
+        print(f"{len(prompts)} prompts; mean chars {mean([len(p) for p in prompts]):.1f}")
+    else:
+        texts = load_texts(args.file, args.skip_bad, report)
+        print(f"{len(texts)} texts; mean chars: prompt {mean([len(p) for p, _ in texts]):.1f}, "
+              f"response {mean([len(r) for _, r in texts]):.1f}")
+    print(report.summary())
+
+
+if __name__ == "__main__":
+    cli_guard(main)()
+    # $ python data.py ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
+    # 1794 pairs; mean chars: prompt 480.5, chosen 170.0, rejected 211.2; mean turns 2.48
+    # kept 1794; skipped 6: empty_response 4 (first at ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87),
+    #   prompt_mismatch 2 (first at ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz:1255); truncated 0 prompts; dropped 0
+    # (the 4 empty ones: a chosen response of a single space; the 2 mismatches: a chosen response holding a
+    #  second "\n\nAssistant:" turn, so its last marker is not the rejected one's.) Without --skip-bad: exit 2,
+    # error: ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87: field 'chosen': expected a non-empty response, got " "

@@ -1,0 +1,353 @@
+"""Tests for data.py: every bad input is one clear error (file, line, field), --skip-bad counts by reason,
+HH transcripts split by hand, truncation keeps the latest turns, responses are never cut, BPE round-trip.
+
+Test files are written here into tmp_path with neutral made-up text; the real HH sample is only counted.
+"""
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import data
+from data import DataError, DataReport, PreferencePair
+
+ROOT = Path(__file__).resolve().parents[1]
+HH_SAMPLE = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
+H, A = "\n\nHuman:", "\n\nAssistant:"
+
+
+def write(path: Path, lines) -> Path:
+    """Write lines (dicts → JSON, str → as is, bytes → raw) one per line."""
+    with open(path, "wb") as f:
+        for x in lines:
+            raw = x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode("utf-8")
+            f.write(raw + b"\n")
+    return path
+
+
+def hh(prompt_turns: str, chosen: str, rejected: str) -> dict:
+    return {"chosen": prompt_turns + chosen, "rejected": prompt_turns + rejected}
+
+
+GOOD = hh(f"{H} What is two plus two?{A}", " Four.", " Five.")
+
+
+def expect_error(path, reason, line, field=None, fn=data.load_pairs) -> DataError:
+    with pytest.raises(DataError) as info:
+        fn(path)
+    err = info.value
+    msg = str(err)
+    assert err.reason == reason and err.line == line and err.field == field, msg
+    where = f"{path}:{line}:" if line is not None else f"{path}:"
+    assert msg.startswith(where), msg  # names the file and the line
+    if field is not None:
+        assert f"field '{field}'" in msg, msg  # names the field
+    assert "\n" not in msg
+    return err
+
+
+# ------------------------------------------------------------------------- one test per bad input
+def test_read_jsonl_file_not_found(tmp_path):
+    err = expect_error(tmp_path / "nope.jsonl", "not_found", None)
+    assert "no such file" in str(err)
+
+
+def test_read_jsonl_empty_file(tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n  \n\n")
+    assert "empty" in str(expect_error(p, "empty_file", None))
+
+
+def test_read_jsonl_not_json_names_line(tmp_path):
+    p = write(tmp_path / "d.jsonl", [GOOD, "", '{"chosen": "x", '])  # line 2 blank: numbers are physical lines
+    assert "not JSON" in str(expect_error(p, "not_json", 3))
+
+
+def test_read_jsonl_not_object(tmp_path):
+    p = write(tmp_path / "d.jsonl", [GOOD, ["a", "b"]])
+    assert "got a list" in str(expect_error(p, "not_object", 2))
+
+
+def test_load_pairs_missing_field(tmp_path):
+    p = write(tmp_path / "d.jsonl", [GOOD, {"chosen": GOOD["chosen"]}])
+    assert "missing" in str(expect_error(p, "missing_field", 2, "rejected"))
+
+
+def test_load_pairs_non_string_field(tmp_path):
+    p = write(tmp_path / "d.jsonl", [{"prompt": "Q?", "chosen": 3, "rejected": "b"}])
+    assert "expected a string, got a number 3" in str(expect_error(p, "not_string", 1, "chosen"))
+
+
+def test_load_pairs_empty_chosen(tmp_path):
+    p = write(tmp_path / "d.jsonl", [GOOD, {"prompt": "Q?", "chosen": "", "rejected": "b"}])
+    err = expect_error(p, "empty_response", 2, "chosen")
+    assert str(err) == f"{p}:2: field 'chosen': expected a non-empty response, got \"\""
+
+
+def test_load_pairs_empty_rejected_hh(tmp_path):
+    p = write(tmp_path / "d.jsonl", [hh(f"{H} Hi?{A}", " Hello.", "  ")])
+    assert 'got "  "' in str(expect_error(p, "empty_response", 1, "rejected"))
+
+
+def test_load_pairs_identical(tmp_path):
+    p = write(tmp_path / "d.jsonl", [GOOD, GOOD, hh(f"{H} Hi?{A}", " Same.", " Same. ")])
+    assert "identical" in str(expect_error(p, "identical", 3, "rejected"))
+
+
+def test_load_pairs_no_assistant_marker(tmp_path):
+    p = write(tmp_path / "d.jsonl", [{"chosen": f"{H} Hi? Hello.", "rejected": f"{H} Hi?{A} Hey."}])
+    assert '"\\n\\nAssistant:"' in str(expect_error(p, "no_assistant_marker", 1, "chosen"))
+
+
+def test_load_pairs_prompt_mismatch(tmp_path):
+    bad = {"chosen": f"{H} Hi?{A} Hello.", "rejected": f"{H} Bye?{A} Ciao."}
+    p = write(tmp_path / "d.jsonl", [GOOD, bad])
+    err = expect_error(p, "prompt_mismatch", 2)
+    assert "different prompts" in str(err) and "character 10" in str(err)  # 1-based: "\n\nHuman: " is 9 characters
+
+
+def test_read_jsonl_not_utf8(tmp_path):
+    p = write(tmp_path / "d.jsonl", [GOOD, b'{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}'])
+    assert "not UTF-8 at byte 16" in str(expect_error(p, "not_utf8", 2))
+
+
+def test_encode_pair_prompt_too_long_even_after_truncation(tmp_path):
+    long_last = f"{H} " + "x" * 50 + A  # one turn of 63 characters = 63 tokens
+    p = write(tmp_path / "d.jsonl", [{"prompt": f"{H} a{A} b" + long_last, "chosen": " c", "rejected": " d"}])
+    pair = data.load_pairs(p)[0]
+    with pytest.raises(DataError) as info:
+        data.encode_pair(pair, CharTok(), max_prompt_tokens=16, max_response_tokens=8, context_len=40)
+    err = info.value
+    assert err.reason == "prompt_too_long" and err.line == 1 and err.field == "prompt"
+    assert str(err).startswith(f"{p}:1: field 'prompt':") and "context of 40" in str(err)
+    # skip_bad counts it instead of raising
+    report = DataReport()
+    assert data.encode_pairs([pair], CharTok(), 16, 8, context_len=40, skip_bad=True, report=report) == []
+    assert report.skipped == {"prompt_too_long": 1} and report.first["prompt_too_long"] == f"{p}:1"
+
+
+def test_read_jsonl_bad_gzip(tmp_path):
+    p = tmp_path / "d.jsonl.gz"
+    p.write_bytes(b"not gzip at all\n")
+    expect_error(p, "bad_gzip", None)
+
+
+# ------------------------------------------------------------------------- skip_bad
+def test_load_pairs_skip_bad_counts_by_reason(tmp_path):
+    lines = [
+        GOOD,                                                   # 1 kept
+        "not json",                                             # 2 not_json
+        [1],                                                    # 3 not_object
+        {"chosen": "x"},                                        # 4 missing_field
+        {"prompt": "Q", "chosen": "", "rejected": "b"},         # 5 empty_response
+        {"prompt": "Q", "chosen": "b", "rejected": "b"},        # 6 identical
+        {"prompt": "Q", "chosen": "a", "rejected": "b"},        # 7 kept
+        b'{"prompt": "\xff"}',                                  # 8 not_utf8
+        {"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"},   # 9 prompt_mismatch
+        "",                                                     # 10 blank, not counted
+        {"prompt": "Q", "chosen": "a", "rejected": "c"},        # 11 kept
+    ]
+    p = write(tmp_path / "d.jsonl", lines)
+    report = DataReport()
+    pairs = data.load_pairs(p, skip_bad=True, report=report)
+    assert [x.source for x in pairs] == [f"{p}:1", f"{p}:7", f"{p}:11"]
+    assert report.kept == 3
+    assert report.skipped == {"not_json": 1, "not_object": 1, "missing_field": 1, "empty_response": 1,
+                              "identical": 1, "not_utf8": 1, "prompt_mismatch": 1}
+    assert report.first["not_utf8"] == f"{p}:8"
+    s = report.summary()
+    assert "kept 3" in s and "skipped 7" in s and "identical 1" in s
+    assert json.loads(json.dumps(report.to_dict()))["skipped"]["not_json"] == 1  # saveable
+
+
+def test_load_pairs_skip_bad_all_bad_is_an_error(tmp_path):
+    p = write(tmp_path / "d.jsonl", ["nope", "nope"])
+    with pytest.raises(DataError) as info:
+        data.load_pairs(p, skip_bad=True)
+    assert info.value.reason == "all_skipped" and "no usable lines" in str(info.value)
+
+
+# ------------------------------------------------------------------------- HH split
+def test_split_hh_transcript_single_turn():
+    prompt, c, r = data.split_hh_transcript(f"{H} Hi?{A} Hello there.", f"{H} Hi?{A} Go away.")
+    assert prompt == "\n\nHuman: Hi?\n\nAssistant:"
+    assert (c, r) == (" Hello there.", " Go away.")  # leading space kept: prompt + response == transcript
+
+
+def test_split_hh_transcript_multi_turn_keeps_role_markers():
+    turns = f"{H} Name a color.{A} Blue.{H} Another?{A}"
+    prompt, c, r = data.split_hh_transcript(turns + " Red.", turns + " Green, or red.")
+    assert prompt == "\n\nHuman: Name a color.\n\nAssistant: Blue.\n\nHuman: Another?\n\nAssistant:"
+    assert (c, r) == (" Red.", " Green, or red.")
+    assert data.hh_to_messages(prompt) == [{"role": "user", "content": "Name a color."},
+                                           {"role": "assistant", "content": "Blue."},
+                                           {"role": "user", "content": "Another?"}]
+
+
+def test_load_pairs_both_formats_and_gz(tmp_path):
+    lines = [GOOD, {"prompt": "Q?", "chosen": " yes", "rejected": " no", "extra": 1}]
+    p = tmp_path / "d.jsonl.gz"
+    with gzip.open(p, "wb") as f:
+        f.write(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+    pairs = data.load_pairs(p)
+    assert pairs == [PreferencePair(f"{H} What is two plus two?{A}", " Four.", " Five.", f"{p}:1"),
+                     PreferencePair("Q?", " yes", " no", f"{p}:2")]
+
+
+def test_load_prompts_and_texts_formats(tmp_path):
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "Tell me a joke."}, GOOD])
+    assert data.load_prompts(prompts) == ["Tell me a joke.", f"{H} What is two plus two?{A}"]
+    assert data.load_prompts(prompts, with_source=True)[0] == ("Tell me a joke.", f"{prompts}:1")
+    expect_error(write(tmp_path / "e.jsonl", [{"prompt": " "}]), "empty_prompt", 1, "prompt", data.load_prompts)
+    texts = write(tmp_path / "t.jsonl", [{"text": "Plain text."}, {"prompt": "Q?", "response": " A."}, GOOD])
+    assert data.load_texts(texts) == [("", "Plain text."), ("Q?", " A."), (f"{H} What is two plus two?{A}", " Four.")]
+    expect_error(write(tmp_path / "m.jsonl", [{"prompt": "Q?"}]), "missing_field", 1, "response", data.load_texts)
+    expect_error(write(tmp_path / "n.jsonl", [{"body": "x"}]), "missing_field", 1, "text", data.load_texts)
+
+
+@pytest.mark.skipif(not HH_SAMPLE.exists(), reason="shared HH-RLHF sample not present")
+def test_load_pairs_real_hh_sample():
+    with pytest.raises(DataError) as info:  # strict: stops at the first bad line
+        data.load_pairs(HH_SAMPLE)
+    assert (info.value.reason, info.value.line) == ("empty_response", 87)
+    report = DataReport()
+    pairs = data.load_pairs(HH_SAMPLE, skip_bad=True, report=report)
+    # 1800 lines: 4 chosen responses are a single space, 2 chosen responses carry a second "\n\nAssistant:" turn
+    assert len(pairs) == report.kept == 1794
+    assert report.skipped == {"empty_response": 4, "prompt_mismatch": 2}
+    with gzip.open(HH_SAMPLE, "rt", encoding="utf-8") as f:  # independent check: prompt + response == transcript
+        raw = [json.loads(x) for x in f]
+    for pair in pairs[:200]:
+        line = int(pair.source.rsplit(":", 1)[1])
+        assert pair.prompt + pair.chosen == raw[line - 1]["chosen"]
+        assert pair.prompt + pair.rejected == raw[line - 1]["rejected"]
+        assert pair.prompt.startswith(H) and pair.prompt.endswith(A)
+
+
+# ------------------------------------------------------------------------- truncation (one token per character)
+class CharTok:
+    """One token per character (id = code point + 10), EOS id 2: token counts are len(text)."""
+
+    eos_token_id = 2
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(ch) + 10 for ch in text]
+
+    def decode(self, ids):
+        return "".join(chr(i - 10) for i in ids if i >= 10)
+
+
+def test_encode_prompt_fits_untouched():
+    report = DataReport()
+    prompt = f"{H} a{A} b{H} c{A}"
+    assert CharTok().decode(data.encode_prompt(prompt, CharTok(), len(prompt), report=report)) == prompt
+    assert report.truncated == 0
+
+
+def test_encode_prompt_truncation_keeps_latest_turns_and_counts():
+    t1, t2, t3 = f"{H} first{A} one.", f"{H} second{A} two.", f"{H} third{A}"
+    prompt = t1 + t2 + t3
+    report = DataReport()
+    ids = data.encode_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3), report=report)
+    assert CharTok().decode(ids) == t2 + t3  # earliest whole turn dropped
+    ids = data.encode_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3) - 1, report=report)
+    assert CharTok().decode(ids) == t3  # only the last turn fits
+    ids = data.encode_prompt(prompt, CharTok(), max_prompt_tokens=10, report=report)
+    assert CharTok().decode(ids) == t3[-10:] and len(ids) == 10  # then cut from the left, keeping the end
+    assert report.truncated == 3
+
+
+def test_encode_pair_truncated_prompt_and_eos(tmp_path):
+    prompt = f"{H} long old turn{A} ok.{H} new?{A}"
+    pair = PreferencePair(prompt, " yes", " no", "f.jsonl:4")
+    report = DataReport()
+    enc = data.encode_pair(pair, CharTok(), max_prompt_tokens=len(f"{H} new?{A}"), max_response_tokens=5, report=report)
+    assert CharTok().decode(enc["prompt_ids"]) == f"{H} new?{A}"
+    assert enc["chosen_ids"] == CharTok().encode(" yes") + [2] and enc["rejected_ids"] == CharTok().encode(" no") + [2]
+    assert enc["source"] == "f.jsonl:4" and report.truncated == 1
+
+
+def test_encode_pair_response_never_cut_dropped_and_counted():
+    pairs = [PreferencePair("Q?", " short", " tiny", "f:1"),
+             PreferencePair("Q?", " this one is far too long", " no", "f:2"),
+             PreferencePair("Q?", " ok", " this rejected one too, far too long", "f:3")]
+    report = DataReport()
+    out = data.encode_pairs(pairs, CharTok(), max_prompt_tokens=8, max_response_tokens=7, report=report)
+    assert [e["source"] for e in out] == ["f:1"]
+    assert out[0]["chosen_ids"] == CharTok().encode(" short") + [2]  # 6 + EOS = 7: fits exactly, intact
+    assert report.dropped == {"response_too_long": 2} and report.first["response_too_long"] == "f:2"
+    assert data.encode_text("", " far too long", CharTok(), 8, 7, report=report) is None
+    assert report.dropped["response_too_long"] == 3
+
+
+# ------------------------------------------------------------------------- tokenizers
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    words = "the cat sat on a mat while dog ran far away from home and back again".split()
+    texts = [" ".join(words[(i * 7 + k * 3) % len(words)] for k in range(6)) for i in range(300)]
+    out = tmp_path_factory.mktemp("bpe")
+    data.train_bpe_tokenizer(texts, out / "a", vocab_size=300)
+    data.train_bpe_tokenizer(texts, out / "b", vocab_size=300)
+    return out
+
+
+def test_train_bpe_tokenizer_roundtrip_and_special_ids(bpe_dir):
+    tok = data.load_tokenizer(bpe_dir / "a")  # goes through AutoTokenizer.from_pretrained
+    assert len(tok) == 300
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
+    text = "the cat sat on a mat\n\nHuman: unseen wörds, 42!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text  # byte-level: even unseen characters round-trip
+    assert len(tok.encode("the cat sat on a mat", add_special_tokens=False)) < len("the cat sat on a mat")  # merges learned
+    enc = data.encode_pair(PreferencePair("the cat", " sat", " ran", "x:1"), tok, 16, 16)
+    assert enc["chosen_ids"][-1] == tok.eos_token_id and tok.decode(enc["chosen_ids"][:-1]) == " sat"
+
+
+def test_train_bpe_tokenizer_deterministic(bpe_dir):
+    assert (bpe_dir / "a" / "tokenizer.json").read_bytes() == (bpe_dir / "b" / "tokenizer.json").read_bytes()
+
+
+def test_load_tokenizer_missing_dir_or_files(tmp_path):
+    with pytest.raises(DataError) as info:
+        data.load_tokenizer(tmp_path / "no_model")
+    assert info.value.reason == "no_tokenizer" and str(info.value).startswith(str(tmp_path / "no_model"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(DataError) as info:
+        data.load_tokenizer(tmp_path / "model")
+    assert info.value.reason == "no_tokenizer" and "no tokenizer files" in str(info.value)
+
+
+# ------------------------------------------------------------------------- command line
+def test_cli_guard_one_line_exit_2(capsys):
+    def bad():
+        raise DataError("d.jsonl", 7, "chosen", "empty_response", 'expected a non-empty string, got ""')
+
+    with pytest.raises(SystemExit) as info:
+        data.cli_guard(bad)()
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "error: d.jsonl:7: field 'chosen': expected a non-empty string, got \"\"\n"
+
+    def missing_model():
+        open("/nonexistent/model/config.json")
+
+    with pytest.raises(SystemExit) as info:
+        data.cli_guard(missing_model)()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "/nonexistent/model/config.json" in err
+
+
+def test_cli_bad_file_exits_2_one_line_no_traceback(tmp_path):
+    p = write(tmp_path / "bad.jsonl", [GOOD, '{"prompt": "Q", "chosen": "a", "rejected": "a"}'])
+    run = subprocess.run([sys.executable, str(ROOT / "data.py"), str(p)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert run.stderr.splitlines() == [f"error: {p}:2: field 'rejected': chosen and rejected responses are "
+                                       "identical, so the pair carries no preference"]
+    ok = subprocess.run([sys.executable, str(ROOT / "data.py"), str(p), "--skip-bad"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "1 pairs" in ok.stdout and "identical 1" in ok.stdout
