@@ -1,0 +1,253 @@
+"""Tests of scale.py: parameter counts against real transformers models, the memory plan against hand
+arithmetic, model resolution without network, and the DeepSpeed config against ds_config_zero2.json."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+import scale
+from scale import GiB, ModelNotFound
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The small config of the hand arithmetic: h=64, i=128, ℓ=2, a=4, k=2 (GQA), d=16, V=100, untied.
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, tie_word_embeddings=False)
+# By hand: embedding 100·64 = 6400; one layer: q 64·64 + k 64·32 + v 64·32 + o 64·64 = 12288,
+# MLP 3·64·128 = 24576, norms 2·64 = 128 → 36992; two layers 73984; final norm 64; lm_head 6400.
+N_POL = 6400 + 73984 + 64 + 6400  # 86848
+N_RM = 6400 + 73984 + 64 + 64     # 80512: score head h → 1 instead of the lm_head
+LAYER = 36992
+
+
+def _n(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- param count
+@pytest.mark.parametrize("over", [
+    {},                                                                   # untied, GQA 4/2
+    {"tie_word_embeddings": True, "num_key_value_heads": 4},              # tied, MHA
+    {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1, "intermediate_size": 200,
+     "num_hidden_layers": 3, "vocab_size": 77},                           # MQA, odd sizes
+])
+def test_param_count_matches_transformers(over):
+    config = LlamaConfig(**{**SMALL, **over})
+    assert scale.llama_param_count(config) == _n(LlamaForCausalLM(config))
+    config.num_labels = 1
+    assert scale.llama_param_count(config, value_head=True) == _n(LlamaForSequenceClassification(config))
+
+
+def test_param_count_small_by_hand():
+    assert scale.llama_param_count(SMALL) == N_POL == 86848
+    assert scale.llama_param_count(SMALL, value_head=True) == N_RM == 80512
+
+
+@pytest.mark.parametrize("alias", ["llama-7b", "llama-13b"])
+def test_param_count_aliases_match_meta_models(alias):
+    with torch.device("meta"):  # shapes only, no memory
+        model = LlamaForCausalLM(LlamaConfig(**scale.LLAMA_CONFIGS[alias]))
+    assert scale.llama_param_count(alias) == _n(model)
+    assert scale.llama_param_count(alias) == {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320}[alias]
+
+
+# ----------------------------------------------------------------------------------------------- config numbers
+def test_config_numbers_from_directory_without_weights(tmp_path):
+    LlamaConfig(**SMALL).save_pretrained(tmp_path)  # writes config.json only
+    numbers = scale.llama_config_numbers(tmp_path)
+    assert {k: numbers[k] for k in SMALL} == SMALL
+    assert numbers["head_dim"] == 16
+    assert scale.llama_config_numbers(str(tmp_path / "config.json")) == numbers
+
+
+def test_config_numbers_defaults_and_errors(tmp_path):
+    raw = {k: v for k, v in SMALL.items() if k not in ("num_key_value_heads", "tie_word_embeddings")}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    numbers = scale.llama_config_numbers(tmp_path)
+    assert numbers["num_key_value_heads"] == 4 and numbers["tie_word_embeddings"] is False
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ValueError, match=r"config\.json: missing field.*intermediate_size"):
+        scale.llama_config_numbers(tmp_path)
+    with pytest.raises(ValueError, match="tiny"):
+        scale.llama_config_numbers("tiny")
+
+
+# ----------------------------------------------------------------------------------------------- memory plan
+SMALL_RUN = dict(micro_batch=2, rollout_batch_per_gpu=6, generate_batch_per_gpu=3, prompt_len=16,
+                 response_len=16, overhead_gb=0.0, gpu_mem_gb=1.0)  # L = 32
+
+
+def _ws():
+    return 34 * 32 * 2 * 64  # one layer's working set 34·L·b·h = 139264 (bf16, flash attention)
+
+
+def test_plan_memory_zero0_one_gpu_by_hand():
+    p = scale.plan_memory(SMALL, num_gpus=1, zero_stage=0, **SMALL_RUN)
+    act = 2 * 2 * 32 * 64 * 2 + _ws()            # ℓ·b·L·h·β + working set = 16384 + 139264 = 155648
+    logits = 2 * 32 * 100 * 4                    # b·L·V·4 = 25600
+    kv = 2 * 2 * 3 * 32 * 2 * 16 * 2             # 2·ℓ·g·L·k·d·β = 24576
+    expect = {
+        ("policy", "weights"): 173696, ("policy", "gradients"): 173696, ("policy", "optimizer"): 12 * 86848,
+        ("policy", "activations"): act, ("policy", "logits"): logits, ("policy", "kv_cache"): kv,
+        ("critic", "weights"): 161024, ("critic", "gradients"): 161024, ("critic", "optimizer"): 12 * 80512,
+        ("critic", "activations"): act,
+        ("reference", "weights"): 173696, ("reference", "activations"): _ws(), ("reference", "logits"): logits,
+        ("reward", "weights"): 161024, ("reward", "activations"): _ws(),
+    }
+    assert {(r.model, r.component): r.bytes for r in p.rows} == expect
+    resident = 173696 * 3 + 12 * 86848 + 161024 * 3 + 12 * 80512  # = 3012480
+    assert p.resident_bytes == resident == 3012480
+    assert p.phase_bytes == {"generate": kv, "policy train": act + logits, "critic train": act,
+                             "reference fwd": _ws() + logits, "reward fwd": _ws()}
+    assert p.peak_phase == "policy train"
+    assert p.total_bytes == resident + act + logits == 3193728
+    assert p.fits and p.suggestions == [] and p.cpu_bytes == 0
+
+
+def test_plan_memory_zero2_two_gpus_by_hand():
+    p = scale.plan_memory(SMALL, num_gpus=2, zero_stage=2, **SMALL_RUN)
+    assert p.get("policy", "weights") == 2 * 86848          # replicated
+    assert p.get("policy", "gradients") == 2 * 86848 // 2   # sharded
+    assert p.get("policy", "optimizer") == 12 * 86848 // 2  # sharded
+    assert p.get("critic", "gradients") == 80512 and p.get("critic", "optimizer") == 6 * 80512
+    assert p.get("reference", "weights") == 173696 and p.get("reward", "weights") == 161024
+    assert p.resident_bytes == 173696 * 2 + 86848 + 6 * 86848 + 161024 * 2 + 80512 + 6 * 80512
+    zero1 = scale.plan_memory(SMALL, num_gpus=2, zero_stage=1, **SMALL_RUN)
+    assert zero1.get("policy", "gradients") == 173696 and zero1.get("policy", "optimizer") == 6 * 86848
+
+
+def test_plan_memory_zero3_two_gpus_by_hand():
+    p = scale.plan_memory(SMALL, num_gpus=2, zero_stage=3, **SMALL_RUN)
+    for model, n in (("policy", 86848), ("critic", 80512), ("reference", 86848), ("reward", 80512)):
+        assert p.get(model, "weights") == 2 * n // 2
+        assert p.get(model, "gathered") == 2 * 2 * LAYER     # 2 blocks · β · max(layer 36992, V·h 6400)
+    assert p.get("policy", "gradients") == 86848 and p.get("policy", "optimizer") == 6 * 86848
+    act, logits, kv, gathered = 155648, 25600, 24576, 4 * LAYER
+    assert p.phase_bytes["generate"] == kv + gathered
+    assert p.phase_bytes["policy train"] == act + logits + gathered
+    assert p.phase_bytes["reference fwd"] == _ws() + logits + gathered
+    assert p.resident_bytes == 86848 + 86848 + 6 * 86848 + 80512 + 80512 + 6 * 80512 + 86848 + 80512
+    assert p.total_bytes == p.resident_bytes + act + logits + gathered
+
+
+def test_plan_memory_offload_fp32_no_ckpt_no_flash_by_hand():
+    p = scale.plan_memory(SMALL, num_gpus=2, zero_stage=2, offload_optimizer=True, ref_reward_offload=True,
+                          **SMALL_RUN)
+    assert p.get("policy", "optimizer") == 0 and p.get("policy", "optimizer", "cpu") == 6 * 86848
+    assert p.get("reference", "weights") == 0 and p.get("reference", "weights", "cpu") == 86848
+    assert p.get("reward", "gathered") == 4 * LAYER and p.get("policy", "gathered") == 0
+    assert p.cpu_bytes == 6 * 86848 + 6 * 80512 + 86848 + 80512
+    q = scale.plan_memory(SMALL, num_gpus=1, zero_stage=0, dtype_bytes=4, grad_ckpt=False,
+                          flash_attention=False, **SMALL_RUN)
+    ws = (34 * 32 * 2 * 64 + 5 * 4 * 32 * 32 * 2) * 4 // 2  # Korthikanti: 34·s·b·h + 5·a·s²·b, ×β/2
+    assert q.get("policy", "activations") == 2 * ws                             # ℓ × working set
+    assert q.get("policy", "weights") == 4 * 86848 and q.get("policy", "optimizer") == 8 * 86848  # fp32: m + v
+    assert q.get("policy", "kv_cache") == 2 * 2 * 3 * 32 * 2 * 16 * 4
+
+
+def test_plan_memory_suggestions_are_recomputed():
+    run = dict(SMALL_RUN, num_gpus=2, zero_stage=0)
+    run["gpu_mem_gb"] = (scale.plan_memory(SMALL, **run).total_bytes - 1) / GiB  # one byte short
+    p = scale.plan_memory(SMALL, **run)
+    assert not p.fits and p.suggestions
+    for s in p.suggestions:
+        again = scale.plan_memory(SMALL, **{**run, **s.overrides})
+        assert again.total_bytes == s.total_bytes and s.saves_bytes == p.total_bytes - s.total_bytes > 0
+        assert s.fits == again.fits
+
+
+def test_plan_memory_llama7b_paper_preset_fits_on_8x80():
+    p = scale.plan_memory("llama-7b", **scale.PAPER_PRESET)
+    assert p.fits and p.suggestions == []
+    assert round(p.total_bytes / GiB, 2) == 77.51  # the worked example at the bottom of scale.py
+    assert round(p.resident_bytes / GiB, 2) == 71.47
+    text = scale.format_plan(p)
+    assert "fits" in text and "kv_cache" in text and "DOES NOT FIT" not in text
+    # All 16 prompts per GPU at once: 16 GiB of KV cache do not fit beside four replicated 7B models.
+    assert not scale.plan_memory("llama-7b", **{**scale.PAPER_PRESET, "generate_batch_per_gpu": 16}).fits
+
+
+def test_plan_memory_llama7b_on_8x24_suggests():
+    p = scale.plan_memory("llama-7b", **{**scale.PAPER_PRESET, "gpu_mem_gb": 24})
+    assert not p.fits
+    changes = " | ".join(s.change for s in p.suggestions)
+    assert "ZeRO-3" in changes and "offload optimizer" in changes and "reference and reward model on CPU" in changes
+    assert p.suggestions[-1].change.startswith("together:") and p.suggestions[-1].fits
+    text = scale.format_plan(p)
+    assert "DOES NOT FIT" in text and "saves" in text
+
+
+# ----------------------------------------------------------------------------------------------- resolve_model
+def test_resolve_model_local_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert scale.resolve_model(str(tmp_path)) == str(tmp_path.resolve())
+    assert scale.resolve_model("tiny") is None and scale.resolve_model(None) is None
+
+
+def test_resolve_model_dir_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFound, match="has no config.json") as e:
+        scale.resolve_model(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+    with pytest.raises(ModelNotFound, match="no such directory"):
+        scale.resolve_model(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("name, repo", [("llama-7b", "huggyllama/llama-7b"),
+                                        ("nobody-ppo-max/made-up-model-31337", "nobody-ppo-max/made-up-model-31337")])
+def test_resolve_model_not_cached_fails_fast_with_instructions(tmp_path, name, repo):
+    for cache_dir in (tmp_path, None):  # an empty cache, and this machine's real cache
+        if cache_dir is None and name == "llama-7b":
+            continue  # this machine might really have it cached
+        start = time.perf_counter()
+        with pytest.raises(ModelNotFound) as e:
+            scale.resolve_model(name, cache_dir=cache_dir)
+        assert time.perf_counter() - start < 5.0
+        msg = str(e.value)
+        assert f"download {repo}" in msg and "or pass a local directory" in msg and "--model /path" in msg
+
+
+def test_resolve_model_invalid_hub_id():
+    with pytest.raises(ModelNotFound, match="not a valid hub id"):
+        scale.resolve_model("not a valid id!!")
+
+
+def test_resolve_model_finds_cached_snapshot(tmp_path):
+    repo = tmp_path / "models--huggyllama--llama-7b"  # the layout huggingface_hub writes
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(scale.LLAMA_CONFIGS["llama-7b"]))
+    assert Path(scale.resolve_model("llama-7b", cache_dir=tmp_path)) == snap
+
+
+# ----------------------------------------------------------------------------------------------- DeepSpeed
+def test_deepspeed_config_matches_repo_json():
+    on_disk = json.loads((ROOT / "ds_config_zero2.json").read_text())
+    assert on_disk == scale.deepspeed_config(**scale.PAPER_DS_KWARGS)
+    assert on_disk["zero_optimization"]["stage"] == 2 and on_disk["bf16"]["enabled"] is True
+    assert "train_batch_size" not in on_disk  # DeepSpeed derives it from the world size
+
+
+def test_deepspeed_configs_are_valid_zero_configs():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # pydantic: unknown keys are errors
+
+    cpu = scale.deepspeed_config(zero_stage=3, bf16=False, train_micro_batch_size_per_gpu=2,
+                                 gradient_accumulation_steps=4, gradient_clipping=0.5, offload_optimizer=True)
+    assert cpu["bf16"]["enabled"] is False and cpu["fp16"]["enabled"] is False  # fp32 on the CPU
+    assert DeepSpeedZeroConfig(**cpu["zero_optimization"]).offload_optimizer.device == "cpu"
+    frozen = scale.inference_deepspeed_config(2, True)
+    z = DeepSpeedZeroConfig(**frozen["zero_optimization"])
+    assert z.stage == 3 and z.offload_param.device == "cpu"  # offload forces stage 3
+    assert scale.inference_deepspeed_config(2, False)["zero_optimization"] == {"stage": 0}
+
+
+def test_cli_prints_plan():
+    out = subprocess.run([sys.executable, str(ROOT / "scale.py"), "--model", "llama-7b", "--gpu-mem", "24"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "DOES NOT FIT" in out and "together:" in out
