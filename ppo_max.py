@@ -1,0 +1,448 @@
+"""PPO-max: how a reward-model score becomes per-token rewards (this half), and the training recipe (below it).
+
+Implements (equation numbers of Zheng et al. 2023, arXiv 2307.04964):
+    RunningMoments                                                   → historical mean/std used by Eq. 18
+    normalize_and_clip_rewards(scores, moments, clip_delta)          → Eq. 18  r̃ = clip((r − mean)/std, −δ, δ)
+    scale_rewards(scores, moments)                                   → "reward scaling" ablation (Fig. 6): r / std
+    shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl) → Eq. 19  r_t = −η KL_t, + score on the last token
+
+Run: python ppo_max.py        (prints the worked example of the score half)
+
+Order used by the recipe, once per rollout batch (section 5.4, steps 1–2):
+    1. scores = reward_model(prompt + response)                      # (B,)
+    2. moments.update(scores)                                        # history now includes this batch
+    3. scores = normalize_and_clip_rewards(scores, moments, δ)       # Eq. 18, with the updated moments
+    4. rewards = shape_rewards(scores, logprobs, ref_logprobs, mask, η)  # Eq. 19, (B, T) → gae.compute_gae
+
+References:
+    Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", sections 5.3.1 and 5.4.
+    Chan, Golub, LeVeque 1979/1983, "Updating formulae and a pairwise algorithm for computing sample variances"
+      (the parallel merge of means and variances).
+    Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (the KL-shaped reward, Eq. 3/19).
+"""
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# the recipe half (below the score half) builds on the two equation files
+from gae import compute_gae
+from ppo_loss import (entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
+                      masked_whiten, policy_loss, ptx_loss, value_loss)
+
+# ======================================================================================================
+# Score half: reward normalization, scaling and KL shaping (Eq. 18–19)
+# ======================================================================================================
+
+
+class RunningMoments:
+    """Mean and variance of every value passed to `update` so far, merged batch by batch (no history kept).
+
+    `.std` is the population standard deviation (ddof = 0, divide by the count, as numpy's default): it is the
+    spread of the scores seen, not an estimate of a wider population, and it is what the merge formula keeps
+    exactly. Before any update: count 0, mean 0.0, var 1.0 (so std 1.0), which makes Eq. 18 and reward scaling
+    the identity (up to the clip) until the first batch arrives.
+
+    Under data parallelism every rank must call `update` with the same values (gather the scores of all ranks
+    first), or the ranks' moments drift apart.
+    """
+
+    def __init__(self) -> None:
+        self.count: int = 0
+        self.mean: float = 0.0
+        self.var: float = 1.0  # population variance (ddof = 0)
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation √var (ddof = 0); 1.0 before any update."""
+        return math.sqrt(self.var)
+
+    def update(self, x: Tensor) -> None:
+        """Merge the batch `x` (any shape, all elements count) into the running mean and variance.
+
+        Chan et al.'s parallel merge of (n_a, mean_a, M2_a) with (n_b, mean_b, M2_b), M2 = n·var:
+            n = n_a + n_b,  Δ = mean_b − mean_a,  mean = mean_a + Δ·n_b/n,  M2 = M2_a + M2_b + Δ²·n_a·n_b/n
+        """
+        x = x.detach().to(torch.float64).flatten()  # (N,) float64 so long histories do not lose precision
+        n_b = x.numel()
+        if n_b == 0:
+            return
+        mean_b = x.mean().item()
+        var_b = x.var(unbiased=False).item()  # ddof = 0
+        n_a, n = self.count, self.count + n_b
+        delta = mean_b - self.mean  # Δ = mean_b − mean_a
+        m2 = self.var * n_a + var_b * n_b + delta**2 * n_a * n_b / n  # M2 = M2_a + M2_b + Δ² n_a n_b / n
+        self.mean = self.mean + delta * n_b / n  # mean = mean_a + Δ n_b / n
+        self.var = m2 / n
+        self.count = n
+
+    def state_dict(self) -> dict:
+        """Plain python numbers, so a checkpoint can store them as JSON or in a torch.save dict."""
+        return {"count": int(self.count), "mean": float(self.mean), "var": float(self.var)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.count, self.mean, self.var = int(d["count"]), float(d["mean"]), float(d["var"])
+
+    def __repr__(self) -> str:
+        return f"RunningMoments(count={self.count}, mean={self.mean:.6g}, std={self.std:.6g})"
+
+
+def normalize_and_clip_rewards(
+    scores: Tensor, moments: RunningMoments, clip_delta: float | None, eps: float = 1e-8
+) -> Tensor:
+    """Eq. 18: r̃ = clip((r − mean(r)) / std(r), −δ, δ) with the running (historical) mean and std, (B,).
+
+    scores: reward-model scores r, any shape (usually (B,)). moments: the history; this function only reads
+    it; the recipe calls `moments.update(scores)` first, so the batch is normalized with moments that include
+    it. clip_delta: δ > 0 (the paper tries 0.3 and 0.8), or None for normalization without a clip.
+    eps: floor on the std, so a history of identical scores does not divide by zero.
+    """
+    if clip_delta is not None and clip_delta <= 0:
+        raise ValueError(f"ppo_max.py: clip_delta (δ of Eq. 18) must be > 0 or None, got {clip_delta}")
+    normalized = (scores - moments.mean) / max(moments.std, eps)  # (r − mean) / std   (Eq. 18)
+    if clip_delta is None:
+        return normalized
+    return normalized.clamp(-clip_delta, clip_delta)  # clip(·, −δ, δ)   (Eq. 18)
+
+
+def scale_rewards(scores: Tensor, moments: RunningMoments, eps: float = 1e-8) -> Tensor:
+    """Reward scaling, the paper's ablation (Fig. 6): r / std(r) with the running std, no centring, no clip.
+
+    This is what the authors' released scripts enable (see README, notes); the paper finds it ≈ vanilla PPO.
+    Same order as Eq. 18: update the moments with the batch first, then scale.
+    """
+    return scores / max(moments.std, eps)  # r / std
+
+
+def shape_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    kl: Tensor | None = None,
+) -> Tensor:
+    """Eq. 19: per-token rewards r_t = −η·KL_t on every response token, plus the sequence score on the last one.
+
+    scores: r(x, y), one (normalized) score per sequence, (B,).
+    logprobs, ref_logprobs: log π_RL(y_t|·) and log π_SFT(y_t|·) of the sampled tokens, (B, T).
+    mask: (B, T), 1.0 on real response tokens, contiguous from 0, right-padded; every row needs one real token.
+    kl_coef: η (0.05 in the paper's Fig. 7; 0.05/0.1/0.2 in Fig. 15).
+    kl: optional per-token KL_t (B, T), e.g. ppo_loss.kl_full(logits, ref_logits); if None,
+        KL_t = logprobs − ref_logprobs, the sampled-token log-ratio ("k1", unbiased for the sequence KL).
+    Returns rewards (B, T), 0 where mask is 0.
+
+    Where the score goes: on the LAST REAL response token, index mask.sum(1) − 1, because that token is the
+    action that ended the episode and the score judges the whole sequence it completed. Some peers (e.g. some
+    trl versions) put the score one position later, on the pad/EOS-following slot; with a right-padded mask
+    that position is masked out (the score is silently lost to GAE and the loss), and making it count needs a
+    terminal pseudo-token whose value the critic must also learn. We do not.
+    """
+    if logprobs.dim() != 2 or not (logprobs.shape == ref_logprobs.shape == mask.shape):
+        raise ValueError(
+            f"ppo_max.py: logprobs, ref_logprobs and mask must all be (B, T) with the same shape; got "
+            f"{tuple(logprobs.shape)}, {tuple(ref_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    B, T = mask.shape
+    if scores.shape != (B,):
+        raise ValueError(f"ppo_max.py: scores must be (B,) = ({B},), one per sequence; got {tuple(scores.shape)}")
+    if kl is not None and kl.shape != mask.shape:
+        raise ValueError(f"ppo_max.py: kl must be (B, T) = {tuple(mask.shape)}; got {tuple(kl.shape)}")
+    if ((mask != 0) & (mask != 1)).any() or (mask[:, 1:] > mask[:, :-1]).any():
+        raise ValueError("ppo_max.py: mask must hold 0/1, contiguous from position 0 and right-padded (1 … 1 0 … 0)")
+    last = mask.sum(dim=1).long() - 1  # (B,) index of the last real response token
+    if (last < 0).any():
+        empty = (last < 0).nonzero().flatten().tolist()
+        raise ValueError(f"ppo_max.py: rows {empty} of mask have no real response token; drop them before shaping")
+
+    if kl is None:
+        kl = logprobs - ref_logprobs  # (B, T) KL_t ≈ log π_RL(y_t) − log π_SFT(y_t)   (k1)
+    non_score_reward = -kl_coef * kl * mask  # (B, T) −η KL_t   (Eq. 19)
+    score_reward = torch.zeros_like(non_score_reward)  # (B, T)
+    score_reward[torch.arange(B, device=mask.device), last] = scores.to(score_reward)  # r(x, y) at the end
+    rewards = non_score_reward + score_reward  # r_t = r(x, y)·[t = last] − η KL_t   (Eq. 19)
+    return rewards
+
+
+# ====================================== end of the score half =========================================
+# =========================================================================================================
+# The recipe: configuration, presets, and the pieces of one PPO iteration (train.py runs the loop)
+# =========================================================================================================
+
+
+def arg(default, help: str):
+    """A dataclass field whose help text becomes a `--flag` help in train.py."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass
+class PPOConfig:
+    """Every trick of the paper is a field; presets (below) are named sets of overrides. Defaults = PPO-max (§5.4)
+    at the synthetic world's scale. Field docs become `python train.py --help`."""
+    # --- sampling (rollouts) ---
+    rollout_batch: int = arg(64, "prompts per PPO iteration ('sampling batch'; paper 128)")
+    minibatch: int = arg(16, "sequences per gradient step (paper 32)")
+    ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)")
+    max_new_tokens: int = arg(24, "response length cap T")
+    temperature: float = arg(1.0, "rollout sampling temperature (training samples from π itself)")
+    # --- optimisation ---
+    policy_lr: float = arg(2e-4, "α for π_θ (paper 5e-7 at 7B)")
+    critic_lr: float = arg(5e-4, "α for V_φ (paper 1.65e-6 at 7B)")
+    warmup_frac: float = arg(0.0, "linear LR warm-up fraction (paper 0.1; PPO-max replaces it by critic pre-training)")
+    grad_clip: float = arg(1.0, "global gradient-norm clip; 0 = off (Fig. 18)")
+    # --- score reparameterisation (Fig. 6, 14) ---
+    reward_norm: bool = arg(True, "Eq. 18: normalise scores with running mean/std")
+    reward_clip: float = arg(5.0, "δ of Eq. 18 (clip after normalising); 0 = no clip")
+    reward_scale: bool = arg(False, "reward scaling: r / running std (ablation)")
+    adv_norm: bool = arg(False, "whiten advantages per minibatch")
+    adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off")
+    # --- policy constraints (Fig. 7, 15, 16) ---
+    kl_coef: float = arg(0.05, "η of Eq. 19 (token-level KL penalty); 0 = off")
+    kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full (exact)")
+    kl_target: float = arg(0.0, "adaptive KL controller target (Ziegler et al. 2019); 0 = fixed η")
+    kl_horizon: int = arg(10000, "adaptive KL horizon (in sequences)")
+    importance_sampling: bool = arg(False, "ratio against π_ref instead of π_old: the 'infinite buffer' of §5.3.2")
+    entropy_coef: float = arg(0.0, "entropy bonus weight (paper 0.01)")
+    entropy_clip: float = arg(0.0, "the bonus stops acting above this mean entropy (Fig. 16); 0 = no clip")
+    # --- PPO core (Eq. 15, 16) ---
+    clip_eps: float = arg(0.2, "ε of PPO-clip (Fig. 17)")
+    value_clip: float = arg(0.2, "value-loss clip range; 0 = off")
+    vf_coef: float = arg(1.0, "critic loss weight (critic has its own optimiser; kept for parity)")
+    gamma: float = arg(1.0, "γ")
+    lam: float = arg(0.9, "GAE λ (Fig. 19)")
+    # --- ptx (Eq. 17) ---
+    ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off")
+    ptx_batch: int = arg(16, "SFT sequences per ptx term")
+    # --- initialisation (Fig. 8) ---
+    critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); 0 = off")
+    critic_init: str = arg("rm", "initialise the critic from the reward model ('rm') or the SFT model ('sft')")
+    policy_init: str = arg("sft", "'sft' or 'pretrained' (the non-SFT LM; Fig. 8)")
+
+
+# Presets: named overrides of PPOConfig, printed at start-up.
+PRESETS: dict[str, dict] = {
+    "ppo-max": {},
+    "vanilla": dict(reward_norm=False, reward_clip=0.0, kl_coef=0.0, critic_pretrain_steps=0, ptx_coef=0.0,
+                    value_clip=0.0, grad_clip=0.0),
+}
+
+
+def apply_preset(name: str, **overrides) -> PPOConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return dataclasses.replace(PPOConfig(), **{**PRESETS[name], **overrides})
+
+
+class AdaptiveKLController:
+    """η_{k+1} = η_k (1 + clip(KL/target − 1, ±0.2) · n/horizon)  (Ziegler et al. 2019, used by the paper's code)."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.target <= 0:
+            return
+        proportional_error = max(min(current_kl / self.target - 1, 0.2), -0.2)
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequences: a left-padded prompt (B, P) followed by a right-padded response (B, T)
+# ---------------------------------------------------------------------------------------------------------
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def policy_logits(model, query, query_mask, response, response_mask) -> torch.Tensor:
+    """Logits that predict each response token: position P−1+t predicts response[t]. Returns (B, T, V)."""
+    P = query.shape[1]
+    input_ids = torch.cat([query, response], dim=1)                    # (B, L)
+    attention_mask = torch.cat([query_mask, response_mask], dim=1)     # (B, L)
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    return out.logits[:, P - 1:-1].float()                             # (B, T, V)
+
+
+def critic_values(critic, query, query_mask, response, response_mask) -> torch.Tensor:
+    """V(s_t) for every response token t, read at the position that predicts it (the state before the action)."""
+    P = query.shape[1]
+    values = critic(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))  # (B, L)
+    return values[:, P - 1:-1].float()                                                         # (B, T)
+
+
+@torch.no_grad()
+def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
+            top_p: float = 1.0, repetition_penalty: float = 1.0):
+    """Step 1: sample responses with the KV cache, stopping at EOS. Returns response (B, T), response_mask (B, T),
+    finished (B,) — T ≤ max_new_tokens; the mask covers every token up to and including the first EOS."""
+    seq = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
+                          temperature=temperature, repetition_penalty=repetition_penalty,
+                          max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+    response = seq[:, query.shape[1]:]                                          # (B, T)
+    is_eos = response == eos_id
+    # positions strictly after the first EOS are padding
+    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0                   # (B, T)
+    response_mask = (~after_eos).float()
+    response = response.masked_fill(after_eos, pad_id)
+    finished = is_eos.any(1)
+    return response, response_mask, finished
+
+
+@torch.no_grad()
+def make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
+                    moments: "RunningMoments", cfg: PPOConfig, kl_coef: float) -> dict:
+    """Steps (2)-(5) of a PPO iteration on one rollout batch. Everything here is computed once, without grad."""
+    mask = response_mask                                                               # (B, T)
+    full_ids = torch.cat([query, response], 1)                                         # (B, L)
+    full_mask = torch.cat([query_mask, response_mask], 1)                              # (B, L)
+    # (2) score: the reward model reads the last real token of prompt + response
+    scores = reward_model.score(full_ids, full_mask).float()                           # (B,)
+    # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
+    if cfg.reward_norm or cfg.reward_scale:
+        moments.update(scores)
+    if cfg.reward_norm:
+        rewards_seq = normalize_and_clip_rewards(scores, moments, cfg.reward_clip or None)  # (B,)
+    elif cfg.reward_scale:
+        rewards_seq = scale_rewards(scores, moments)
+    else:
+        rewards_seq = scores
+    # (4) token-level KL penalty against the frozen SFT reference (Eq. 19)
+    logits = policy_logits(policy, query, query_mask, response, response_mask)        # (B, T, V)
+    ref_logits = policy_logits(ref, query, query_mask, response, response_mask)       # (B, T, V)
+    logprobs = logprobs_from_logits(logits, response)                                  # (B, T)
+    ref_logprobs = logprobs_from_logits(ref_logits, response)                          # (B, T)
+    kl_exact = kl_full(logits, ref_logits)                                             # (B, T)
+    if cfg.kl_estimator == "full":
+        kl_pen = kl_exact
+    else:
+        kl_pen = kl_sampled(logprobs, ref_logprobs, cfg.kl_estimator)
+    rewards = shape_rewards(rewards_seq, logprobs, ref_logprobs, mask, kl_coef, kl=kl_pen)  # (B, T)
+    # (5) values and GAE (Eq. 9); returns = advantages + values are the critic's targets (Eq. 16)
+    values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
+    advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
+    nll = -masked_mean(logprobs, mask)
+    lengths = mask.sum(1)
+    stats = {
+        "reward/score": scores.mean().item(),
+        "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
+        "reward/normalized": rewards_seq.mean().item(),
+        "reward/total": (rewards * mask).sum(1).mean().item(),
+        "kl/ref": masked_mean(kl_exact, mask).item(),
+        "kl/ref_k1": masked_mean(logprobs - ref_logprobs, mask).item(),
+        "kl/ref_seq": (kl_exact * mask).sum(1).mean().item(),
+        "policy/perplexity": math.exp(nll.item()),
+        "policy/entropy": masked_mean(entropy(logits), mask).item(),
+        "response/length": lengths.mean().item(),
+        "adv/mean": masked_mean(advantages, mask).item(),
+        "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),
+        "returns/mean": masked_mean(returns, mask).item(),
+        "values/mean": masked_mean(values, mask).item(),
+    }
+    return {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
+            "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
+            "scores": scores, "stats": stats}
+
+
+def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig, ptx_batch) -> dict:
+    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches. Returns mean stats."""
+    B = exp["response"].shape[0]
+    # the ratio's denominator: π_θold (PPO) or, with importance sampling against the reference, π_SFT
+    old_logprobs = exp["ref_logprobs"] if cfg.importance_sampling else exp["logprobs"]
+    acc: dict[str, list[float]] = {}
+    for _ in range(cfg.ppo_epochs):
+        for idx in torch.randperm(B).split(cfg.minibatch):
+            q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx], exp["mask"][idx]
+            advantages = exp["advantages"][idx]
+            if cfg.adv_norm:
+                advantages = masked_whiten(advantages, m)
+                if cfg.adv_clip:
+                    advantages = advantages.clamp(-cfg.adv_clip, cfg.adv_clip)
+            # policy: PPO-clip (Eq. 15) + entropy bonus (Fig. 16) + ptx (Eq. 17)
+            logits = policy_logits(policy, q, qm, r, m)                                 # (b, T, V)
+            logprobs = logprobs_from_logits(logits, r)                                  # (b, T)
+            pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages, m, cfg.clip_eps or None)
+            loss = pg_loss
+            if cfg.entropy_coef:
+                ent_loss, _ = entropy_bonus_loss(logits, m, cfg.entropy_coef, cfg.entropy_clip or None)
+                loss = loss + ent_loss
+            ptx = torch.zeros(())
+            if cfg.ptx_coef:
+                ids, attn, resp = ptx_batch()
+                ptx_logits = policy(input_ids=ids, attention_mask=attn).logits          # (b, L, V)
+                ptx, _ = ptx_loss(ptx_logits, ids, resp)
+                loss = loss + cfg.ptx_coef * ptx
+            policy_opt.zero_grad()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
+            policy_opt.step()
+            # critic: value loss (Eq. 16), clipped around the rollout's values
+            values = critic_values(critic, q, qm, r, m)                                 # (b, T)
+            vf_loss, vf_stats = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
+            critic_opt.zero_grad()
+            (cfg.vf_coef * vf_loss).backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip or float("inf"))
+            critic_opt.step()
+            for k, v in {"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": float(ptx),
+                         "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
+                         "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}.items():
+                acc.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch, cfg: PPOConfig,
+                    eos_id: int, pad_id: int, kl_coef: float) -> list[dict]:
+    """PPO-max §5.3.3: before any policy update, fit V_φ to the returns of the initial policy's rollouts
+    (same rewards and GAE targets PPO will use), one fresh rollout batch per round, until the loss plateaus
+    (mean of the last 3 rounds within 5% of the 3 before) or `critic_pretrain_steps` rounds."""
+    log: list[dict] = []
+    for it in range(cfg.critic_pretrain_steps):
+        _, query, query_mask = prompt_batch()
+        response, response_mask, _ = rollout(policy, query, query_mask, cfg.max_new_tokens, eos_id, pad_id,
+                                             cfg.temperature)
+        exp = make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
+                              moments, cfg, kl_coef)
+        losses = []
+        for _ in range(cfg.ppo_epochs):
+            for idx in torch.randperm(len(response)).split(cfg.minibatch):
+                values = critic_values(critic, exp["query"][idx], exp["query_mask"][idx], exp["response"][idx],
+                                       exp["mask"][idx])
+                vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], exp["mask"][idx], None)
+                critic_opt.zero_grad()
+                vf_loss.backward()
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip or float("inf"))
+                critic_opt.step()
+                losses.append(vf_loss.item())
+        log.append({"round": it, "loss/vf": sum(losses) / len(losses), "loss/vf_first": losses[0]})
+        l = [x["loss/vf"] for x in log]
+        if len(l) >= 6 and sum(l[-3:]) > 0.95 * sum(l[-6:-3]):
+            break
+    return log
+
+
+if __name__ == "__main__":
+    torch.set_printoptions(precision=5, sci_mode=False)
+    # 1. Two rollout batches of reward-model scores; the second is the current one.
+    moments = RunningMoments()
+    moments.update(torch.tensor([1.0, 2.0, 3.0]))  # an earlier batch
+    scores = torch.tensor([2.5, 5.0], dtype=torch.float64)  # this batch, B = 2
+    moments.update(scores)  # update first, then normalize (the recipe's order)
+    print(moments)
+    print("Eq. 18, δ=0.8:", normalize_and_clip_rewards(scores, moments, 0.8))
+    print("no clip:      ", normalize_and_clip_rewards(scores, moments, None))
+    print("scaling:      ", scale_rewards(scores, moments))
+    # 2. Eq. 19 on a 3-token and a 2-token response (T = 3), η = 0.05, k1 KL from the sampled log-probs.
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, -9.0]], dtype=torch.float64)
+    ref_logprobs = torch.tensor([[-1.2, -0.5, -1.0], [-0.4, -1.0, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    r_tilde = normalize_and_clip_rewards(scores, moments, 0.8)
+    print("rewards:\n", shape_rewards(r_tilde, logprobs, ref_logprobs, mask, kl_coef=0.05))
+    # Printed (tests/test_ppo_max_scores.py checks these numbers):
+    # RunningMoments(count=5, mean=2.7, std=1.32665)
+    # Eq. 18, δ=0.8: tensor([-0.15076,  0.80000], dtype=torch.float64)
+    # no clip:       tensor([-0.15076,  1.73369], dtype=torch.float64)
+    # scaling:       tensor([1.88445, 3.76889], dtype=torch.float64)
+    # rewards:
+    #  tensor([[-0.01000,  0.00000, -0.10076],
+    #         [-0.01000,  0.82500,  0.00000]], dtype=torch.float64)

@@ -1,0 +1,239 @@
+"""Tests for the score half of ppo_max.py: RunningMoments, Eq. 18 (normalize + clip), reward scaling, Eq. 19.
+
+Each is checked against an independent computation: numpy over the whole history, hand arithmetic, python loops.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ppo_max import RunningMoments, normalize_and_clip_rewards, scale_rewards, shape_rewards
+
+
+def history_batches(seed: int = 0):
+    """Batches of different sizes (one of size 1, one 2-D) and scales, float64."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        3.0 + 2.0 * torch.randn(7, generator=g, dtype=torch.float64),
+        torch.randn(1, generator=g, dtype=torch.float64),
+        -1.0 + 0.5 * torch.randn(4, 3, generator=g, dtype=torch.float64),
+        10.0 * torch.randn(40, generator=g, dtype=torch.float64),
+        torch.randn(2, generator=g, dtype=torch.float64),
+    ]
+
+
+# ------------------------------------------------------------------------------------- RunningMoments
+
+
+def test_running_moments_initial_state():
+    m = RunningMoments()
+    assert (m.count, m.mean, m.std) == (0, 0.0, 1.0)
+    m.update(torch.empty(0))  # an empty batch changes nothing
+    assert (m.count, m.mean, m.std) == (0, 0.0, 1.0)
+
+
+def test_running_moments_match_numpy_over_concatenated_history():
+    m = RunningMoments()
+    seen = []
+    for batch in history_batches():
+        m.update(batch)
+        seen.extend(batch.flatten().tolist())
+        history = np.array(seen, dtype=np.float64)
+        assert m.count == history.size
+        assert math.isclose(m.mean, history.mean(), rel_tol=1e-12, abs_tol=1e-12)
+        assert math.isclose(m.std, history.std(ddof=0), rel_tol=1e-12, abs_tol=1e-12)  # population std
+
+
+def test_running_moments_single_batch_equals_batch_moments():
+    x = torch.tensor([1.0, 2.0, 4.0, 7.0], dtype=torch.float64)
+    m = RunningMoments()
+    m.update(x)
+    # by hand: mean = 14/4 = 3.5; deviations −2.5, −1.5, 0.5, 3.5 → Σ² = 6.25+2.25+0.25+12.25 = 21; var = 21/4
+    assert math.isclose(m.mean, 3.5, rel_tol=1e-15)
+    assert math.isclose(m.std, math.sqrt(21 / 4), rel_tol=1e-15)
+
+
+def test_running_moments_float32_input_accumulates_in_float64():
+    batches = history_batches(seed=1)
+    m = RunningMoments()
+    for b in batches:
+        m.update(b.float())
+    history = np.concatenate([b.float().double().flatten().numpy() for b in batches])
+    assert math.isclose(m.mean, history.mean(), rel_tol=1e-12, abs_tol=1e-12)
+    assert math.isclose(m.std, history.std(), rel_tol=1e-12)
+
+
+def test_running_moments_state_dict_round_trip():
+    m = RunningMoments()
+    for b in history_batches(seed=2)[:3]:
+        m.update(b)
+    d = m.state_dict()
+    assert all(type(v) in (int, float) for v in d.values())  # plain numbers, checkpoint-friendly
+    restored = RunningMoments()
+    restored.load_state_dict(d)
+    assert (restored.count, restored.mean, restored.std) == (m.count, m.mean, m.std)
+    # continuing from the restored state gives exactly what continuing the original gives
+    nxt = history_batches(seed=3)[3]
+    m.update(nxt)
+    restored.update(nxt)
+    assert restored.state_dict() == m.state_dict()
+
+
+# ------------------------------------------------------------------------------------- Eq. 18 and scaling
+
+
+def test_eq18_normalize_and_clip_within_bounds_and_hand_computed():
+    m = RunningMoments()
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    scores = torch.tensor([2.5, 5.0, -4.0, 2.7], dtype=torch.float64)
+    m.update(scores)  # the recipe's order: update with this batch, then normalize
+    history = [1.0, 2.0, 3.0, 2.5, 5.0, -4.0, 2.7]
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((h - mean) ** 2 for h in history) / len(history))
+    delta = 0.8
+    expected = torch.tensor([min(max((s - mean) / std, -delta), delta) for s in scores.tolist()], dtype=torch.float64)
+    got = normalize_and_clip_rewards(scores, m, delta)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    assert got.min() >= -delta and got.max() <= delta
+    assert got.min() == -delta and got.max() == delta  # both bounds actually bind in this example
+
+
+def test_eq18_without_clip_is_plain_normalization():
+    m = RunningMoments()
+    scores = torch.tensor([0.0, 1.0, 10.0], dtype=torch.float64)
+    m.update(scores)
+    got = normalize_and_clip_rewards(scores, m, None)
+    expected = (scores - scores.mean()) / scores.std(unbiased=False)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    assert got.abs().max() > 1.0  # nothing was clipped
+
+
+def test_eq18_does_not_update_moments():
+    m = RunningMoments()
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    before = m.state_dict()
+    normalize_and_clip_rewards(torch.tensor([100.0, -100.0]), m, 0.3)
+    scale_rewards(torch.tensor([100.0, -100.0]), m)
+    assert m.state_dict() == before
+
+
+def test_eq18_before_any_update_is_identity_up_to_clip():
+    scores = torch.tensor([-2.0, 0.1, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(normalize_and_clip_rewards(scores, RunningMoments(), None), scores, atol=0, rtol=0)
+    torch.testing.assert_close(normalize_and_clip_rewards(scores, RunningMoments(), 0.3),
+                               torch.tensor([-0.3, 0.1, 0.3], dtype=torch.float64), atol=0, rtol=0)
+
+
+def test_eq18_constant_history_does_not_divide_by_zero():
+    m = RunningMoments()
+    m.update(torch.full((4,), 2.0))
+    out = normalize_and_clip_rewards(torch.tensor([2.0, 3.0]), m, 0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.5]), atol=0, rtol=0)
+
+
+def test_eq18_rejects_nonpositive_delta():
+    with pytest.raises(ValueError, match="clip_delta"):
+        normalize_and_clip_rewards(torch.zeros(2), RunningMoments(), 0.0)
+
+
+def test_reward_scaling_divides_by_running_std_only():
+    m = RunningMoments()
+    history = [3.0, 5.0, 9.0, 11.0]  # mean 7, deviations ±4, ±2 → var = (16+4+4+16)/4 = 10
+    m.update(torch.tensor(history, dtype=torch.float64))
+    scores = torch.tensor([3.0, -1.0, 0.0], dtype=torch.float64)
+    expected = torch.tensor([s / math.sqrt(10.0) for s in scores.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(scale_rewards(scores, m), expected, atol=1e-12, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- Eq. 19
+
+
+def ragged_rollout(seed: int = 0, B: int = 5, T: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(B, generator=g, dtype=torch.float64)
+    logprobs = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    ref_logprobs = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    kl = torch.rand(B, T, generator=g, dtype=torch.float64)
+    lengths = [T, 1, 3, 2, 5][:B]
+    mask = torch.zeros(B, T, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1.0
+    return scores, logprobs, ref_logprobs, kl, mask, lengths
+
+
+def shape_rewards_loop(scores, logprobs, ref_logprobs, lengths, T, kl_coef, kl=None):
+    """Eq. 19 by hand: r_t = −η·KL_t for t < n, plus the score at t = n − 1; 0 for t ≥ n."""
+    out = []
+    for b, n in enumerate(lengths):
+        row = []
+        for t in range(T):
+            if t >= n:
+                row.append(0.0)
+                continue
+            kl_t = kl[b][t] if kl is not None else logprobs[b][t] - ref_logprobs[b][t]
+            r = -kl_coef * kl_t
+            if t == n - 1:
+                r += scores[b]
+            row.append(r)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kl_coef", [0.05, 0.2])
+def test_eq19_shape_rewards_matches_loop_with_sampled_kl(kl_coef):
+    scores, logprobs, ref_logprobs, _, mask, lengths = ragged_rollout(seed=1)
+    got = shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
+    expected = shape_rewards_loop(scores.tolist(), logprobs.tolist(), ref_logprobs.tolist(), lengths,
+                                  mask.shape[1], kl_coef)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_eq19_shape_rewards_matches_loop_with_given_kl():
+    scores, logprobs, ref_logprobs, kl, mask, lengths = ragged_rollout(seed=2)
+    got = shape_rewards(scores, logprobs, ref_logprobs, mask, 0.1, kl=kl)
+    expected = shape_rewards_loop(scores.tolist(), logprobs.tolist(), ref_logprobs.tolist(), lengths,
+                                  mask.shape[1], 0.1, kl=kl.tolist())
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_eq19_kl_coef_zero_leaves_only_score_on_last_real_token():
+    scores, logprobs, ref_logprobs, _, mask, lengths = ragged_rollout(seed=3)
+    got = shape_rewards(scores, logprobs, ref_logprobs, mask, 0.0)
+    expected = torch.zeros_like(mask)
+    for b, n in enumerate(lengths):
+        expected[b, n - 1] = scores[b]
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert (got != 0).sum() == len(lengths)  # exactly one nonzero per row
+
+
+def test_eq19_zero_where_mask_is_zero_and_rejects_empty_rows():
+    scores, logprobs, ref_logprobs, kl, mask, _ = ragged_rollout(seed=4)
+    got = shape_rewards(scores, logprobs + 50.0, ref_logprobs, mask, 0.1, kl=kl + 50.0)
+    assert (got[mask == 0] == 0).all()
+    mask[2] = 0.0
+    with pytest.raises(ValueError, match=r"rows \[2\]"):
+        shape_rewards(scores, logprobs, ref_logprobs, mask, 0.1)
+    with pytest.raises(ValueError, match="scores must be"):
+        shape_rewards(scores[:-1], logprobs, ref_logprobs, mask, 0.1)
+
+
+def test_score_half_worked_example_numbers():
+    """The numbers printed by `python ppo_max.py` and pasted at the bottom of the file."""
+    m = RunningMoments()
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    scores = torch.tensor([2.5, 5.0], dtype=torch.float64)
+    m.update(scores)
+    assert m.count == 5 and math.isclose(m.mean, 2.7) and math.isclose(m.std, 1.32665, abs_tol=5e-6)
+    r_tilde = normalize_and_clip_rewards(scores, m, 0.8)
+    f64 = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    torch.testing.assert_close(r_tilde, f64([-0.15076, 0.8]), atol=5e-6, rtol=0)
+    torch.testing.assert_close(normalize_and_clip_rewards(scores, m, None), f64([-0.15076, 1.73369]), atol=5e-6, rtol=0)
+    torch.testing.assert_close(scale_rewards(scores, m), f64([1.88445, 3.76889]), atol=5e-6, rtol=0)
+    logprobs = f64([[-1.0, -0.5, -2.0], [-0.2, -1.5, -9.0]])
+    ref_logprobs = f64([[-1.2, -0.5, -1.0], [-0.4, -1.0, -9.0]])
+    mask = f64([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    torch.testing.assert_close(shape_rewards(r_tilde, logprobs, ref_logprobs, mask, kl_coef=0.05),
+                               f64([[-0.01, 0.0, -0.10076], [-0.01, 0.825, 0.0]]), atol=5e-6, rtol=0)

@@ -1,0 +1,493 @@
+"""Train RLHF with PPO-max end to end: SFT -> reward model -> critic pre-training -> PPO (arXiv 2307.04964).
+
+Run:
+  python train.py                       # the synthetic world on the CPU, every stage, a few minutes
+  python train.py --preset vanilla      # the same world with vanilla PPO: watch it collapse (Fig. 4)
+  python train.py --help                # every flag, with its paper symbol and default
+
+Stages (each writes a Hugging Face directory under --out):
+  1. SFT: a tiny LLaMA-architecture model on the demonstrations; it is also the frozen reference π_SFT.
+  2. Reward model from the SFT model with Eq. 2 (Bradley-Terry + LM loss on the chosen response).
+  3. Critic from the reward model, pre-trained on value prediction before any policy update (§5.3.3).
+  4. PPO: the numbered loop at the bottom of this file.
+SFT and reward model depend only on the world and their own settings, so they are cached under
+runs/_base/<hash>/ and shared by every preset with the same seed.
+
+References: Ouyang et al. 2022 (InstructGPT); Ziegler et al. 2019; CleanRL ppo.py; lm-human-preference-details.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import eval as evaluation
+import ppo_max
+import toy_world
+from ppo_loss import entropy, kl_full, logprobs_from_logits, masked_mean, ptx_loss
+from reward_model import ScalarHeadModel, reward_model_loss, accuracy
+
+
+from ppo_max import arg  # a dataclass field whose help text becomes `--help`
+
+
+# =========================================================================================================
+# Configuration: one dataclass per stage; every field is a flag (`--field-name`)
+# =========================================================================================================
+@dataclass
+class RunConfig:
+    preset: str = arg("ppo-max", f"named set of PPO flags: {', '.join(ppo_max.PRESETS)}")
+    seed: int = arg(0, "seed of the world, every model init and every sample")
+    steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)")
+    out: str = arg("", "output directory (default runs/<preset>-seed<seed>)")
+    model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
+    eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
+    threads: int = arg(0, "torch CPU threads (0 = torch's default)")
+
+
+@dataclass
+class SFTConfig:
+    sft_hidden: int = arg(64, "hidden size of the tiny LLaMA")
+    sft_layers: int = arg(2, "transformer layers of the tiny LLaMA")
+    sft_heads: int = arg(4, "attention heads of the tiny LLaMA")
+    sft_epochs: float = arg(3.0, "epochs over the SFT demonstrations")
+    sft_lr: float = arg(3e-3, "SFT learning rate (AdamW, cosine decay)")
+    sft_batch: int = arg(64, "SFT batch size (sequences)")
+
+
+@dataclass
+class RMConfig:
+    rm_epochs: float = arg(2.0, "epochs over the training preference pairs (paper ~1.06)")
+    rm_lr: float = arg(1e-3, "reward-model learning rate (paper 5e-6 at 7B)")
+    rm_batch: int = arg(32, "pairs per step")
+    rm_lm_coef: float = arg(1.0, "β_rm of Eq. 2: weight of the LM loss on the chosen response (paper 1)")
+    rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)")
+
+
+def ppo_config_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(ppo_max.PPOConfig))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig)]:
+        g = p.add_argument_group(title)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            if cls is ppo_max.PPOConfig:  # PPO defaults come from the preset, so the parser's default is None
+                kw = dict(default=None, help=f"{help_} [PPO-max: {f.default}]")
+            else:
+                kw = dict(default=f.default, help=help_)
+            if f.type in (bool, "bool"):
+                g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+                g.add_argument(flag, type=typ, **kw)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p
+
+
+def parse_configs(argv=None):
+    args = build_parser().parse_args(argv)
+    pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    run, sft, rm = pick(RunConfig), pick(SFTConfig), pick(RMConfig)
+    overrides = {f.name: getattr(args, f.name) for f in ppo_config_fields() if getattr(args, f.name) is not None}
+    ppo = ppo_max.apply_preset(run.preset, **overrides)
+    if not run.out:
+        run.out = f"runs/{run.preset}-seed{run.seed}"
+    return run, sft, rm, ppo
+
+
+# =========================================================================================================
+# Boilerplate: seeding, batching, saving
+# =========================================================================================================
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    return [tokenizer.bos_token_id] + encode(tokenizer, prompt)
+
+
+def encode_response(tokenizer, response: str) -> list[int]:
+    return encode(tokenizer, response) + [tokenizer.eos_token_id]
+
+
+def pad(seqs: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad id lists to one length. Returns ids (B, L) and the 0/1 mask (B, L) as float."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L)
+    for i, s in enumerate(seqs):
+        sl = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1.0
+    return ids, mask
+
+
+def lm_batch(tokenizer, rows: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt, response) pairs -> right-padded ids (B, L), attention mask (B, L), response-token mask (B, L)."""
+    seqs, resp = [], []
+    for prompt, response in rows:
+        p, r = encode_prompt(tokenizer, prompt), encode_response(tokenizer, response)
+        seqs.append(p + r)
+        resp.append([0] * len(p) + [1] * len(r))
+    ids, attn = pad(seqs, tokenizer.pad_token_id, "right")
+    response_mask, _ = pad(resp, 0, "right")
+    return ids, attn, response_mask.float()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+def config_hash(*objs) -> str:
+    blob = json.dumps([dataclasses.asdict(o) for o in objs], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def cosine_lr(step: int, total: int, base: float, warmup: int = 0) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * min(step - warmup, total) / max(total, 1)))
+
+
+# =========================================================================================================
+# Stage 1: SFT
+# =========================================================================================================
+def tiny_llama(vocab_size: int, cfg: SFTConfig):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.sft_hidden, intermediate_size=4 * cfg.sft_hidden,
+                         num_hidden_layers=cfg.sft_layers, num_attention_heads=cfg.sft_heads,
+                         num_key_value_heads=cfg.sft_heads, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def train_lm(model, tokenizer, rows: list[tuple[str, str]], epochs: float, lr: float, batch: int, seed: int,
+             desc: str) -> list[float]:
+    """Next-token NLL on the response tokens (prompt tokens are context, not targets). Returns per-step losses."""
+    rng = random.Random(seed)
+    steps = max(1, int(epochs * len(rows) / batch))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses, order = [], []
+    model.train()
+    for step in (bar := tqdm(range(steps), desc=desc, leave=False)):
+        if len(order) < batch:
+            order += rng.sample(range(len(rows)), len(rows))
+        idx, order = order[:batch], order[batch:]
+        ids, attn, resp_mask = lm_batch(tokenizer, [rows[i] for i in idx])
+        logits = model(input_ids=ids, attention_mask=attn).logits                     # (B, L, V)
+        loss, _ = ptx_loss(logits, ids, resp_mask)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, steps, lr)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+# =========================================================================================================
+# Stage 2: reward model (Eq. 1-2)
+# =========================================================================================================
+def pair_batch(tokenizer, rows: list[dict]):
+    """Chosen and rejected stacked in one batch of 2B sequences: [chosen_0..B-1, rejected_0..B-1]."""
+    ids, attn, resp = lm_batch(tokenizer, [(r["prompt"], r["chosen"]) for r in rows]
+                               + [(r["prompt"], r["rejected"]) for r in rows])
+    return ids, attn, resp
+
+
+@torch.no_grad()
+def score_pairs(rm: ScalarHeadModel, tokenizer, rows: list[dict], batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    rc, rr = [], []
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        ids, attn, _ = pair_batch(tokenizer, chunk)
+        s = rm.score(ids, attn)
+        rc.append(s[:len(chunk)])
+        rr.append(s[len(chunk):])
+    return torch.cat(rc), torch.cat(rr)
+
+
+def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows, heldout_rows, cfg: RMConfig, seed: int):
+    rng = random.Random(seed)
+    steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
+    opt = torch.optim.AdamW(rm.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
+    log, order = [], []
+    for step in (bar := tqdm(range(steps + 1), desc="2. reward model", leave=False)):
+        if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
+            rm.eval()
+            rc, rr = score_pairs(rm, tokenizer, heldout_rows)
+            log.append({"step": step, "heldout_accuracy": accuracy(rc, rr)})
+            bar.set_postfix(acc=f"{log[-1]['heldout_accuracy']:.3f}")
+        if step == steps:
+            break
+        rm.train()
+        if len(order) < cfg.rm_batch:
+            order += rng.sample(range(len(train_rows)), len(train_rows))
+        idx, order = order[:cfg.rm_batch], order[cfg.rm_batch:]
+        B = len(idx)
+        ids, attn, resp = pair_batch(tokenizer, [train_rows[i] for i in idx])
+        values, logits = rm(ids, attn, return_logits=True)                          # (2B, L), (2B, L, V)
+        scores = values.gather(1, _last_index(attn)[:, None]).squeeze(1)             # (2B,)
+        loss, stats = reward_model_loss(scores[:B], scores[B:], logits[:B], ids[:B], resp[:B],
+                                        lam=1.0, beta_rm=cfg.rm_lm_coef)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, steps, cfg.rm_lr)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
+        opt.step()
+        log[-1].setdefault("train", []).append({k: float(v) for k, v in stats.items()})
+    rm.eval()
+    return log
+
+
+def _last_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    from reward_model import last_token_index
+    return last_token_index(attention_mask)
+
+
+# =========================================================================================================
+# Stages 1-2 together, cached: the world, its tokenizer, the SFT model and the reward model
+# =========================================================================================================
+def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig) -> Path:
+    from transformers import AutoTokenizer
+    base = Path("runs/_base") / f"seed{run.seed}-{config_hash(world_cfg, sft_cfg, rm_cfg)}"
+    if (base / "DONE").exists():
+        print(f"[base] reusing {base} (world, SFT and reward model for this seed and config)")
+        return base
+    tmp = Path(str(base) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    timings = {}
+
+    t0 = time.time()
+    data = toy_world.make_dataset(world_cfg)
+    toy_world.write_dataset(data, tmp / "data")
+    toy_world.build_tokenizer(tmp / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
+    timings["world"] = time.time() - t0
+
+    # 1. SFT
+    t0 = time.time()
+    seed_everything(run.seed)
+    sft = tiny_llama(len(tokenizer), sft_cfg)
+    rows = [(r["prompt"], r["response"]) for r in data["sft"]]
+    sft_losses = train_lm(sft, tokenizer, rows, sft_cfg.sft_epochs, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed, "1. SFT")
+    sft.save_pretrained(tmp / "sft")
+    tokenizer.save_pretrained(tmp / "sft")
+    timings["sft"] = time.time() - t0
+
+    # the "pretrained, not SFT" model of Fig. 8: the same LM trained on raw word streams with no instruction format
+    t0 = time.time()
+    seed_everything(run.seed + 1)
+    pre = tiny_llama(len(tokenizer), sft_cfg)
+    rng = random.Random(run.seed + 1)
+    words = toy_world.RESPONSE_WORDS
+    raw = [("", " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))) for _ in range(len(rows))]
+    train_lm(pre, tokenizer, raw, 1.0, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed + 1, "1b. pretrained (no SFT)")
+    pre.save_pretrained(tmp / "pretrained")
+    tokenizer.save_pretrained(tmp / "pretrained")
+    timings["pretrained"] = time.time() - t0
+
+    # 2. reward model, initialised from SFT with a fresh scalar head
+    t0 = time.time()
+    seed_everything(run.seed)
+    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
+    rm_log = train_reward_model(rm, tokenizer, data["pairs_train"], data["pairs_heldout"], rm_cfg, run.seed)
+    rm.save_pretrained(tmp / "reward_model")
+    tokenizer.save_pretrained(tmp / "reward_model")
+    rc, rr = score_pairs(rm, tokenizer, data["pairs_heldout"])
+    timings["reward_model"] = time.time() - t0
+
+    write_json(tmp / "sft_log.json", {"loss": sft_losses})
+    write_json(tmp / "rm_log.json", rm_log)                                  # Fig. 3
+    write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+    bias = length_bias(rm, tokenizer, data["prompts_heldout"], run.seed)
+    write_json(tmp / "rm_length_bias.json", bias)
+    write_json(tmp / "timings.json", timings)
+    write_json(tmp / "config.json", {"world": dataclasses.asdict(world_cfg), "sft": dataclasses.asdict(sft_cfg),
+                                     "rm": dataclasses.asdict(rm_cfg), "seed": run.seed})
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(base, ignore_errors=True)
+    tmp.rename(base)
+    return base
+
+
+@torch.no_grad()
+def length_bias(rm: ScalarHeadModel, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
+    """RM score vs gold as filler words are added to a correct answer (same content, longer): the RM's
+    length bias beyond gold's. Slopes are per added token, averaged over held-out helpful prompts."""
+    rng = random.Random(seed)
+    prompts = [toy_world.parse_prompt(r["prompt"]) for r in prompt_rows]
+    prompts = [p for p in prompts if not p.harmful]
+    out = {"extra_tokens": [], "rm": [], "gold": []}
+    for extra in range(0, 7):
+        rows, golds = [], []
+        for p in prompts:
+            base, padded = toy_world.length_probe_responses(p, rng, extra)
+            rows.append((p.text, padded))
+            golds.append(toy_world.gold_reward(p.text, padded))
+        ids, attn, _ = lm_batch(tokenizer, rows)
+        out["extra_tokens"].append(extra)
+        out["rm"].append(rm.score(ids, attn).mean().item())
+        out["gold"].append(float(np.mean(golds)))
+    out["rm_slope"] = float(np.polyfit(out["extra_tokens"], out["rm"], 1)[0])
+    out["gold_slope"] = float(np.polyfit(out["extra_tokens"], out["gold"], 1)[0])
+    return out
+
+
+# =========================================================================================================
+# Stage 3: critic pre-training (§5.3.3)
+# =========================================================================================================
+# (see ppo_max.pretrain_critic)
+
+
+# =========================================================================================================
+# Stage 4: PPO
+# =========================================================================================================
+def main(argv=None) -> dict:
+    run, sft_cfg, rm_cfg, cfg = parse_configs(argv)
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"preset {run.preset!r}: " + json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()}))
+    t_start = time.time()
+    world_cfg = toy_world.WorldConfig(seed=run.seed)
+    base = build_base(run, sft_cfg, rm_cfg, world_cfg)
+    timings = json.loads((base / "timings.json").read_text())
+    bias = json.loads((base / "rm_length_bias.json").read_text())
+    print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
+          f"(filler tokens added to a correct answer)")
+    tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
+    data = {k: read_jsonl(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
+    eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    seed_everything(run.seed)
+    policy = AutoModelForCausalLM.from_pretrained(base / ("sft" if cfg.policy_init == "sft" else "pretrained"))
+    ref = AutoModelForCausalLM.from_pretrained(base / "sft").eval().requires_grad_(False)
+    reward_model = ScalarHeadModel.from_pretrained(base / "reward_model").eval().requires_grad_(False)
+    critic = ScalarHeadModel.from_pretrained(base / ("reward_model" if cfg.critic_init == "rm" else "sft"))
+    policy_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.policy_lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+    moments = ppo_max.RunningMoments()
+    kl_ctl = ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+
+    prompt_rng = random.Random(run.seed)
+    train_prompts = [r["prompt"] for r in data["prompts_train"]]
+    sft_rows = [(r["prompt"], r["response"]) for r in data["sft"]]
+
+    def prompt_batch():
+        rows = [prompt_rng.choice(train_prompts) for _ in range(cfg.rollout_batch)]
+        query, query_mask = pad([encode_prompt(tokenizer, p) for p in rows], pad_id, "left")
+        return rows, query, query_mask
+
+    def ptx_batch():
+        ids, attn, resp = lm_batch(tokenizer, [sft_rows[prompt_rng.randrange(len(sft_rows))] for _ in range(cfg.ptx_batch)])
+        return ids, attn, resp
+
+    # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
+    t0 = time.time()
+    critic_log = ppo_max.pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch,
+                                         cfg, eos, pad_id, kl_ctl.value)
+    timings["critic_pretrain"] = time.time() - t0
+    write_json(out / "critic_pretrain.json", critic_log)
+
+    # 4. PPO
+    t0 = time.time()
+    metrics_f = open(out / "metrics.jsonl", "w")
+    history = []
+    for step in (bar := tqdm(range(run.steps), desc="4. PPO")):
+        ts = time.time()
+        prompts, query, query_mask = prompt_batch()
+        policy.eval()
+        # (1) sample responses with the KV cache, stopping at EOS
+        response, response_mask, finished = ppo_max.rollout(policy, query, query_mask, cfg.max_new_tokens, eos,
+                                                            pad_id, cfg.temperature)
+        # (2)-(5): score, normalise/clip, KL-shape, values and GAE
+        exp = ppo_max.make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
+                                      moments, cfg, kl_ctl.value)
+        # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
+        policy.train(); critic.train()
+        upd = ppo_max.ppo_update(policy, critic, policy_opt, critic_opt, exp, cfg, ptx_batch)
+        kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)
+        # (7) log: gold reward is the synthetic human, never seen by training
+        texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(response, response_mask)]
+        gold = [toy_world.gold_reward(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
+        m = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)),
+             "kl/coef": kl_ctl.value, "time/step": time.time() - ts}
+        m["response/finished"] = finished.float().mean().item()
+        history.append(m)
+        metrics_f.write(json.dumps(m) + "\n")
+        metrics_f.flush()
+        bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=f"{m['reward/gold']:.2f}", kl=f"{m['kl/ref']:.3f}",
+                        len=f"{m['response/length']:.1f}")
+        if step % 10 == 0 or step == run.steps - 1:
+            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {m['reward/gold']:+.2f}  "
+                       f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
+                       f"e.g. {prompts[0]!r} -> {texts[0]!r}")
+    metrics_f.close()
+    timings["ppo"] = time.time() - t0
+    policy.save_pretrained(out / "policy")
+    tokenizer.save_pretrained(out / "policy")
+    critic.save_pretrained(out / "critic")
+
+    # final evaluation on held-out prompts, sampled as the paper evaluates
+    t0 = time.time()
+    sft = AutoModelForCausalLM.from_pretrained(base / "sft").eval()
+    heldout = [r["prompt"] for r in data["prompts_heldout"]]
+    report = evaluation.compare(policy.eval(), sft, ref, reward_model, tokenizer, heldout, run.eval_samples,
+                                seed=run.seed, max_new_tokens=cfg.max_new_tokens)
+    timings["eval"] = time.time() - t0
+    peak = max(history, key=lambda h: h["reward/gold"])
+    summary = {
+        "preset": run.preset, "seed": run.seed, "steps": run.steps, "seconds": time.time() - t_start,
+        "config": dataclasses.asdict(cfg), "base": str(base), "timings": timings,
+        "rm": {"accuracy": json.loads((base / "rm_log.json").read_text())[-1]["heldout_accuracy"],
+               "length_slope": bias["rm_slope"], "gold_length_slope": bias["gold_slope"]},
+        "sft": report["sft"], "final": report["policy"],
+        "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]},
+        "win_rate_vs_sft": report["win_rate"],
+    }
+    write_json(out / "summary.json", summary)
+    print(evaluation.format_table(summary))
+    print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
