@@ -1,0 +1,41 @@
+"""Every notebook under notebooks/ runs top to bottom under nbclient, in its small budget (PPO_MAX_FULL=0).
+
+Run alone: `python -m pytest -m notebook`. The notebooks are executed in memory: their committed outputs
+(from the full-budget runs) are never overwritten by the test.
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from ipykernel.kernelspec import write_kernel_spec
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="session")
+def kernel_dirs(tmp_path_factory) -> list[str]:
+    """A private 'python3' kernelspec that launches this very interpreter (sys.executable).
+
+    A fresh `pip install -r requirements.txt` ships a 'python3' spec with ipykernel, but a user-level spec of
+    the same name (~/.local/share/jupyter/kernels) may point at another Python without torch; writing our
+    own into a temporary folder sidesteps both, and installs nothing into the environment.
+    """
+    kernels = tmp_path_factory.mktemp("kernels")
+    write_kernel_spec(kernels / "python3")  # argv = [sys.executable, "-m", "ipykernel_launcher", ...]
+    return [str(kernels)]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path, kernel_dirs, monkeypatch):
+    monkeypatch.setenv("PPO_MAX_FULL", "0")  # the kernel inherits the environment: figure notebooks use FULL = False
+    nb = nbformat.read(path, as_version=4)
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
+    assert Path(km.kernel_spec.argv[0]) == Path(sys.executable)
+    client = NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError, naming the cell, on the first failing cell
