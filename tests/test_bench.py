@@ -1,0 +1,42 @@
+"""bench.py end to end on the tiny config: one warm-up + one timed PPO iteration of the project's own loop.
+
+Run: python -m pytest tests/test_bench.py -q
+"""
+import json
+
+import bench
+from scale import llama_param_count
+
+
+def test_bench_tiny_every_column_positive(tmp_path):
+    out = tmp_path / "bench.json"
+    result = bench.main(["--configs", "tiny", "--iters", "1", "--batch", "4", "--prompt-len", "4",
+                         "--response-len", "3", "--threads", "1", "--bandwidth-mib", "32", "--json", str(out)])
+    assert [r["config"] for r in result["rows"]] == ["tiny"] and result["skipped"] == []
+    row = result["rows"][0]
+    for col in bench.COLUMNS:
+        assert isinstance(row[col], (int, float)) and row[col] > 0, (col, row[col])
+    # scale.llama_param_count agrees with the parameters the model actually has
+    assert row["params"] == row["params_counted"] == llama_param_count(bench.CONFIGS["tiny"]["llama"])
+    # the batch roofline is never below one sequence's (the weight read is shared); the JSON is main's result
+    assert row["roofline_tok_s_batch"] >= row["roofline_tok_s_seq"]
+    assert json.loads(out.read_text())["rows"][0]["update_tokens"] == row["update_tokens"]
+
+
+def test_bench_1b_skipped_on_cpu():
+    # the GPU-only config is skipped with a note on the CPU (nothing is built, so this is instant)
+    result = bench.main(["--configs", "1b", "--device", "cpu", "--bandwidth-mib", "8"])
+    assert result["rows"] == [] and result["skipped"][0]["config"] == "1b"
+
+
+def test_decode_roofline_hand_arithmetic():
+    # decode_roofline against hand arithmetic for the tiny config in fp32, B = 2, P = 4, T = 3, 1 GB/s
+    n = bench.CONFIGS["tiny"]["llama"]
+    W = (llama_param_count(n) - 91 * 64) * 4            # weights read per step, embedding table excluded
+    kv = 2 * 2 * 4 * 16 * 4                              # K,V × layers × kv heads × head dim × 4 bytes = 1024
+    kv_read = kv * (4 + (3 - 1) / 2)                     # mean context 5 positions
+    r = bench.decode_roofline(n, 4, 2, 4, 3, 1e9)
+    assert r["weight_bytes_per_step"] == W and r["kv_bytes_per_token"] == kv == 1024
+    assert r["kv_cache_bytes"] == kv * 2 * 7
+    assert abs(r["roofline_tok_s_seq"] - 1e9 / (W + kv_read)) < 1e-6
+    assert abs(r["roofline_tok_s_batch"] - 2e9 / (W + 2 * kv_read)) < 1e-6
