@@ -1,0 +1,541 @@
+"""Checkpoints that survive crashes and resume exactly, a clean exit on SIGINT/SIGTERM, and a non-finite guard.
+
+Implements (no equation: the engineering a 10,000-step run such as the paper's Fig. 9 needs on a shared cluster):
+    save_checkpoint(run_dir, step, models=, optimizers=, ...)  → run_dir/checkpoints/step-000123/, written into a
+                                                                  temporary directory, fsynced, renamed into place
+    find_latest(path)                                          → the newest *complete* checkpoint, or None
+    load_checkpoint(ckpt_dir, models=, optimizers=, rngs=)     → weights, optimizer/scheduler states and every RNG
+                                                                  stream restored in place; returns state.json
+    GracefulExit                                               → SIGINT/SIGTERM set a flag: checkpoint, then exit 0
+    NonFiniteGuard(max_consecutive=K)                          → skip an update whose score/loss/grad is NaN or ±inf;
+                                                                  stop after K bad steps in a row
+
+Run: python checkpoint.py        (saves a tiny model, perturbs everything, resumes; prints the layout and proof)
+
+Layout of one run directory (only one process, rank 0, writes it):
+    checkpoints/latest                  "step-000123\n", replaced atomically (write a temp file, os.replace)
+    checkpoints/step-000123/
+        policy/  critic/                 save_pretrained() directories (safetensors; the critic adds value_head.*),
+                                         with the tokenizer's files when one is given, so each is from_pretrained-ready
+        optimizer-policy.pt  ...         torch.save(optimizer.state_dict()): tensors, numbers, lists only
+        scheduler-policy.pt  ...         the same for LR schedulers
+        rng.pt                           python `random`, numpy, torch CPU (+ CUDA) states, and named generators
+        state.json                       {"step", "extra_state", and what the files hold}
+        COMPLETE                         written last: the file names and sizes. No COMPLETE → not a checkpoint
+    checkpoints/step-000124.tmp-4242/   a save in progress (or killed mid-way): ignored, removed by the next save
+
+Why each step of a save:
+    * Write into `step-N.tmp-<pid>` and `os.replace` it to `step-N` only once every file is fsynced and COMPLETE
+      exists: a rename within one file system is atomic, so a reader sees the old set of checkpoints or the new
+      one, never a half-written directory that looks complete (a crash in save_pretrained leaves only a .tmp-*).
+    * fsync the files, then the directory: without it a power loss after the rename can leave the new name
+      pointing at empty files (ext4 / xfs delayed allocation).
+    * `latest` is written after the rename; if it is missing or names a deleted directory, find_latest falls back
+      to the highest complete step-N.
+    * Loading never unpickles code: weights through safetensors, the rest through torch.load(weights_only=True)
+      (whose unpickler admits only tensors and plain containers) and JSON.
+
+Under DeepSpeed, save the engines with `engine.save_checkpoint` (ZeRO shards the optimizer state across ranks);
+this file handles the single-process case, the RNG streams and the run state around it.
+
+References:
+    Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", section 5.2 and Fig. 9 (long runs).
+    POSIX rename(2) atomicity; "Files are hard" (Dan Luu, 2015) on fsync of the file and its directory.
+"""
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import safetensors.torch
+import torch
+
+CKPT_SUBDIR = "checkpoints"
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+STATE = "state.json"
+RNG = "rng.pt"
+VALUE_HEAD_WEIGHTS = "value_head.safetensors"  # as written by reward_model.ScalarHeadModel.save_pretrained
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+# ======================================================================================================
+# Small file-system helpers: durable writes
+# ======================================================================================================
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (directories: so that the names created in them are durable too)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # some platforms cannot open a directory; the data files were synced already
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for f in filenames:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old content or the new, never a torn file."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CKPT_SUBDIR
+
+
+def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the step-N directories under `ckpt_root` that hold a COMPLETE marker, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for p in ckpt_root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / COMPLETE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _check_names(kind: str, d: Mapping | None) -> dict:
+    d = dict(d or {})
+    for name in d:
+        if not _NAME_RE.match(name):
+            raise ValueError(f"checkpoint.py: {kind} name {name!r} must be letters, digits, '_', '-' or '.' "
+                             f"(it becomes a file name)")
+    return d
+
+
+# ======================================================================================================
+# RNG streams: python `random`, numpy, torch (CPU and CUDA), and named generators the loop owns
+# ======================================================================================================
+def _python_state(state: tuple) -> dict:
+    version, internal, gauss_next = state  # Mersenne Twister: (3, 625 ints, None or a float)
+    return {"kind": "random.Random", "version": version, "internal": list(internal), "gauss_next": gauss_next}
+
+
+def _rng_to_plain(rng: Any) -> dict:
+    """One generator's state as tensors / ints / lists, so torch.load(weights_only=True) can read it back."""
+    if isinstance(rng, random.Random):
+        return _python_state(rng.getstate())
+    if isinstance(rng, torch.Generator):
+        return {"kind": "torch.Generator", "state": rng.get_state()}
+    if isinstance(rng, np.random.Generator):
+        return {"kind": "numpy.Generator", "state": rng.bit_generator.state}
+    raise TypeError(f"checkpoint.py: cannot save an RNG of type {type(rng).__name__}; "
+                    f"expected random.Random, torch.Generator or numpy.random.Generator")
+
+
+def _rng_from_plain(rng: Any, saved: dict, name: str) -> None:
+    kind = _rng_to_plain(rng)["kind"]
+    if saved["kind"] != kind:
+        raise TypeError(f"checkpoint.py: rng {name!r} was saved as {saved['kind']} but a {kind} was passed to load")
+    if kind == "random.Random":
+        rng.setstate((saved["version"], tuple(saved["internal"]), saved["gauss_next"]))
+    elif kind == "torch.Generator":
+        rng.set_state(saved["state"])
+    else:
+        rng.bit_generator.state = saved["state"]
+
+
+def rng_state(rngs: Mapping[str, Any] | None = None) -> dict:
+    """All global RNG states (python, numpy, torch CPU, CUDA when present) plus the named generators."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": _python_state(random.getstate()),  # the module-level generator behind random.random()
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "torch_cpu": torch.get_rng_state(),  # ByteTensor
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "named": {name: _rng_to_plain(r) for name, r in (rngs or {}).items()},
+    }
+    return state
+
+
+def set_rng_state(state: dict, rngs: Mapping[str, Any] | None = None) -> None:
+    """Inverse of rng_state(): every global stream and each named generator continues where it was saved."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = state.get("torch_cuda") or []
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            print(f"checkpoint.py: warning: {len(cuda)} CUDA RNG states saved, {torch.cuda.device_count()} devices "
+                  f"now; restoring the first {min(len(cuda), torch.cuda.device_count())}", file=sys.stderr)
+        for i, s in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+    for name, r in (rngs or {}).items():
+        if name not in state["named"]:
+            raise KeyError(f"checkpoint.py: rng {name!r} is not in the checkpoint (it has {sorted(state['named'])})")
+        _rng_from_plain(r, state["named"][name], name)
+
+
+# ======================================================================================================
+# Save
+# ======================================================================================================
+def _write_checkpoint(tmp: Path, step: int, models: dict, optimizers: dict, schedulers: dict, rngs: dict,
+                      extra_json: str, tokenizer) -> None:
+    """Every file of one checkpoint into `tmp`, fsynced, COMPLETE last."""
+    for mname, model in models.items():
+        model.save_pretrained(tmp / mname)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / mname)
+    for oname, opt in optimizers.items():
+        torch.save(opt.state_dict(), tmp / f"optimizer-{oname}.pt")
+    for sname, sch in schedulers.items():
+        torch.save(sch.state_dict(), tmp / f"scheduler-{sname}.pt")
+    torch.save(rng_state(rngs), tmp / RNG)
+    state = json.loads(extra_json)
+    state.update(format=FORMAT_VERSION, models=sorted(models), optimizers=sorted(optimizers),
+                 schedulers=sorted(schedulers), rngs=sorted(rngs))
+    (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
+    _fsync_tree(tmp)
+    # COMPLETE last: the names and sizes of every file, so a loader can also notice a truncated one
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    with open(tmp / COMPLETE, "w") as f:
+        json.dump({"step": int(step), "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_path(tmp)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[str, Any],
+                    optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+                    schedulers: Mapping[str, Any] | None = None, rngs: Mapping[str, Any] | None = None,
+                    extra_state: dict | None = None, tokenizer=None, keep_last: int = 3) -> Path:
+    """Write run_dir/checkpoints/step-{step:06d}/ atomically, point `latest` at it, keep the newest `keep_last`.
+
+    models: name → object with save_pretrained(dir) (HF models, reward_model.ScalarHeadModel).
+    optimizers / schedulers: name → object with state_dict(); stored with torch.save (tensors and plain data).
+    rngs: name → random.Random / torch.Generator / numpy Generator owned by the loop (e.g. the prompt stream's);
+        the global python, numpy and torch streams are always saved.
+    extra_state: plain JSON (RunningMoments.state_dict(), the KL coefficient, the monitor's state, …).
+    keep_last: complete checkpoints to keep; the one just written is never deleted (≤ 0 keeps all).
+    Returns the checkpoint directory. Raises whatever a writer raised; the previous checkpoints are untouched then.
+    """
+    models, optimizers, schedulers, rngs = (_check_names(k, d) for k, d in
+                                            [("model", models), ("optimizer", optimizers),
+                                             ("scheduler", schedulers), ("rng", rngs)])
+    extra_state = dict(extra_state or {})
+    try:
+        extra_json = json.dumps({"step": int(step), "extra_state": extra_state}, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint.py: extra_state must be plain JSON (dicts, lists, str, finite numbers); {e}")
+    root = _checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("*.tmp-*"):  # earlier saves killed mid-way; one writer per run dir, so none is live
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    for stale in root.glob("*.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+    name = f"step-{int(step):06d}"
+    final = root / name
+    tmp = root / f"{name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    hf_logging = sys.modules.get("transformers.utils.logging")  # silence its "Writing model shards" bar
+    bar_was_on = hf_logging is not None and hf_logging.is_progress_bar_enabled()
+    if bar_was_on:
+        hf_logging.disable_progress_bar()
+    try:
+        _write_checkpoint(tmp, step, models, optimizers, schedulers, rngs, extra_json, tokenizer)
+    except BaseException:  # an exception (not a kill): remove the partial directory now, re-raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+
+    if final.exists():  # the same step saved again (e.g. after a resume): move the old one aside first
+        old = root / f"{name}.old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)  # the atomic step: from here on step-N is a complete checkpoint
+    _fsync_path(root)
+    _atomic_write_text(root / LATEST, name + "\n")
+
+    if keep_last > 0:
+        others = [p for _, p in _step_dirs(root) if p != final]
+        for p in others[:max(len(others) - (keep_last - 1), 0)]:  # drop the oldest; the new one always stays
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+# ======================================================================================================
+# Find and load
+# ======================================================================================================
+def _is_complete(d: Path) -> bool:
+    return d.is_dir() and (d / COMPLETE).is_file() and ".tmp-" not in d.name and ".old-" not in d.name
+
+
+def find_latest(path: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `path`, or None.
+
+    path: a checkpoint directory itself (returned if complete), a run directory (uses run/checkpoints), or the
+    checkpoints directory. Uses `latest` when it names a complete checkpoint, else the highest complete step-N.
+    Directories without COMPLETE (a save killed mid-way: *.tmp-*) are never returned.
+    """
+    path = Path(path)
+    if _is_complete(path):
+        return path
+    root = path / CKPT_SUBDIR if (path / CKPT_SUBDIR).is_dir() else path
+    latest = root / LATEST
+    if latest.is_file():
+        cand = root / latest.read_text().strip()
+        if _STEP_RE.match(cand.name) and _is_complete(cand):
+            return cand
+    found = _step_dirs(root)
+    return found[-1][1] if found else None
+
+
+def _read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a save_pretrained directory (one model.safetensors or the shards of its index)."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors") if p.name != VALUE_HEAD_WEIGHTS)
+    if not files:
+        raise FileNotFoundError(f"checkpoint.py: no *.safetensors weights in {str(d)!r}")
+    state = {}
+    for f in files:
+        state.update(safetensors.torch.load_file(str(d / f)))
+    return state
+
+
+def _load_module_in_place(module: torch.nn.Module, d: Path) -> None:
+    """Copy the weights saved in `d` into `module`'s existing tensors (so optimizers keep pointing at them)."""
+    state = _read_safetensors_dir(d)
+    own = module.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    # save_pretrained drops one name of each tied pair (lm_head.weight ≡ embed_tokens.weight): fine if tied
+    missing = sorted(k for k in set(own) - set(state) if own[k].data_ptr() not in loaded_ptrs)
+    if unexpected or missing:
+        if hasattr(type(module), "from_pretrained"):  # the HF writer renamed keys (weight conversions): let HF read it
+            fresh = type(module).from_pretrained(d, dtype=next(module.parameters()).dtype, trust_remote_code=False)
+            module.load_state_dict(fresh.state_dict())
+            return
+        raise KeyError(f"checkpoint.py: {str(d)!r} does not match the model: unexpected {unexpected[:5]}, "
+                       f"missing {missing[:5]}")
+    module.load_state_dict(state, strict=False)
+
+
+def load_model_weights(model: torch.nn.Module, d: str | os.PathLike) -> None:
+    """Load a save_pretrained directory into an existing model in place (HF model or ScalarHeadModel)."""
+    d = Path(d)
+    head_file = d / VALUE_HEAD_WEIGHTS
+    if head_file.is_file() and hasattr(model, "lm") and hasattr(model, "head"):  # reward_model.ScalarHeadModel
+        _load_module_in_place(model.lm, d)
+        model.head.load_state_dict(safetensors.torch.load_file(str(head_file)))
+    else:
+        _load_module_in_place(model, d)
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, *, models: Mapping[str, torch.nn.Module] | None = None,
+                    optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+                    schedulers: Mapping[str, Any] | None = None, rngs: Mapping[str, Any] | None = None,
+                    restore_rng: bool = True) -> dict:
+    """Restore a checkpoint into existing objects, in place; return its state.json ({"step", "extra_state", …}).
+
+    ckpt_dir: a checkpoint directory, or a run / checkpoints directory (its latest complete checkpoint is used).
+    Models are loaded before optimizers (the optimizer state is cast to each parameter's device and dtype).
+    restore_rng: also restore the global python / numpy / torch streams (and any `rngs` given); needed for an
+    exact resume.
+    """
+    found = find_latest(ckpt_dir)
+    if found is None:
+        raise FileNotFoundError(f"checkpoint.py: no complete checkpoint in {str(ckpt_dir)!r} (looked for a "
+                                f"step-N directory with a {COMPLETE} file, under {CKPT_SUBDIR}/ too)")
+    d = found
+    marker = json.loads((d / COMPLETE).read_text())
+    for rel, size in marker["files"].items():
+        if not (d / rel).is_file() or (d / rel).stat().st_size != size:
+            raise OSError(f"checkpoint.py: {str(d / rel)!r} is missing or truncated (expected {size} bytes); "
+                          f"resume from an older checkpoint in {str(d.parent)!r}")
+    state = json.loads((d / STATE).read_text())
+
+    def need(kind: str, names, available):
+        absent = sorted(set(names) - set(available))
+        if absent:
+            raise KeyError(f"checkpoint.py: {kind} {absent} not in {str(d)!r} (it has {sorted(available)})")
+
+    models, optimizers, schedulers = dict(models or {}), dict(optimizers or {}), dict(schedulers or {})
+    need("models", models, state["models"])
+    need("optimizers", optimizers, state["optimizers"])
+    need("schedulers", schedulers, state["schedulers"])
+    for name, model in models.items():
+        load_model_weights(model, d / name)
+    for name, opt in optimizers.items():
+        opt.load_state_dict(torch.load(d / f"optimizer-{name}.pt", map_location="cpu", weights_only=True))
+    for name, sch in schedulers.items():
+        sch.load_state_dict(torch.load(d / f"scheduler-{name}.pt", map_location="cpu", weights_only=True))
+    if restore_rng:
+        set_rng_state(torch.load(d / RNG, map_location="cpu", weights_only=True), rngs)
+    state["path"] = str(d)
+    return state
+
+
+# ======================================================================================================
+# Stopping cleanly: signals and non-finite values
+# ======================================================================================================
+class GracefulExit:
+    """SIGINT / SIGTERM set `.requested` instead of killing the process, so the loop can finish (or abandon) the
+    current step, write a checkpoint and exit 0. A second signal restores the old handlers and re-delivers itself
+    (Ctrl-C twice still interrupts at once).
+
+        with GracefulExit() as stop:
+            for step in ...:
+                ...
+                if stop.requested: save_checkpoint(...); break
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.signals = signals
+        self.requested = False
+        self.signal_name: str | None = None
+        self.installed = False
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> "GracefulExit":
+        if threading.current_thread() is not threading.main_thread():  # Python only allows handlers there
+            return self
+        for s in self.signals:
+            self._old[s] = signal.signal(s, self._handler)
+        self.installed = True
+        return self
+
+    def _handler(self, signum: int, frame) -> None:
+        if self.requested:  # second signal: behave as if we had never been installed
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        # os.write, not print: a handler can run in the middle of another print (buffered IO is not reentrant)
+        os.write(2, f"\n{self.signal_name} received: finishing this step, then checkpoint and exit "
+                    f"(send it again to stop at once)\n".encode())
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._old.clear()
+        self.installed = False
+
+    def __enter__(self) -> "GracefulExit":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def _is_finite(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return bool(torch.isfinite(v.detach()).all().item()) if v.is_floating_point() or v.is_complex() else True
+    if isinstance(v, (int, float)):
+        return math.isfinite(v)
+    return bool(np.isfinite(np.asarray(v, dtype=np.float64)).all())
+
+
+class NonFiniteGuard:
+    """Skip an update whose scores / loss / advantages / gradient norm hold NaN or ±inf; stop after K in a row.
+
+    check(step, {"scores": …, "loss": …}) → the name of the first non-finite value (its step is skipped and must
+    not reach a checkpoint) or None. Call it as often as needed within a step; the step counts once. Call ok()
+    when a step completed with everything finite: that resets the consecutive count. `.should_stop` once K
+    consecutive steps were bad; the last good checkpoint is then the one to resume from.
+    """
+
+    def __init__(self, max_consecutive: int = 3, log: Callable[[str], Any] = print):
+        if max_consecutive < 1:
+            raise ValueError(f"NonFiniteGuard: max_consecutive must be ≥ 1, got {max_consecutive}")
+        self.max_consecutive = max_consecutive
+        self.log = log
+        self.consecutive = 0
+        self.skipped = 0  # bad steps over the whole run
+        self.last_bad: tuple[int, str] | None = None
+
+    def check(self, step: int, tensors: Mapping[str, Any]) -> str | None:
+        for name, v in tensors.items():
+            if v is None or _is_finite(v):
+                continue
+            if self.last_bad is None or self.last_bad[0] != step:  # a step counts once
+                self.consecutive += 1
+                self.skipped += 1
+            self.last_bad = (step, name)
+            self.log(f"step {step}: non-finite {name}; update skipped "
+                     f"({self.consecutive}/{self.max_consecutive} consecutive)")
+            return name
+        return None
+
+    def ok(self) -> None:
+        self.consecutive = 0
+
+    @property
+    def should_stop(self) -> bool:
+        return self.consecutive >= self.max_consecutive
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "skipped": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.consecutive, self.skipped = int(d["consecutive"]), int(d["skipped"])
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    policy = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    ids = torch.randint(0, 50, (2, 8))
+    policy(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    prompt_rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as run:
+        path = save_checkpoint(run, 7, models={"policy": policy}, optimizers={"policy": opt},
+                               rngs={"prompt": prompt_rng}, extra_state={"kl_coef": 0.05})
+        print("saved:", path.relative_to(run), sorted(p.name for p in path.iterdir()))
+        before = (prompt_rng.random(), random.random(), np.random.rand(), torch.rand(()).item())
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(1.0)  # perturb the weights; the RNG streams already moved on above
+        state = load_checkpoint(run, models={"policy": policy}, optimizers={"policy": opt}, rngs={"prompt": prompt_rng})
+        after = (prompt_rng.random(), random.random(), np.random.rand(), torch.rand(()).item())
+        print("state:", {k: state[k] for k in ("step", "extra_state")})
+        print("next draws identical after resume:", before == after)
+    # saved: checkpoints/step-000007 ['COMPLETE', 'optimizer-policy.pt', 'policy', 'rng.pt', 'state.json']
+    # state: {'step': 7, 'extra_state': {'kl_coef': 0.05}}
+    # next draws identical after resume: True

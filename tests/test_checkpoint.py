@@ -1,0 +1,288 @@
+"""Checkpoints: exact resume (weights, optimizer, every RNG stream), atomic saves, keep-last, signals, NaN guard."""
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from checkpoint import GracefulExit, NonFiniteGuard, find_latest, load_checkpoint, save_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread is fastest, and avoids 100× slow-downs on a shared, busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------------------
+# A tiny policy (Llama) and critic (ScalarHeadModel) with AdamW, as train.py has them
+# ------------------------------------------------------------------------------------------------------
+def tiny_setup(tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from reward_model import ScalarHeadModel
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    policy, critic = LlamaForCausalLM(config), ScalarHeadModel(LlamaForCausalLM(config))
+    popt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    copt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    return policy, critic, popt, copt
+
+
+def train_step(policy, critic, popt, copt) -> None:
+    """One update whose data comes from the global torch RNG, so it depends on the restored stream too."""
+    ids = torch.randint(0, 50, (2, 6))  # (B, L)
+    loss = policy(input_ids=ids, labels=ids).loss + critic(ids, torch.ones_like(ids)).pow(2).mean()
+    popt.zero_grad()
+    copt.zero_grad()
+    loss.backward()
+    popt.step()
+    copt.step()
+
+
+def draws(prompt_rng: random.Random) -> tuple:
+    return (prompt_rng.random(), random.random(), float(np.random.rand()), torch.rand(3).tolist())
+
+
+def weights(*models) -> list[torch.Tensor]:
+    return [t.detach().clone() for m in models for t in m.state_dict().values()]
+
+
+class Fake:
+    """Stands in for a model where only the file layout matters (keeps those tests fast)."""
+
+    def save_pretrained(self, d):
+        os.makedirs(d)
+        safetensors.torch.save_file({"w": torch.zeros(2)}, os.path.join(d, "model.safetensors"))
+
+
+def save_fake(run, step, **kw):
+    return save_checkpoint(run, step, models={"m": Fake()}, **kw)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Exact resume
+# ------------------------------------------------------------------------------------------------------
+def test_checkpoint_round_trip_resumes_exactly(tmp_path):
+    policy, critic, popt, copt = tiny_setup()
+    for _ in range(2):
+        train_step(policy, critic, popt, copt)  # AdamW now has exp_avg, exp_avg_sq, step
+    prompt_rng = random.Random(123)
+    prompt_rng.random()
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    path = save_checkpoint(tmp_path, 2, models={"policy": policy, "critic": critic},
+                           optimizers={"policy": popt, "critic": copt}, rngs={"prompt": prompt_rng},
+                           extra_state={"moments": {"count": 8, "mean": 0.5, "var": 2.0}, "kl_coef": 0.05})
+    saved_opt = {k: v.clone() for k, v in popt.state_dict()["state"][0].items()}
+
+    # the uninterrupted run: the next draws of every stream, and the weights after one more update
+    expected_draws = draws(prompt_rng)
+    train_step(policy, critic, popt, copt)
+    expected_weights = weights(policy, critic)
+
+    # perturb everything the checkpoint should restore
+    with torch.no_grad():
+        for p in list(policy.parameters()) + list(critic.parameters()):
+            p.add_(torch.randn_like(p))
+    train_step(policy, critic, popt, copt)
+    draws(prompt_rng)
+    params_before = [id(p) for p in policy.parameters()]
+
+    state = load_checkpoint(tmp_path, models={"policy": policy, "critic": critic},
+                            optimizers={"policy": popt, "critic": copt}, rngs={"prompt": prompt_rng})
+    assert state["step"] == 2 and state["path"] == str(path)
+    assert state["extra_state"] == {"moments": {"count": 8, "mean": 0.5, "var": 2.0}, "kl_coef": 0.05}
+    # loaded in place: the optimizer still holds the very same parameter objects
+    assert [id(p) for p in policy.parameters()] == params_before == [id(p) for p in popt.param_groups[0]["params"]]
+    for k, v in saved_opt.items():
+        torch.testing.assert_close(popt.state_dict()["state"][0][k], v, rtol=0, atol=0)
+
+    assert draws(prompt_rng) == expected_draws
+    train_step(policy, critic, popt, copt)
+    for got, want in zip(weights(policy, critic), expected_weights):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_checkpoint_files_are_safetensors_and_weights_only(tmp_path):
+    policy, critic, popt, copt = tiny_setup()
+    train_step(policy, critic, popt, copt)
+    path = save_checkpoint(tmp_path, 1, models={"policy": policy, "critic": critic},
+                           optimizers={"policy": popt, "critic": copt}, rngs={"prompt": random.Random(0)})
+    files = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+    assert {"policy/model.safetensors", "critic/model.safetensors", "critic/value_head.safetensors",
+            "optimizer-policy.pt", "optimizer-critic.pt", "rng.pt", "state.json", "COMPLETE"} <= files
+    assert not any(f.endswith((".bin", ".pkl", ".pickle")) for f in files)
+    for pt in path.glob("*.pt"):
+        torch.load(pt, weights_only=True)  # raises if anything but tensors and plain containers were pickled
+    marker = json.loads((path / "COMPLETE").read_text())
+    assert set(marker["files"]) == files - {"COMPLETE"}
+    # each model directory is an ordinary Hugging Face directory
+    from reward_model import ScalarHeadModel
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(ScalarHeadModel.from_pretrained(path / "critic").score(ids, torch.ones_like(ids)),
+                                   critic.score(ids, torch.ones_like(ids)), rtol=0, atol=0)
+
+
+def test_checkpoint_tied_embeddings_load_in_place(tmp_path):
+    policy, critic, popt, copt = tiny_setup(tie=True)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight
+    want = weights(policy)
+    save_checkpoint(tmp_path, 0, models={"policy": policy})
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.zero_()
+    load_checkpoint(tmp_path, models={"policy": policy}, restore_rng=False)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight
+    for got, w in zip(weights(policy), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+
+
+def test_checkpoint_named_torch_and_numpy_generators(tmp_path):
+    gens = {"torch": torch.Generator().manual_seed(7), "numpy": np.random.default_rng(7), "py": random.Random(7)}
+    save_fake(tmp_path, 0, rngs=gens)
+    want = (torch.rand(2, generator=gens["torch"]).tolist(), gens["numpy"].random(2).tolist(), gens["py"].random())
+    load_checkpoint(tmp_path, rngs=gens)
+    got = (torch.rand(2, generator=gens["torch"]).tolist(), gens["numpy"].random(2).tolist(), gens["py"].random())
+    assert got == want
+
+
+# ------------------------------------------------------------------------------------------------------
+# Atomicity, latest, keep-last
+# ------------------------------------------------------------------------------------------------------
+def test_checkpoint_crash_midway_keeps_previous(tmp_path, monkeypatch):
+    policy, critic, popt, copt = tiny_setup()
+    models, opts = {"policy": policy, "critic": critic}, {"policy": popt, "critic": copt}
+    first = save_checkpoint(tmp_path, 1, models=models, optimizers=opts)
+
+    def boom(d):
+        os.makedirs(d)
+        (open(os.path.join(d, "model.safetensors"), "wb")).write(b"half a file")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(critic, "save_pretrained", boom)  # the policy is written, then the critic fails
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(tmp_path, 2, models=models, optimizers=opts)
+    root = tmp_path / "checkpoints"
+    assert find_latest(tmp_path) == first and (root / "latest").read_text() == "step-000001\n"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
+
+    # a save killed by the OS leaves its .tmp-* directory behind, even one that got as far as COMPLETE
+    leftover = root / "step-000003.tmp-99999"
+    leftover.mkdir()
+    (leftover / "COMPLETE").write_text("{}")
+    assert find_latest(tmp_path) == first and find_latest(root) == first
+    assert load_checkpoint(tmp_path, models={"policy": policy}, restore_rng=False)["step"] == 1
+    monkeypatch.undo()
+    save_checkpoint(tmp_path, 4, models=models)
+    assert not leftover.exists(), "the next save removes stale temporary directories"
+
+
+def test_checkpoint_find_latest_falls_back_without_latest_file(tmp_path):
+    assert find_latest(tmp_path) is None
+    for step in (3, 10, 7):
+        save_fake(tmp_path, step, keep_last=0)
+    root = tmp_path / "checkpoints"
+    assert find_latest(tmp_path).name == "step-000007"  # `latest` = the last one written
+    (root / "latest").write_text("step-000999\n")  # names a directory that does not exist
+    assert find_latest(tmp_path).name == "step-000010"
+    (root / "latest").unlink()
+    assert find_latest(root).name == "step-000010"
+    assert find_latest(root / "step-000003").name == "step-000003"  # a checkpoint directory itself
+    (root / "step-000010" / "COMPLETE").unlink()
+    assert find_latest(tmp_path).name == "step-000007"
+
+
+def test_checkpoint_keep_last(tmp_path):
+    for step in range(1, 6):
+        save_fake(tmp_path, step, keep_last=3)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000003", "step-000004", "step-000005"]
+    # resuming from an earlier step and saving: the new checkpoint is never the one deleted
+    save_fake(tmp_path, 2, keep_last=3)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000002", "step-000004", "step-000005"]
+    assert find_latest(tmp_path).name == "step-000002"
+    save_fake(tmp_path, 2, keep_last=1)  # the same step again replaces it
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]
+
+
+def test_checkpoint_detects_truncated_file_and_bad_state(tmp_path):
+    path = save_fake(tmp_path, 5)
+    with open(path / "m" / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(OSError, match="truncated"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="plain JSON"):
+        save_fake(tmp_path, 6, extra_state={"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match="plain JSON"):
+        save_fake(tmp_path, 6, extra_state={"x": float("nan")})
+    assert not (tmp_path / "checkpoints" / "step-000006").exists()
+    with pytest.raises(KeyError, match="policy"):
+        load_checkpoint(save_fake(tmp_path, 7), models={"policy": torch.nn.Linear(2, 2)})
+
+
+# ------------------------------------------------------------------------------------------------------
+# Signals and the NaN guard
+# ------------------------------------------------------------------------------------------------------
+def _wait_for(cond, seconds=2.0):
+    end = time.time() + seconds
+    while not cond() and time.time() < end:
+        time.sleep(0.01)
+
+
+def test_graceful_exit_sigterm_sets_flag_and_restores():
+    calls = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))
+    try:
+        outer = signal.getsignal(signal.SIGTERM)
+        with GracefulExit() as stop:
+            assert not stop.requested
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for(lambda: stop.requested)
+            assert stop.requested and stop.signal_name == "SIGTERM" and calls == []  # alive, flag set
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal goes to the handler that was there before
+            _wait_for(lambda: calls)
+            assert calls == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is outer
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_graceful_exit_sigint_does_not_raise():
+    with GracefulExit() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        _wait_for(lambda: stop.requested)
+        assert stop.signal_name == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_nonfinite_guard_nan_and_consecutive():
+    log = []
+    guard = NonFiniteGuard(max_consecutive=3, log=log.append)
+    good = {"scores": torch.tensor([1.0, 2.0]), "loss": 0.5, "grad_norm": torch.tensor(3.0), "n": torch.tensor([1])}
+    assert guard.check(0, good) is None
+    guard.ok()
+    bad = {"scores": torch.tensor([1.0, 2.0]), "loss": torch.tensor(float("nan")), "grad_norm": float("inf")}
+    assert guard.check(1, bad) == "loss"  # the first non-finite one, in the order given
+    assert log == ["step 1: non-finite loss; update skipped (1/3 consecutive)"]
+    assert guard.check(1, {"advantages": torch.tensor([float("-inf")])}) == "advantages"
+    assert guard.consecutive == 1, "a step counts once however many checks fail in it"
+    assert guard.check(2, {"grad_norm": float("inf")}) == "grad_norm" and not guard.should_stop
+    guard.ok()  # a good step in between resets the count
+    for step in range(3, 6):
+        assert not guard.should_stop
+        assert guard.check(step, {"scores": np.array([np.nan, 1.0])}) == "scores"
+    assert guard.should_stop and guard.skipped == 5 and log[-1].endswith("(3/3 consecutive)")
+    restored = NonFiniteGuard(3)
+    restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    assert restored.should_stop and restored.skipped == 5

@@ -1,0 +1,144 @@
+"""The collapse alarm (section 5.2, Fig. 4, Fig. 13): quiet on stable streams, fires on drift with its numbers."""
+import json
+
+import numpy as np
+import pytest
+
+from monitor import Alarm, CollapseMonitor
+
+
+def stable_stream(n: int, seed: int = 0, batch: int = 64):
+    """PPO-max-like (Fig. 9): KL small, length and perplexity flat, scores from one fixed distribution."""
+    rng = np.random.default_rng(seed)
+    for step in range(n):
+        metrics = {"kl/ref": float(abs(rng.normal(0.03, 0.01))), "response/length": float(rng.normal(10.0, 0.8)),
+                   "policy/perplexity": float(rng.normal(2.0, 0.1))}
+        yield step, metrics, rng.normal(0.0, 1.0, batch).tolist()
+
+
+def drifting_stream(n: int = 15):
+    """The worked example of monitor.py: 5 calm steps, then KL +0.1/step, length +2/step (Fig. 4)."""
+    for step in range(n):
+        drift = max(step - 4, 0)
+        metrics = {"kl/ref": 0.02 + 0.1 * drift, "response/length": 10.0 + 2.0 * drift,
+                   "policy/perplexity": 2.0 - 0.05 * drift}
+        yield step, metrics, ([-1.0, 0.0, 1.0, 2.0] if drift == 0 else [1.0 + 0.5 * drift] * 4)
+
+
+def run(monitor, stream):
+    return [a for step, m, s in stream if (a := monitor.update(step, m, s)) is not None]
+
+
+def test_monitor_stable_stream_never_fires():
+    monitor = CollapseMonitor()
+    assert run(monitor, stable_stream(300)) == []
+    assert monitor.first_alarm is None and monitor.ready
+
+
+def test_monitor_drift_fires_after_patience_with_reasons():
+    # numbers printed by `python monitor.py`
+    alarms = run(CollapseMonitor(), drifting_stream())
+    assert len(alarms) == 1, "one run of bad steps fires once"
+    assert alarms[0].step == 9
+    assert alarms[0].reasons == ["kl/ref 0.520 > 0.300", "response/length 20.0 > 1.5 × baseline 10.0 = 15.0"]
+    assert str(alarms[0]).startswith("collapse alarm at step 9: kl/ref 0.520 > 0.300")
+    # by hand: KL first exceeds 0.3 at step 7 (0.02 + 0.3 = 0.32), length first exceeds 15 at step 7 (16);
+    # patience 3 → steps 7, 8, 9 → fires at 9. With patience 1 it fires at 7.
+    assert run(CollapseMonitor(patience=1), drifting_stream())[0].step == 7
+
+
+def test_monitor_patience_resets_on_a_good_step():
+    monitor = CollapseMonitor(warmup=1, patience=3)
+    good, bad = {"kl/ref": 0.01}, {"kl/ref": 0.9}
+    pattern = [good, bad, bad, good, bad, bad, good, bad, bad, bad, bad, good, bad, bad, bad]
+    fired = [step for step, m in enumerate(pattern) if monitor.update(step, m)]
+    assert fired == [9, 14]  # the 3rd bad step of each run of ≥ 3; runs of 2 never fire
+
+
+def test_monitor_perplexity_drop_fires():
+    monitor = CollapseMonitor(patience=2)
+    stream = [{"kl/ref": 0.01, "response/length": 10.0, "policy/perplexity": p}
+              for p in [2.0, 2.2, 1.8, 2.0, 2.0, 1.5, 1.41, 1.39, 1.2]]
+    fired = [(s, a) for s, m in enumerate(stream) if (a := monitor.update(s, m))]
+    # baseline perplexity = mean(2.0, 2.2, 1.8, 2.0, 2.0) = 2.0 → limit 0.7 × 2.0 = 1.4; 1.39 and 1.2 are below
+    assert [s for s, _ in fired] == [8]
+    assert fired[0][1].reasons == ["policy/perplexity 1.200 < 0.7 × baseline 2.000 = 1.400"]
+
+
+def test_monitor_reward_tail_fires():
+    rng = np.random.default_rng(1)
+    base_scores = [rng.normal(0.0, 1.0, 64).tolist() for _ in range(5)]
+    flat = {"kl/ref": 0.01, "response/length": 10.0, "policy/perplexity": 2.0}
+    pooled = np.concatenate(base_scores)
+    cut = pooled.mean() + 3 * pooled.std()  # population std (ddof 0), independently of the monitor
+
+    def tail_batch(frac):
+        k = int(round(frac * 64))
+        return [float(cut + 2.0)] * k + rng.normal(0.0, 1.0, 64 - k).tolist()
+
+    monitor = CollapseMonitor()
+    for step, s in enumerate(base_scores):
+        assert monitor.update(step, flat, s) is None
+    base = monitor.baseline()
+    np.testing.assert_allclose([base["score_mean"], base["score_std"]], [pooled.mean(), pooled.std()], rtol=1e-12)
+    # a 10 % tail is within what Cantelli allows for a stable distribution: no alarm
+    assert [monitor.update(5 + i, flat, tail_batch(0.10)) for i in range(5)] == [None] * 5
+    # a 30 % tail (Fig. 13's long tail after collapse): fires after patience, with the tail as the only reason
+    batches = [tail_batch(0.30) for _ in range(3)]
+    alarms = [monitor.update(10 + i, flat, b) for i, b in enumerate(batches)]
+    assert alarms[:2] == [None, None] and isinstance(alarms[2], Alarm) and alarms[2].step == 12
+    frac = sum(x > cut for x in batches[2]) / 64  # the 19 planted values, plus any natural ones beyond 3σ
+    assert alarms[2].reasons == [f"reward tail {frac:.0%} of scores > baseline mean {pooled.mean():.2f} + 3σ "
+                                 f"({pooled.std():.2f}) = {cut:.2f}, limit 20%"]
+
+
+def test_monitor_relative_checks_wait_for_warmup_and_skip_missing_metrics():
+    monitor = CollapseMonitor(patience=1)
+    # during warmup only the absolute KL check runs, so a long response there is not a reason
+    assert monitor.check({"response/length": 1000.0}) == []
+    assert monitor.check({"kl/ref": 0.5}) == ["kl/ref 0.500 > 0.300"]
+    for step in range(5):
+        assert monitor.update(step, {"response/length": 10.0}) is None  # no perplexity, no scores: not checked
+    assert monitor.check({"policy/perplexity": 0.1, "response/length": 14.9}) == []
+    assert monitor.check({"response/length": 15.1}) == ["response/length 15.1 > 1.5 × baseline 10.0 = 15.0"]
+
+
+def test_monitor_state_dict_round_trip_continues_exactly():
+    stream = list(stable_stream(6, seed=3)) + list(drifting_stream(20))[6:]
+    whole = CollapseMonitor()
+    expected = [whole.update(s, m, x) for s, m, x in stream]
+
+    first = CollapseMonitor()
+    got = [first.update(s, m, x) for s, m, x in stream[:7]]
+    saved = json.loads(json.dumps(first.state_dict()))  # through JSON, as the checkpoint stores it
+    resumed = CollapseMonitor()
+    resumed.load_state_dict(saved)
+    got += [resumed.update(s, m, x) for s, m, x in stream[7:]]
+    assert got == expected and any(a is not None for a in expected)
+    assert resumed.state_dict() == whole.state_dict()
+
+
+def test_monitor_ignores_non_finite_values():
+    monitor = CollapseMonitor(warmup=2)
+    nan = float("nan")
+    monitor.update(0, {"kl/ref": nan, "response/length": nan, "policy/perplexity": 2.0}, [nan, 1.0, float("inf")])
+    monitor.update(1, {"kl/ref": 0.0, "response/length": 10.0, "policy/perplexity": 2.0}, [3.0])
+    assert monitor.baseline() == {"response/length": 10.0, "policy/perplexity": 2.0, "score_mean": 2.0,
+                                  "score_std": 1.0}
+    json.dumps(monitor.state_dict(), allow_nan=False)  # still valid JSON for the checkpoint
+
+
+def test_monitor_rejects_bad_thresholds():
+    with pytest.raises(ValueError):
+        CollapseMonitor(patience=0)
+    with pytest.raises(ValueError):
+        CollapseMonitor(ppl_drop=1.0)
+
+
+def test_monitor_accepts_tensor_scores():
+    torch = pytest.importorskip("torch")
+    a, b = CollapseMonitor(), CollapseMonitor()
+    for step, m, s in stable_stream(7, seed=5, batch=8):
+        a.update(step, m, torch.tensor(s, dtype=torch.float64))
+        b.update(step, m, s)
+    assert a.state_dict() == b.state_dict()
