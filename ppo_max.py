@@ -299,6 +299,8 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     full_mask = torch.cat([query_mask, response_mask], 1)                              # (B, L)
     # (2) score: the reward model reads the last real token of prompt + response
     scores = reward_model.score(full_ids, full_mask).float()                           # (B,)
+    if not torch.isfinite(scores).all():   # checked before the running moments see them: one NaN would poison Eq. 18
+        return {"nonfinite": "reward/score", "scores": scores, "stats": {}}
     # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
     if cfg.reward_norm or cfg.reward_scale:
         moments.update(scores)
@@ -322,6 +324,9 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     # (5) values and GAE (Eq. 9); returns = advantages + values are the critic's targets (Eq. 16)
     values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
     advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
+    for name, x in (("logprobs", logprobs), ("values", values), ("advantages", advantages)):
+        if not torch.isfinite(x).all():
+            return {"nonfinite": name, "scores": scores, "stats": {}}
     nll = -masked_mean(logprobs, mask)
     lengths = mask.sum(1)
     stats = {
@@ -342,7 +347,7 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     }
     return {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
             "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
-            "scores": scores, "stats": stats}
+            "scores": scores, "stats": stats, "nonfinite": None}
 
 
 def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig, ptx_batch) -> dict:
@@ -351,6 +356,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
     # the ratio's denominator: π_θold (PPO) or, with importance sampling against the reference, π_SFT
     old_logprobs = exp["ref_logprobs"] if cfg.importance_sampling else exp["logprobs"]
     acc: dict[str, list[float]] = {}
+    nonfinite: list[str] = []   # names of the losses / gradient norms that were not finite (those steps are skipped)
     for _ in range(cfg.ppo_epochs):
         for idx in torch.randperm(B).split(cfg.minibatch):
             q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx], exp["mask"][idx]
@@ -376,19 +382,33 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
             policy_opt.zero_grad()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            policy_opt.step()
+            if _finite_step(policy_opt, "policy", loss, grad_norm, nonfinite):  # a NaN never reaches the weights
+                policy_opt.step()
             # critic: value loss (Eq. 16), clipped around the rollout's values
             values = critic_values(critic, q, qm, r, m)                                 # (b, T)
             vf_loss, vf_stats = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
             critic_opt.zero_grad()
             (cfg.vf_coef * vf_loss).backward()
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip or float("inf"))
-            critic_opt.step()
-            for k, v in {"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": float(ptx),
+            vf_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip or float("inf"))
+            if _finite_step(critic_opt, "critic", vf_loss, vf_grad_norm, nonfinite):
+                critic_opt.step()
+            for k, v in {"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": ptx.item(),
                          "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
                          "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}.items():
                 acc.setdefault(k, []).append(v)
-    return {k: sum(v) / len(v) for k, v in acc.items()}
+    stats = {k: sum(v) / len(v) for k, v in acc.items()}
+    stats["guard/skipped_updates"] = float(len(nonfinite))
+    return stats if not nonfinite else {**stats, "guard/nonfinite": sorted(set(nonfinite))}
+
+
+def _finite_step(opt, name: str, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite: list[str]) -> bool:
+    """False (and the gradients dropped) when the loss or the gradient norm is NaN/inf, so the step is skipped."""
+    for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
+        if not torch.isfinite(x).all():
+            nonfinite.append(what)
+            opt.zero_grad()
+            return False
+    return True
 
 
 def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch, cfg: PPOConfig,
@@ -403,6 +423,8 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
                                              cfg.temperature)
         exp = make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
                               moments, cfg, kl_coef)
+        if exp["nonfinite"]:
+            continue
         losses = []
         for _ in range(cfg.ppo_epochs):
             for idx in torch.randperm(len(response)).split(cfg.minibatch):

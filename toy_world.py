@@ -14,7 +14,7 @@ What each piece stands for in the paper (arXiv 2307.04964):
                           prefer the longer answer more often than its quality says (paper, Table 1, §4.3).
                           Data are limited, as in real life.
   - the learned reward model therefore rewards length beyond what gold does (measured by
-    `length_bias_report` and printed by train.py), and a policy optimised hard against it finds the
+    `train.length_bias` and printed by train.py), and a policy optimised hard against it finds the
     padding/repetition responses that gold dislikes: the paper's pattern collapse (Fig. 4), visible
     because we can call gold on every sample.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------------------
@@ -67,12 +67,12 @@ VOCAB = SPECIALS + sorted(set(PROMPT_WORDS) | set(RESPONSE_WORDS))
 class WorldConfig:
     """Knobs of the world. Defaults are what `python train.py` uses; README 'The synthetic world' explains them."""
     seed: int = 0
-    heldout_frac: float = 0.3       # fraction of prompts held out (evaluation only)
-    n_sft: int = 4000               # SFT demonstrations
-    n_pairs: int = 3000             # preference pairs (limited, as in real life)
-    n_pairs_heldout: int = 600      # held-out pairs for RM accuracy (Fig. 3) and margins (Fig. 2)
-    label_beta: float = 1.0         # Bradley-Terry temperature of the annotators on gold reward differences
-    length_bias: float = 0.5        # annotators' extra log-odds per token of length difference (Table 1's bias)
+    heldout_frac: float = field(default=0.3, metadata={"help": "fraction of prompts held out (evaluation only)"})
+    n_sft: int = field(default=4000, metadata={"help": "SFT demonstrations"})
+    n_pairs: int = field(default=3000, metadata={"help": "preference pairs (limited, as in real life)"})
+    n_pairs_heldout: int = field(default=600, metadata={"help": "held-out pairs for RM accuracy (Fig. 3) and margins (Fig. 2)"})
+    label_beta: float = field(default=2.0, metadata={"help": "annotators' log-odds per unit of gold-reward difference (Bradley-Terry inverse temperature)"})
+    length_bias: float = field(default=0.8, metadata={"help": "annotators' extra log-odds per token of length difference (Table 1's bias)"})
 
 
 # ---------------------------------------------------------------------------------------------------------
