@@ -4,10 +4,13 @@ Implements: no equation; the monitoring metrics of §5.2 and the win rate of Fig
   sample()        responses with the paper's evaluation sampling (top-p 0.9, temperature 0.8, repetition penalty 1.1)
   measure()       reward-model score, gold reward, per-token KL to the reference, perplexity, length
   compare()       the above for a policy and the SFT model, plus win / tie / lose judged by gold (synthetic world)
-                  or by the reward model (real data, where no gold judge exists)
+                  or by the reward model (real data, where no gold judge exists: rm_judge())
+  score()         r(x, y) of every pair or response of a data file with a saved reward model: pairwise accuracy
+                  (Eq. 1; Fig. 3) and the histogram of r(x, y_w) − r(x, y_l) (Fig. 2)
 Run:
   python eval.py --policy runs/ppo-max-seed0/policy --sft runs/_base/<...>/sft --reward-model runs/_base/<...>/reward_model
   python eval.py --run runs/ppo-max-seed0          # the same, with every path read from that run's summary.json
+  python eval.py score --reward-model runs/_base/real-<...>/reward_model --data pairs.jsonl.gz --out scores.jsonl
 Definitions of every metric: README, "Metrics".
 """
 from __future__ import annotations
@@ -29,6 +32,18 @@ EVAL_SAMPLING = dict(top_p=0.9, temperature=0.8, repetition_penalty=1.1)
 
 def gold_judge(prompt: str, text: str, finished: bool) -> float:
     return toy_world.gold_reward(prompt, text, finished)
+
+
+def rm_judge(reward_model, tokenizer):
+    """A judge for compare() when no gold exists (real data): r(x, y) of the reward model, on
+    [BOS] + prompt + response (+ EOS if the sample finished), the encoding the RM was trained on."""
+    from train import encode, encode_prompt
+
+    @torch.no_grad()
+    def judge(prompt: str, text: str, finished: bool) -> float:
+        ids = encode_prompt(tokenizer, prompt) + encode(tokenizer, text) + ([tokenizer.eos_token_id] if finished else [])
+        return reward_model.score(torch.tensor([ids]), torch.ones(1, len(ids))).item()
+    return judge
 
 
 @torch.no_grad()
@@ -94,16 +109,152 @@ def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: in
 
 def format_table(summary: dict) -> str:
     keys = ["reward", "gold_reward", "kl", "perplexity", "response_length"]
-    lines = [f"{'held-out':<10}" + "".join(f"{k:>16}" for k in keys)]
+    judge = summary.get("judge", "gold")
+    names = {"gold_reward": "gold_reward" if judge == "gold" else "judge(RM)"}  # real data: the RM re-scores text
+    lines = [f"{'held-out':<10}" + "".join(f"{names.get(k, k):>16}" for k in keys)]
     for name in ["sft", "final"]:
         lines.append(f"{name:<10}" + "".join(f"{summary[name][k]:>16.3f}" for k in keys))
     w = summary["win_rate_vs_sft"]
-    lines.append(f"win rate vs SFT (gold judge): win {w['win']:.2f}  tie {w['tie']:.2f}  lose {w['lose']:.2f}   "
-                 f"peak training gold {summary['peak']['gold_reward']:.2f} at step {summary['peak']['step']}")
+    peak = summary.get("peak")
+    lines.append(f"win rate vs SFT (judge: {'gold' if judge == 'gold' else judge}): win {w['win']:.2f}  "
+                 f"tie {w['tie']:.2f}  lose {w['lose']:.2f}"
+                 + (f"   peak training gold {peak['gold_reward']:.2f} at step {peak['step']}" if peak else ""))
+    if "rm" in summary:
+        lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}")
     return "\n".join(lines)
 
 
+# =========================================================================================================
+# `python eval.py score`: a saved reward model on its own, over a data file (pairs or prompt/response)
+# =========================================================================================================
+def load_scorer(model_dir: str):
+    """(reward model, tokenizer, limits) of a reward-model directory written by train.py.
+
+    A missing directory, a missing tokenizer or a directory that is not a trained reward model is a
+    data.DataError (one line, exit 2 under cli_guard). limits = data_limits.json written by
+    `train.py --data`; without it (a synthetic-world RM) the model's context is split 2:1 prompt:response.
+    """
+    import data
+    from reward_model import VALUE_HEAD_WEIGHTS, ScalarHeadModel
+    tokenizer = data.load_tokenizer(model_dir)
+    if not (Path(model_dir) / VALUE_HEAD_WEIGHTS).is_file():
+        raise data.DataError(model_dir, None, None, "no_model", f"no {VALUE_HEAD_WEIGHTS}: not a trained reward-model "
+                                                              f"directory (expected runs/_base/<...>/reward_model)")
+    try:
+        rm = ScalarHeadModel.from_pretrained(model_dir).eval().requires_grad_(False)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise data.DataError(model_dir, None, None, "no_model", f"cannot load the reward model ({first})") from None
+    limits_file = Path(model_dir) / "data_limits.json"
+    if limits_file.is_file():
+        limits = json.loads(limits_file.read_text())
+    else:
+        context = rm.config.max_position_embeddings - 1  # [BOS] takes one position
+        limits = {"max_prompt_tokens": 2 * context // 3, "max_response_tokens": context - 2 * context // 3}
+    return rm, tokenizer, limits
+
+
+@torch.no_grad()
+def score_texts(rm, tokenizer, rows: list[tuple[str, str]], batch: int = 64) -> list[float]:
+    """r(x, y) of (prompt, response) rows, encoded as in training ([BOS] + x + y + [EOS], train.lm_batch),
+    batched by length so that little is padding; returned in the order of `rows`."""
+    from train import lm_batch
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    scores = [0.0] * len(rows)
+    for i in range(0, len(order), batch):
+        idx = order[i:i + batch]
+        ids, attn, _ = lm_batch(tokenizer, [rows[j] for j in idx])                 # (B, L), (B, L)
+        for j, r in zip(idx, rm.score(ids, attn).tolist()):                          # (B,)
+            scores[j] = r
+    return scores
+
+
+def margin_histogram(margins: list[float], path: str, title: str) -> None:
+    """Fig. 2: the distribution of r(x, y_w) − r(x, y_l) over pairs, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.hist(margins, bins=40, color="tab:blue", alpha=0.8)
+    ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
+    ax.set_xlabel("r(x, y_chosen) − r(x, y_rejected)")
+    ax.set_ylabel("pairs")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def score(argv=None) -> dict:
+    """Score every pair (or every prompt/response) of a data file with a saved reward model."""
+    import data
+    from reward_model import accuracy
+    from train import prompt_text, real_pair_rows
+    p = argparse.ArgumentParser(prog="eval.py score", description=score.__doc__)
+    p.add_argument("--reward-model", required=True, help="reward-model directory (with its tokenizer), from train.py")
+    p.add_argument("--data", required=True, help="HH-RLHF / {prompt,chosen,rejected} pairs, or {prompt,response} / "
+                                                 "{text} records; .jsonl or .jsonl.gz")
+    p.add_argument("--out", default="scores.jsonl", help="per-example scores (JSONL)")
+    p.add_argument("--hist", default=None, help="PNG of the margin histogram (Fig. 2); default: --out with .png")
+    p.add_argument("--skip-bad", action="store_true", help="skip bad lines, count them by reason (else exit 2)")
+    p.add_argument("--batch", type=int, default=64, help="sequences per forward pass")
+    a = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    rm, tokenizer, limits = load_scorer(a.reward_model)
+    P, T = limits["max_prompt_tokens"], limits["max_response_tokens"]
+    report = data.DataReport()
+    first = next((obj for _, obj in data.read_jsonl(a.data, skip_bad=True)), {})
+    out_rows, result = [], {"file": a.data, "reward_model": a.reward_model, "limits": {"P": P, "T": T}}
+    if "chosen" in first or "rejected" in first or not first:
+        pairs = data.load_pairs(a.data, a.skip_bad, report)
+        rows = real_pair_rows(pairs, tokenizer, P, T, a.skip_bad, report)  # the truncation of training
+        if not rows:
+            raise data.DataError(a.data, None, None, "all_skipped", f"no pair fits the limits P={P}, T={T} ({report.summary()})")
+        s = score_texts(rm, tokenizer, [(r["prompt"], r["chosen"]) for r in rows]
+                        + [(r["prompt"], r["rejected"]) for r in rows], a.batch)
+        r_chosen, r_rejected = torch.tensor(s[:len(rows)]), torch.tensor(s[len(rows):])  # (N,), (N,)
+        margins = r_chosen - r_rejected                                                   # (N,)  r(x,y_w) − r(x,y_l)
+        out_rows = [{"source": r["source"], "chosen": c, "rejected": j, "margin": c - j}
+                    for r, c, j in zip(rows, r_chosen.tolist(), r_rejected.tolist())]
+        result.update(pairs=len(rows), accuracy=accuracy(r_chosen, r_rejected), mean_margin=margins.mean().item())
+        result["hist"] = a.hist or str(Path(a.out).with_suffix(".png"))
+        margin_histogram(margins.tolist(), result["hist"], f"{Path(a.data).name}: {len(rows)} pairs, accuracy "
+                         f"{result['accuracy']:.3f}, mean margin {result['mean_margin']:+.3f}")
+        print(f"{len(rows)} pairs: pairwise accuracy {result['accuracy']:.3f}, mean margin r(chosen) − r(rejected) "
+              f"{result['mean_margin']:+.3f}; histogram {result['hist']}")
+    else:
+        rows = []
+        for prompt, response, source in data.load_texts(a.data, a.skip_bad, report, with_source=True):
+            try:
+                enc = data.encode_text(prompt, response, tokenizer, P, T, source=source, report=report)
+            except data.DataError as err:
+                if not a.skip_bad:
+                    raise
+                report.skip(err)
+                continue
+            if enc is not None:
+                rows.append((prompt_text(enc["prompt_ids"], tokenizer, P) if prompt else "", response, source))
+        if not rows:
+            raise data.DataError(a.data, None, None, "all_skipped", f"no record fits the limits P={P}, T={T} ({report.summary()})")
+        s = score_texts(rm, tokenizer, [(x, y) for x, y, _ in rows], a.batch)
+        out_rows = [{"source": src, "score": r} for (_, _, src), r in zip(rows, s)]
+        result.update(responses=len(rows), mean_score=sum(s) / len(s))
+        print(f"{len(rows)} responses: mean r(x, y) {result['mean_score']:+.3f} (no pairs, so no accuracy or histogram)")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in out_rows))
+    result.update(out=a.out, data_report=report.to_dict())
+    print(f"scores: {a.out}; data: {report.summary()}")
+    return result
+
+
 def main(argv=None) -> None:
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["score"]:  # `python eval.py score ...`; everything else is the policy-vs-SFT comparison
+        from data import cli_guard
+        return cli_guard(score)(argv[1:])
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward_model import ScalarHeadModel
     from train import read_jsonl
@@ -117,8 +268,10 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=24)
     a = p.parse_args(argv)
+    judge_name = "gold"
     if a.run:
         summ = json.loads((Path(a.run) / "summary.json").read_text())
+        judge_name = summ.get("judge", "gold")  # a `train.py --data` run has no gold: the RM judges
         base = Path(summ["base"])
         a.policy = a.policy or str(Path(a.run) / "policy")
         a.sft = a.sft or str(base / "sft")
@@ -129,9 +282,10 @@ def main(argv=None) -> None:
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
     prompts = [r["prompt"] for r in read_jsonl(Path(a.prompts))]
-    rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens)
+    judge = gold_judge if judge_name == "gold" else rm_judge(rm, tok)
+    rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge)
     print(format_table({"sft": rep["sft"], "final": rep["policy"], "win_rate_vs_sft": rep["win_rate"],
-                        "peak": {"gold_reward": float("nan"), "step": -1}}))
+                        "peak": None, "judge": judge_name}))
     for e in rep["examples"]:
         print(f"{e['prompt']!r:28} policy: {e['policy']!r}\n{'':28} sft:    {e['sft']!r}")
 

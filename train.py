@@ -55,6 +55,14 @@ class RunConfig:
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
     threads: int = arg(0, "torch CPU threads (0 = torch's default)")
+    # real preference data instead of the synthetic world (build_base_real; data.py reads and checks it)
+    data: str = arg("", "HH-RLHF or {prompt,chosen,rejected} .jsonl[.gz]: train on real text with a from-scratch "
+                        "model instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
+    skip_bad: bool = arg(False, "with --data: skip bad lines, count them by reason, report at the end (else exit 2)")
+    heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts")
+    vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only")
+    max_prompt_tokens: int = arg(128, "with --data: P limit; longer prompts keep their latest turns")
+    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted")
 
 
 @dataclass
@@ -96,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
                 g.add_argument(flag, type=typ, **kw)
+    g = p.add_argument_group("synthetic world (toy_world.WorldConfig)")
+    for f in dataclasses.fields(toy_world.WorldConfig):
+        if f.name != "seed":
+            g.add_argument("--world-" + f.name.replace("_", "-"), dest="world_" + f.name, type=type(f.default),
+                           default=f.default, help=f.metadata.get("help", ""))
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p
 
@@ -106,9 +119,11 @@ def parse_configs(argv=None):
     run, sft, rm = pick(RunConfig), pick(SFTConfig), pick(RMConfig)
     overrides = {f.name: getattr(args, f.name) for f in ppo_config_fields() if getattr(args, f.name) is not None}
     ppo = ppo_max.apply_preset(run.preset, **overrides)
+    world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
+                                                     for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
     if not run.out:
         run.out = f"runs/{run.preset}-seed{run.seed}"
-    return run, sft, rm, ppo
+    return run, sft, rm, ppo, world
 
 
 # =========================================================================================================
@@ -344,6 +359,152 @@ def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: 
     return base
 
 
+# --data: the same stages on real text. A small budget so that the whole run (PPO included) takes minutes on
+# 2 CPU cores; each value applies only when its flag is not given on the command line. Measured on
+# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared (loaded) cores: 3 min 19 s in all (data 2 s, SFT 74 s,
+# RM 27 s, critic pre-training 58 s, PPO 27 s, eval 5 s); held-out RM accuracy 0.614 on 83 pairs.
+REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4,
+                          steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1)
+
+
+def real_data_configs(argv, *configs):
+    """Apply REAL_DATA_DEFAULTS to the fields of `configs` whose flag is not on the command line."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS      # parse again: only the flags actually given survive
+    given = set(vars(p.parse_args(argv)))
+    out = []
+    for c in configs:
+        names = {f.name for f in dataclasses.fields(c)}
+        out.append(dataclasses.replace(c, **{k: v for k, v in REAL_DATA_DEFAULTS.items() if k in names and k not in given}))
+    if "out" not in given and isinstance(out[0], RunConfig):
+        out[0].out = f"runs/{out[0].preset}-{Path(out[0].data).name.split('.')[0]}-seed{out[0].seed}"
+    print("[data] real-data defaults for flags not given: "
+          + json.dumps({k: v for k, v in REAL_DATA_DEFAULTS.items() if k not in given}))
+    return out
+
+
+def real_pair_rows(pairs, tokenizer, max_prompt_tokens: int, max_response_tokens: int, skip_bad: bool,
+                   report) -> list[dict]:
+    """Preference pairs as the text records {"prompt","chosen","rejected","source"} that lm_batch/pair_batch read.
+
+    data.encode_pair applies the limits (latest turns kept, over-long responses dropped and counted,
+    prompt_too_long raised or skipped); the kept prompt ids are then decoded back to TEXT, so the rest of
+    the pipeline (lm_batch, PPO, eval) re-encodes exactly those tokens: [BOS] + prompt + response + [EOS],
+    L ≤ 1 + max_prompt_tokens + max_response_tokens. eval.py score uses this same function.
+    """
+    import data
+    encoded = data.encode_pairs(pairs, tokenizer, max_prompt_tokens, max_response_tokens, skip_bad=skip_bad,
+                                report=report)
+    by_source = {p.source: p for p in pairs}
+    return [{"prompt": prompt_text(e["prompt_ids"], tokenizer, max_prompt_tokens),
+             "chosen": by_source[e["source"]].chosen, "rejected": by_source[e["source"]].rejected,
+             "source": e["source"]} for e in encoded]
+
+
+def prompt_text(prompt_ids: list[int], tokenizer, max_prompt_tokens: int) -> str:
+    """The text of truncated prompt ids, re-encoding to at most max_prompt_tokens tokens.
+
+    Byte-level BPE decodes losslessly, so an untruncated prompt, or one cut at a "\\n\\nHuman:" turn, comes
+    back character for character. A token-level cut (a single over-long last turn) can start inside a word
+    or a UTF-8 character and re-encode differently: drop one more leading token until it fits.
+    """
+    ids = list(prompt_ids)
+    while True:
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if len(encode(tokenizer, text)) <= max_prompt_tokens:
+            return text
+        ids = ids[1:]
+
+
+def build_base_real(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig) -> Path:
+    """Stages 1-2 on real preference pairs (--data), cached like build_base under runs/_base/real-seed<s>-<hash>/.
+
+    Writes the same files as build_base (tokenizer, sft, reward_model, data/{prompts_train, prompts_heldout,
+    sft}.jsonl, rm_log.json, rm_heldout_scores.json, timings.json, DONE), so the PPO stage runs unchanged, plus
+    data_report.json (kept / skipped / truncated / dropped) and data_limits.json (also in reward_model/, for
+    `eval.py score`). No "pretrained" model and no length-bias probe: both need the synthetic world.
+    """
+    import data
+    t0 = time.time()
+    report = data.DataReport()
+    pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)  # DataError: one line, exit 2
+    stat = Path(run.data).stat()
+    limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
+              "bos": True, "note": "ids = [BOS] + prompt (latest turns kept) + response + [EOS]"}
+    key = {"data": {"path": str(Path(run.data).resolve()), "size": stat.st_size, "mtime": stat.st_mtime},
+           "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
+           "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg)}
+    base = Path("runs/_base") / f"real-seed{run.seed}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
+    if (base / "DONE").exists():
+        print(f"[base] reusing {base} (tokenizer, SFT and reward model for this data file and config)")
+        return base
+    tmp = Path(str(base) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    timings = {}
+
+    # 0. split, tokenizer on the training split only, limits applied once, text records written
+    train_pairs, heldout_pairs = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
+    tokenizer = data.train_bpe_tokenizer([p.prompt + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs],
+                                         tmp / "tokenizer", run.vocab_size)
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)  # tiny_llama's ids
+    lim = (run.max_prompt_tokens, run.max_response_tokens)
+    pairs_train = real_pair_rows(train_pairs, tokenizer, *lim, run.skip_bad, report)
+    pairs_heldout = real_pair_rows(heldout_pairs, tokenizer, *lim, run.skip_bad, report)
+    print(f"[data] {run.data}: {len(pairs_train)} train / {len(pairs_heldout)} held-out pairs; {report.summary()}")
+    if not pairs_train or not pairs_heldout:
+        raise data.DataError(run.data, None, None, "all_skipped",
+                             f"no {'training' if not pairs_train else 'held-out'} pairs left within the limits "
+                             f"({report.summary()}); raise --max-response-tokens or give more pairs")
+    data_files = {"prompts_train": [{"prompt": r["prompt"]} for r in pairs_train],
+                  "prompts_heldout": [{"prompt": r["prompt"]} for r in pairs_heldout],
+                  "sft": [{"prompt": r["prompt"], "response": r["chosen"]} for r in pairs_train],  # SFT on y_w
+                  "pairs_train": pairs_train, "pairs_heldout": pairs_heldout}
+    (tmp / "data").mkdir()
+    for name, rows in data_files.items():
+        (tmp / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(), "file": run.data,
+                                          "pairs_train": len(pairs_train), "pairs_heldout": len(pairs_heldout)})
+    write_json(tmp / "data_limits.json", limits)
+    timings["data"] = time.time() - t0
+
+    # 1. SFT on the chosen responses, a from-scratch tiny LLaMA whose context holds [BOS] + P + T
+    t0 = time.time()
+    seed_everything(run.seed)
+    sft = tiny_llama(len(tokenizer), sft_cfg)
+    sft.config.max_position_embeddings = 1 + run.max_prompt_tokens + run.max_response_tokens  # RoPE: no table to resize
+    rows = [(r["prompt"], r["response"]) for r in data_files["sft"]]
+    sft_losses = train_lm(sft, tokenizer, rows, sft_cfg.sft_epochs, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed, "1. SFT")
+    sft.save_pretrained(tmp / "sft")
+    tokenizer.save_pretrained(tmp / "sft")
+    timings["sft"] = time.time() - t0
+
+    # 2. reward model from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
+    t0 = time.time()
+    seed_everything(run.seed)
+    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
+    rm_log = train_reward_model(rm, tokenizer, pairs_train, pairs_heldout, rm_cfg, run.seed)
+    rm.save_pretrained(tmp / "reward_model")
+    tokenizer.save_pretrained(tmp / "reward_model")
+    write_json(tmp / "reward_model" / "data_limits.json", limits)
+    rc, rr = score_pairs(rm, tokenizer, pairs_heldout)
+    timings["reward_model"] = time.time() - t0
+    print(f"[base] reward model held-out accuracy {rm_log[-1]['heldout_accuracy']:.3f} on {len(pairs_heldout)} pairs")
+
+    write_json(tmp / "sft_log.json", {"loss": sft_losses})
+    write_json(tmp / "rm_log.json", rm_log)                                  # Fig. 3
+    write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+    write_json(tmp / "timings.json", timings)
+    write_json(tmp / "config.json", {"data": key["data"], "limits": limits, "vocab_size": run.vocab_size,
+                                     "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
+                                     "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg), "seed": run.seed})
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(base, ignore_errors=True)
+    tmp.rename(base)
+    return base
+
+
 @torch.no_grad()
 def length_bias(rm: ScalarHeadModel, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
     """RM score vs gold as filler words are added to a correct answer (same content, longer): the RM's
@@ -377,7 +538,15 @@ def length_bias(rm: ScalarHeadModel, tokenizer, prompt_rows: list[dict], seed: i
 # Stage 4: PPO
 # =========================================================================================================
 def main(argv=None) -> dict:
-    run, sft_cfg, rm_cfg, cfg = parse_configs(argv)
+    run, sft_cfg, rm_cfg, cfg, world_cfg = parse_configs(argv)
+    if run.data:  # real text: a smaller budget for the flags not given, and no gold judge
+        run, sft_cfg, rm_cfg, cfg = real_data_configs(argv, run, sft_cfg, rm_cfg, cfg)
+        for bad, why in [(run.model != "tiny", f"--model {run.model!r}: --data trains a from-scratch model ('tiny')"),
+                         (cfg.policy_init != "sft", "--policy-init pretrained needs the synthetic world")]:
+            if bad:
+                print(f"error: {why}", file=sys.stderr)
+                raise SystemExit(2)
+    gold_judge = None if run.data else evaluation.gold_judge  # the synthetic human; real data has none
     if run.threads:
         torch.set_num_threads(run.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -387,12 +556,12 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     print(f"preset {run.preset!r}: " + json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()}))
     t_start = time.time()
-    world_cfg = toy_world.WorldConfig(seed=run.seed)
-    base = build_base(run, sft_cfg, rm_cfg, world_cfg)
+    base = build_base_real(run, sft_cfg, rm_cfg) if run.data else build_base(run, sft_cfg, rm_cfg, world_cfg)
     timings = json.loads((base / "timings.json").read_text())
-    bias = json.loads((base / "rm_length_bias.json").read_text())
-    print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
-          f"(filler tokens added to a correct answer)")
+    bias = None if run.data else json.loads((base / "rm_length_bias.json").read_text())
+    if bias:
+        print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
+              f"(filler tokens added to a correct answer)")
     tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
     data = {k: read_jsonl(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -447,17 +616,18 @@ def main(argv=None) -> dict:
         kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)
         # (7) log: gold reward is the synthetic human, never seen by training
         texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(response, response_mask)]
-        gold = [toy_world.gold_reward(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
-        m = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)),
+        gold = [gold_judge(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if gold_judge else None
+        m = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold_judge else None,
              "kl/coef": kl_ctl.value, "time/step": time.time() - ts}
         m["response/finished"] = finished.float().mean().item()
         history.append(m)
         metrics_f.write(json.dumps(m) + "\n")
         metrics_f.flush()
-        bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=f"{m['reward/gold']:.2f}", kl=f"{m['kl/ref']:.3f}",
+        gold_s = "n/a" if m["reward/gold"] is None else f"{m['reward/gold']:+.2f}"
+        bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=gold_s, kl=f"{m['kl/ref']:.3f}",
                         len=f"{m['response/length']:.1f}")
         if step % 10 == 0 or step == run.steps - 1:
-            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {m['reward/gold']:+.2f}  "
+            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {gold_s}  "
                        f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
                        f"e.g. {prompts[0]!r} -> {texts[0]!r}")
     metrics_f.close()
@@ -471,23 +641,29 @@ def main(argv=None) -> dict:
     sft = AutoModelForCausalLM.from_pretrained(base / "sft").eval()
     heldout = [r["prompt"] for r in data["prompts_heldout"]]
     report = evaluation.compare(policy.eval(), sft, ref, reward_model, tokenizer, heldout, run.eval_samples,
-                                seed=run.seed, max_new_tokens=cfg.max_new_tokens)
+                                seed=run.seed, max_new_tokens=cfg.max_new_tokens,
+                                judge=gold_judge or evaluation.rm_judge(reward_model, tokenizer))
     timings["eval"] = time.time() - t0
-    peak = max(history, key=lambda h: h["reward/gold"])
+    peak = max(history, key=lambda h: h["reward/gold"]) if gold_judge else None
     summary = {
         "preset": run.preset, "seed": run.seed, "steps": run.steps, "seconds": time.time() - t_start,
         "config": dataclasses.asdict(cfg), "base": str(base), "timings": timings,
         "rm": {"accuracy": json.loads((base / "rm_log.json").read_text())[-1]["heldout_accuracy"],
-               "length_slope": bias["rm_slope"], "gold_length_slope": bias["gold_slope"]},
+               **({"length_slope": bias["rm_slope"], "gold_length_slope": bias["gold_slope"]} if bias else {})},
         "sft": report["sft"], "final": report["policy"],
-        "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]},
-        "win_rate_vs_sft": report["win_rate"],
+        "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
+        "win_rate_vs_sft": report["win_rate"], "judge": "gold" if gold_judge else "reward model",
     }
+    if run.data:
+        summary["data"] = json.loads((base / "data_report.json").read_text())
     write_json(out / "summary.json", summary)
     print(evaluation.format_table(summary))
     print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    if run.data:
+        print(f"[data] {run.data}: {summary['data']['summary']}")
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    from data import cli_guard  # bad --data input: one line naming file, line and problem; exit 2
+    cli_guard(main)()

@@ -1,0 +1,184 @@
+"""Real preference data through the command lines: `train.py --data` (bad input → one line, exit 2; a tiny
+end-to-end run judged by the reward model) and `eval.py score` (per-example scores, accuracy, Fig. 2 PNG).
+
+The end-to-end data are made here (templated English HH transcripts), not taken from the real file.
+"""
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import eval as evaluation
+import train
+from data import cli_guard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a budget small enough for CI: the whole train.py --data run stays well under a minute on 2 cores
+TINY = ["--steps", "2", "--sft-epochs", "1", "--sft-hidden", "32", "--sft-batch", "16", "--rm-epochs", "1",
+        "--rm-batch", "16", "--rm-eval-every", "4", "--vocab-size", "400", "--max-prompt-tokens", "48",
+        "--max-response-tokens", "40", "--rollout-batch", "8", "--minibatch", "4", "--ptx-batch", "4",
+        "--max-new-tokens", "8", "--critic-pretrain-steps", "1", "--eval-samples", "1", "--threads", "1"]
+
+TOPICS = ["bake bread", "fix a bike", "learn chess", "grow tomatoes", "write a poem", "save money", "sleep better",
+          "paint a wall", "train a puppy", "cook rice", "run a mile", "clean a window"]
+
+
+def hh_pairs(n: int, seed: int = 0) -> list[dict]:
+    """n HH-RLHF-format pairs: the chosen answer helps, the rejected one brushes the user off (longer)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        topic = rng.choice(TOPICS)
+        prompt = f"\n\nHuman: How do I {topic}?\n\nAssistant:"
+        if i % 3 == 0:  # some multi-turn prompts
+            prompt = f"\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?{prompt}"
+        chosen = f" Sure, to {topic} start slowly and practise {rng.choice(['daily', 'often', 'a little each day'])}."
+        rejected = f" I do not want to talk about how to {topic}, {rng.choice(['go away', 'ask someone else', 'no'])}."
+        rows.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
+    return rows
+
+
+def write_jsonl(path: Path, rows, gz: bool = False) -> Path:
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    return path
+
+
+def assert_one_line_error(returncode: int, stderr: str, *needles: str) -> None:
+    assert returncode == 2, (returncode, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, lines
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line naming file and line, exit 2, no traceback (exits before any training)
+# ----------------------------------------------------------------------------------------------
+GOOD = json.dumps(hh_pairs(1)[0])
+BAD_FILES = {  # file name: (lines, where, what the message says)
+    "not_json.jsonl": ([GOOD, "{not json"], ":2:", "not JSON"),
+    "no_marker.jsonl": ([GOOD, GOOD, json.dumps({"chosen": "Human: hi", "rejected": "Human: yo"})], ":3:", "Assistant:"),
+    "identical.jsonl.gz": ([json.dumps({"prompt": "Q?", "chosen": " A.", "rejected": " A."})], ":1:", "identical"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """The real command lines, started together (each is mostly the torch/transformers import): name -> (rc, stderr)."""
+    d = tmp_path_factory.mktemp("cli")
+    cmds = {name: [str(ROOT / "train.py"), "--data", str(write_jsonl(d / name, rows, gz=name.endswith(".gz"))),
+                   "--threads", "1"] for name, (rows, _, _) in BAD_FILES.items()}
+    cmds["score"] = [str(ROOT / "eval.py"), "score", "--reward-model", "/nonexistent/rm",
+                     "--data", str(write_jsonl(d / "pairs.jsonl", hh_pairs(3)))]
+    procs = {k: subprocess.Popen([sys.executable, *c], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, c in cmds.items()}
+    return {k: (p.wait(timeout=180), p.communicate()[1]) for k, p in procs.items()}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+def test_train_data_bad_line_exit_2_one_line(cli_runs, name):
+    _, where, what = BAD_FILES[name]
+    assert_one_line_error(*cli_runs[name], name + where, what)
+
+
+def test_eval_score_wrong_reward_model_exit_2(cli_runs):
+    assert_one_line_error(*cli_runs["score"], "/nonexistent/rm", "no such model/tokenizer directory")
+
+
+def test_train_data_missing_file_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli_guard(train.main)(["--data", "nope.jsonl", "--threads", "1"])
+    assert_one_line_error(e.value.code, capsys.readouterr().err, "nope.jsonl", "no such file")
+
+
+def test_eval_score_model_without_tokenizer_exit_2(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["score", "--reward-model", str(tmp_path / "model"),
+                         "--data", str(write_jsonl(tmp_path / "p.jsonl", hh_pairs(2)))])
+    assert_one_line_error(e.value.code, capsys.readouterr().err, "model", "no tokenizer files")
+
+
+# ----------------------------------------------------------------------------------------------
+# A tiny end-to-end run on real-format text, then `eval.py score` on its reward model
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """train.py --data on 120 generated HH pairs (one bad line, skipped), inside a temporary working directory."""
+    d = tmp_path_factory.mktemp("real")
+    rows = [json.dumps(r) for r in hh_pairs(120)]
+    rows.insert(7, json.dumps({"chosen": "\n\nHuman: hi\n\nAssistant: ", "rejected": "\n\nHuman: hi\n\nAssistant: no"}))
+    data_file = write_jsonl(d / "pairs.jsonl.gz", rows, gz=True)
+    old = os.getcwd()
+    os.chdir(d)
+    try:
+        summary = train.main(TINY + ["--data", str(data_file), "--skip-bad", "--out", str(d / "run")])
+    finally:
+        os.chdir(old)
+    return d, data_file, summary
+
+
+@pytest.mark.slow
+def test_train_data_end_to_end_rm_judge(real_run):
+    d, _, summary = real_run
+    base = Path(summary["base"])
+    if not base.is_absolute():
+        base = d / base
+    for f in ["DONE", "timings.json", "rm_log.json", "rm_heldout_scores.json", "data_report.json", "data_limits.json",
+              "data/prompts_train.jsonl", "data/prompts_heldout.jsonl", "data/sft.jsonl",
+              "tokenizer/tokenizer.json", "sft/config.json", "reward_model/value_head.safetensors",
+              "reward_model/tokenizer.json", "reward_model/data_limits.json"]:
+        assert (base / f).exists(), f
+    report = json.loads((base / "data_report.json").read_text())
+    assert report["kept"] == 120 and report["skipped"] == {"empty_response": 1}
+    assert report["pairs_train"] + report["pairs_heldout"] + sum(report["dropped"].values()) == 120
+    assert 0.0 <= summary["rm"]["accuracy"] <= 1.0
+    assert summary["judge"] == "reward model" and summary["peak"] is None
+    w = summary["win_rate_vs_sft"]
+    assert abs(w["win"] + w["tie"] + w["lose"] - 1) < 1e-9
+    metrics = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["reward/gold"] is None for m in metrics)
+    assert "judge: reward model" in evaluation.format_table(summary)
+    # every prompt written for PPO fits the limit when re-encoded ([BOS] added by train.encode_prompt)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(base / "tokenizer")
+    for line in (base / "data" / "prompts_train.jsonl").read_text().splitlines():
+        assert len(train.encode(tok, json.loads(line)["prompt"])) <= 48
+
+
+@pytest.mark.slow
+def test_eval_score_writes_scores_and_histogram(real_run, tmp_path):
+    d, data_file, summary = real_run
+    base = Path(summary["base"])
+    base = base if base.is_absolute() else d / base
+    out = tmp_path / "scores.jsonl"
+    res = evaluation.score(["--reward-model", str(base / "reward_model"), "--data", str(data_file), "--skip-bad",
+                            "--out", str(out), "--hist", str(tmp_path / "fig2.png")])
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(rows) == res["pairs"] > 0
+    assert all(abs(r["margin"] - (r["chosen"] - r["rejected"])) < 1e-9 for r in rows)
+    acc = sum((r["margin"] > 0) + 0.5 * (r["margin"] == 0) for r in rows) / len(rows)
+    assert abs(acc - res["accuracy"]) < 1e-9
+    assert (tmp_path / "fig2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the held-out pairs scored through the CLI agree with the scores train.py saved for them
+    saved = json.loads((base / "rm_heldout_scores.json").read_text())
+    held = [json.loads(l)["source"] for l in (base / "data" / "pairs_heldout.jsonl").read_text().splitlines()]
+    by_source = {r["source"]: r for r in rows}
+    for src, c, j in zip(held, saved["chosen"], saved["rejected"]):
+        assert abs(by_source[src]["chosen"] - c) < 1e-4 and abs(by_source[src]["rejected"] - j) < 1e-4
+    # {"prompt","response"} records: one score each, no histogram
+    recs = write_jsonl(tmp_path / "responses.jsonl", [{"prompt": "\n\nHuman: How do I cook rice?\n\nAssistant:",
+                                                       "response": " Rinse it first."}, {"text": "Hello there."}])
+    res = evaluation.score(["--reward-model", str(base / "reward_model"), "--data", str(recs),
+                            "--out", str(tmp_path / "r.jsonl")])
+    assert res["responses"] == 2 and len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
