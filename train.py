@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import eval as evaluation
+import monitor as collapse
 import ppo_max
 import toy_world
 from ppo_loss import entropy, kl_full, logprobs_from_logits, masked_mean, ptx_loss
@@ -55,6 +57,12 @@ class RunConfig:
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
     threads: int = arg(0, "torch CPU threads (0 = torch's default)")
+    # long runs (checkpoint.py, monitor.py)
+    save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end")
+    keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)")
+    resume: str = arg("", "continue a run exactly: its directory or one of its checkpoints (same flags as the run)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive steps with a non-finite score/advantage/gradient")
+    on_collapse: str = arg("warn", "when the §5.2 collapse alarm fires: 'warn' (log it) or 'stop' (checkpoint, stop)")
     # real preference data instead of the synthetic world (build_base_real; data.py reads and checks it)
     data: str = arg("", "HH-RLHF or {prompt,chosen,rejected} .jsonl[.gz]: train on real text with a from-scratch "
                         "model instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
@@ -121,6 +129,9 @@ def parse_configs(argv=None):
     ppo = ppo_max.apply_preset(run.preset, **overrides)
     world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
                                                      for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
+    if run.resume and not run.out:  # --resume alone continues in the run's own directory
+        p = Path(run.resume)
+        run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
     if not run.out:
         run.out = f"runs/{run.preset}-seed{run.seed}"
     return run, sft, rm, ppo, world
@@ -323,18 +334,6 @@ def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: 
     tokenizer.save_pretrained(tmp / "sft")
     timings["sft"] = time.time() - t0
 
-    # the "pretrained, not SFT" model of Fig. 8: the same LM trained on raw word streams with no instruction format
-    t0 = time.time()
-    seed_everything(run.seed + 1)
-    pre = tiny_llama(len(tokenizer), sft_cfg)
-    rng = random.Random(run.seed + 1)
-    words = toy_world.RESPONSE_WORDS
-    raw = [("", " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))) for _ in range(len(rows))]
-    train_lm(pre, tokenizer, raw, 1.0, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed + 1, "1b. pretrained (no SFT)")
-    pre.save_pretrained(tmp / "pretrained")
-    tokenizer.save_pretrained(tmp / "pretrained")
-    timings["pretrained"] = time.time() - t0
-
     # 2. reward model, initialised from SFT with a fresh scalar head
     t0 = time.time()
     seed_everything(run.seed)
@@ -377,7 +376,7 @@ def real_data_configs(argv, *configs):
     for c in configs:
         names = {f.name for f in dataclasses.fields(c)}
         out.append(dataclasses.replace(c, **{k: v for k, v in REAL_DATA_DEFAULTS.items() if k in names and k not in given}))
-    if "out" not in given and isinstance(out[0], RunConfig):
+    if "out" not in given and isinstance(out[0], RunConfig) and not out[0].resume:
         out[0].out = f"runs/{out[0].preset}-{Path(out[0].data).name.split('.')[0]}-seed{out[0].seed}"
     print("[data] real-data defaults for flags not given: "
           + json.dumps({k: v for k, v in REAL_DATA_DEFAULTS.items() if k not in given}))
@@ -505,6 +504,28 @@ def build_base_real(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig) -> Pat
     return base
 
 
+def pretrained_dir(base: Path, run: RunConfig, sft_cfg: SFTConfig) -> Path:
+    """The "pretrained, not SFT" policy of Fig. 8: the same LM trained on raw word streams of the world's
+    vocabulary with no instruction format. Built on first use and cached in the base directory."""
+    from transformers import AutoTokenizer
+    out = base / "pretrained"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
+    seed_everything(run.seed + 1)
+    pre = tiny_llama(len(tokenizer), sft_cfg)
+    rng = random.Random(run.seed + 1)
+    raw = [("", " ".join(rng.choice(toy_world.RESPONSE_WORDS) for _ in range(rng.randint(3, 12))))
+           for _ in range(toy_world.WorldConfig().n_sft)]
+    train_lm(pre, tokenizer, raw, 1.0, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed + 1, "1b. pretrained (no SFT)")
+    tmp = Path(str(out) + ".tmp")
+    pre.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 @torch.no_grad()
 def length_bias(rm: ScalarHeadModel, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
     """RM score vs gold as filler words are added to a correct answer (same content, longer): the RM's
@@ -567,7 +588,8 @@ def main(argv=None) -> dict:
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     seed_everything(run.seed)
-    policy = AutoModelForCausalLM.from_pretrained(base / ("sft" if cfg.policy_init == "sft" else "pretrained"))
+    policy_dir = base / "sft" if cfg.policy_init == "sft" else pretrained_dir(base, run, sft_cfg)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir)
     ref = AutoModelForCausalLM.from_pretrained(base / "sft").eval().requires_grad_(False)
     reward_model = ScalarHeadModel.from_pretrained(base / "reward_model").eval().requires_grad_(False)
     critic = ScalarHeadModel.from_pretrained(base / ("reward_model" if cfg.critic_init == "rm" else "sft"))
@@ -589,49 +611,116 @@ def main(argv=None) -> dict:
         ids, attn, resp = lm_batch(tokenizer, [sft_rows[prompt_rng.randrange(len(sft_rows))] for _ in range(cfg.ptx_batch)])
         return ids, attn, resp
 
-    # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
-    t0 = time.time()
-    critic_log = ppo_max.pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch,
-                                         cfg, eos, pad_id, kl_ctl.value)
-    timings["critic_pretrain"] = time.time() - t0
-    write_json(out / "critic_pretrain.json", critic_log)
+    # long-run machinery (checkpoint.py, monitor.py): exact resume, non-finite guard, the §5.2 collapse alarm
+    models, optimizers = {"policy": policy, "critic": critic}, {"policy": policy_opt, "critic": critic_opt}
+    guard = checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write)
+    monitor = collapse.CollapseMonitor()
+    history: list[dict] = []
+    start = 0
+    if run.resume:
+        ckpt = checkpoint.find_latest(run.resume)
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume {run.resume}: no complete checkpoint there")
+        state = checkpoint.load_checkpoint(ckpt, models=models, optimizers=optimizers, rngs={"prompt": prompt_rng})
+        start, extra = state["step"], state["extra_state"]
+        moments.load_state_dict(extra["moments"])
+        kl_ctl.value = extra["kl_coef"]
+        monitor.load_state_dict(extra["monitor"])
+        guard.load_state_dict(extra["guard"])
+        history = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()[:start]]
+        print(f"[resume] {ckpt}: continuing at step {start}")
+    else:
+        # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
+        t0 = time.time()
+        critic_log = ppo_max.pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch,
+                                             cfg, eos, pad_id, kl_ctl.value)
+        timings["critic_pretrain"] = time.time() - t0
+        write_json(out / "critic_pretrain.json", critic_log)
+
+    def save(n_done: int) -> Path:
+        extra = {"moments": moments.state_dict(), "kl_coef": kl_ctl.value, "monitor": monitor.state_dict(),
+                 "guard": guard.state_dict()}
+        return checkpoint.save_checkpoint(out, n_done, models=models, optimizers=optimizers,
+                                          rngs={"prompt": prompt_rng}, extra_state=extra, tokenizer=tokenizer,
+                                          keep_last=run.keep_last)
 
     # 4. PPO
     t0 = time.time()
-    metrics_f = open(out / "metrics.jsonl", "w")
-    history = []
-    for step in (bar := tqdm(range(run.steps), desc="4. PPO")):
-        ts = time.time()
-        prompts, query, query_mask = prompt_batch()
-        policy.eval()
-        # (1) sample responses with the KV cache, stopping at EOS
-        response, response_mask, finished = ppo_max.rollout(policy, query, query_mask, cfg.max_new_tokens, eos,
-                                                            pad_id, cfg.temperature)
-        # (2)-(5): score, normalise/clip, KL-shape, values and GAE
-        exp = ppo_max.make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
-                                      moments, cfg, kl_ctl.value)
-        # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
-        policy.train(); critic.train()
-        upd = ppo_max.ppo_update(policy, critic, policy_opt, critic_opt, exp, cfg, ptx_batch)
-        kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)
-        # (7) log: gold reward is the synthetic human, never seen by training
-        texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(response, response_mask)]
-        gold = [gold_judge(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if gold_judge else None
-        m = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold_judge else None,
-             "kl/coef": kl_ctl.value, "time/step": time.time() - ts}
-        m["response/finished"] = finished.float().mean().item()
-        history.append(m)
-        metrics_f.write(json.dumps(m) + "\n")
-        metrics_f.flush()
-        gold_s = "n/a" if m["reward/gold"] is None else f"{m['reward/gold']:+.2f}"
-        bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=gold_s, kl=f"{m['kl/ref']:.3f}",
-                        len=f"{m['response/length']:.1f}")
-        if step % 10 == 0 or step == run.steps - 1:
-            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {gold_s}  "
-                       f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
-                       f"e.g. {prompts[0]!r} -> {texts[0]!r}")
-    metrics_f.close()
+    # metrics.jsonl holds exactly the completed steps: a resumed run rewrites the lines it will redo
+    lines = [json.dumps(h) + "\n" for h in history]
+    (out / "metrics.jsonl").write_text("".join(lines))
+    if not run.resume:
+        (out / "samples.jsonl").write_text("")
+    metrics_f, samples_f = open(out / "metrics.jsonl", "a"), open(out / "samples.jsonl", "a")
+    alarm_info, stop_reason = None, None
+    with checkpoint.GracefulExit() as interrupt:
+        for step in (bar := tqdm(range(start, run.steps), desc="4. PPO", initial=start, total=run.steps)):
+            ts = time.time()
+            prompts, query, query_mask = prompt_batch()
+            policy.eval()
+            # (1) sample responses with the KV cache, stopping at EOS
+            response, response_mask, finished = ppo_max.rollout(policy, query, query_mask, cfg.max_new_tokens, eos,
+                                                                pad_id, cfg.temperature)
+            # (2)-(5): score, normalise/clip, KL-shape, values and GAE
+            exp = ppo_max.make_experience(policy, ref, reward_model, critic, query, query_mask, response,
+                                          response_mask, moments, cfg, kl_ctl.value)
+            # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
+            upd = {}
+            if not exp["nonfinite"]:
+                policy.train(); critic.train()
+                upd = ppo_max.ppo_update(policy, critic, policy_opt, critic_opt, exp, cfg, ptx_batch)
+                kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)
+            bad = exp["nonfinite"] or (upd.get("guard/nonfinite") or [None])[0]
+            if bad:  # the update was skipped (or partly skipped): logged, never checkpointed as if it were fine
+                guard.check(step, {bad: float("nan")})
+                if guard.should_stop:
+                    last = checkpoint.find_latest(out)
+                    stop_reason = f"{run.max_bad_steps} consecutive steps with non-finite values; last good checkpoint: {last}"
+                    break
+                continue
+            guard.ok()
+            # (7) log: gold reward is the synthetic human, never seen by training
+            texts = [tokenizer.decode(r[m.bool()], skip_special_tokens=True) for r, m in zip(response, response_mask)]
+            gold = [gold_judge(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if gold_judge else None
+            m = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold_judge else None,
+                 "kl/coef": kl_ctl.value, "response/finished": finished.float().mean().item(),
+                 "time/step": time.time() - ts}
+            alarm = monitor.update(step, m, exp["scores"].tolist())
+            m["alarm/collapse"] = alarm is not None
+            history.append(m)
+            metrics_f.write(json.dumps(m) + "\n")
+            metrics_f.flush()
+            samples_f.write(json.dumps({"step": step, "scores": exp["scores"].tolist(), "gold": gold,
+                                        "examples": [[p, t] for p, t in zip(prompts[:4], texts[:4])]}) + "\n")
+            samples_f.flush()
+            gold_s = "n/a" if m["reward/gold"] is None else f"{m['reward/gold']:+.2f}"
+            bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=gold_s, kl=f"{m['kl/ref']:.3f}",
+                            len=f"{m['response/length']:.1f}")
+            if step % 10 == 0 or step == run.steps - 1:
+                tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {gold_s}  "
+                           f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
+                           f"e.g. {prompts[0]!r} -> {texts[0]!r}")
+            if alarm is not None:
+                tqdm.write(f"[collapse alarm] step {step}: " + "; ".join(alarm.reasons))
+                alarm_info = alarm_info or {"step": alarm.step, "reasons": alarm.reasons}
+                if run.on_collapse == "stop":
+                    stop_reason = f"collapse alarm at step {step}"
+            done = step + 1
+            if stop_reason or interrupt.requested or (run.save_every and done % run.save_every == 0):
+                path = save(done)
+            if interrupt.requested or stop_reason:
+                break
+    metrics_f.close(); samples_f.close()
     timings["ppo"] = time.time() - t0
+    if interrupt.requested:
+        print(f"[{interrupt.signal_name}] checkpoint written to {path}; continue with: "
+              f"python train.py {' '.join(argv if argv is not None else sys.argv[1:])} --resume {out}")
+        raise SystemExit(0)
+    if stop_reason and not alarm_info:  # non-finite values: stop with the last good checkpoint intact
+        print(f"error: stopped: {stop_reason}", file=sys.stderr)
+        raise SystemExit(1)
+    if not stop_reason and (not run.save_every or run.steps % run.save_every):
+        save(run.steps)
     policy.save_pretrained(out / "policy")
     tokenizer.save_pretrained(out / "policy")
     critic.save_pretrained(out / "critic")
@@ -653,6 +742,7 @@ def main(argv=None) -> dict:
         "sft": report["sft"], "final": report["policy"],
         "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
         "win_rate_vs_sft": report["win_rate"], "judge": "gold" if gold_judge else "reward model",
+        "collapse_alarm": alarm_info, "stopped": stop_reason,
     }
     if run.data:
         summary["data"] = json.loads((base / "data_report.json").read_text())

@@ -1,0 +1,113 @@
+"""Long runs: an interrupted run (by --steps or by SIGTERM) resumed with --resume writes the same metrics.jsonl as an
+uninterrupted one; a NaN reward skips the update and K consecutive ones stop the run with the last good checkpoint."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import ppo_max
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
+        "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8", "--critic-pretrain-steps", "4",
+        "--eval-samples", "1", "--threads", "1", "--save-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    old = os.getcwd()
+    os.chdir(d)
+    yield d
+    os.chdir(old)
+
+
+def metrics(path):
+    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
+            for l in Path(path, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(work):
+    train.main(TINY + ["--steps", "9", "--out", "full"])
+    return metrics(work / "full")
+
+
+@pytest.mark.slow
+def test_resume_after_stop_matches_uninterrupted(work, uninterrupted):
+    train.main(TINY + ["--steps", "5", "--out", "part"])          # stops after step 5 (checkpoints at 3 and 5)
+    train.main(TINY + ["--steps", "9", "--resume", "part"])
+    assert metrics(work / "part") == uninterrupted
+
+
+@pytest.mark.slow
+def test_resume_after_sigterm_matches_uninterrupted(work, uninterrupted):
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "9", "--out", "term"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until PPO has written its first step, then interrupt
+        f = work / "term" / "metrics.jsonl"
+        if f.exists() and f.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    done = len(metrics(work / "term"))
+    if done < 9:  # the signal arrived during training: a checkpoint at the step it stopped and a resume hint
+        assert "--resume" in out
+        assert checkpoint.find_latest(work / "term").name == f"step-{done:06d}"
+        train.main(TINY + ["--steps", "9", "--resume", "term"])
+    assert metrics(work / "term") == uninterrupted
+
+
+def _nan_scores_from(call: int, until: int, monkeypatch):
+    """Make the reward model return NaN on the make_experience calls numbered [call, until)."""
+    real, count = ppo_max.make_experience, {"n": 0}
+
+    class NanRM:
+        def __init__(self, rm):
+            self.rm = rm
+
+        def score(self, ids, mask):
+            return torch.full((ids.shape[0],), float("nan"))
+
+    def fake(policy, ref, reward_model, *args, **kw):
+        count["n"] += 1
+        rm = NanRM(reward_model) if call <= count["n"] < until else reward_model
+        return real(policy, ref, rm, *args, **kw)
+
+    monkeypatch.setattr(ppo_max, "make_experience", fake)
+
+
+@pytest.mark.slow
+def test_nan_reward_skips_the_update(work, monkeypatch, capsys):
+    _nan_scores_from(3, 4, monkeypatch)  # critic pre-training off: call 3 is PPO step 2
+    summary = train.main(TINY + ["--steps", "5", "--critic-pretrain-steps", "0", "--out", "nan1"])
+    steps = [m["step"] for m in metrics(work / "nan1")]
+    assert steps == [0, 1, 3, 4]
+    assert "non-finite reward/score" in capsys.readouterr().out
+    assert summary["stopped"] is None
+    from transformers import AutoModelForCausalLM
+    for p in AutoModelForCausalLM.from_pretrained(work / "nan1" / "policy").parameters():
+        assert torch.isfinite(p).all()
+
+
+@pytest.mark.slow
+def test_consecutive_nans_stop_with_last_good_checkpoint(work, monkeypatch):
+    _nan_scores_from(5, 10**9, monkeypatch)  # from PPO step 4 on, every score is NaN
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--steps", "9", "--critic-pretrain-steps", "0", "--max-bad-steps", "3", "--out", "nan2"])
+    assert e.value.code == 1
+    latest = checkpoint.find_latest(work / "nan2")
+    assert latest.name == "step-000003" and (latest / "COMPLETE").exists()
+    assert [m["step"] for m in metrics(work / "nan2")] == [0, 1, 2, 3]
