@@ -249,6 +249,61 @@ class AdaptiveKLController:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Data parallelism (`deepspeed train.py`): rank r of W holds rows r, r + W, r + 2W, … of the global rollout batch.
+# Without torch.distributed (the single-process default) every helper below is the identity.
+# ---------------------------------------------------------------------------------------------------------
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and world_size() > 1
+
+
+def world_size() -> int:
+    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if ok else 1
+
+
+def gather_batch(x: Tensor) -> Tensor:
+    """Every rank's x (B, …) gathered into the global batch (W·B, …) in prompt order (row r + W·j is rank r's j)."""
+    if not _distributed():
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.stack(parts, dim=1).flatten(0, 1)                      # (B, W, …) → (W·B, …)
+
+
+def gather_list(xs: list) -> list:
+    """gather_batch for python lists (prompts, texts, gold rewards): the global batch in prompt order."""
+    if not _distributed():
+        return xs
+    parts = [None] * world_size()
+    torch.distributed.all_gather_object(parts, xs)
+    return [x for row in zip(*parts) for x in row]
+
+
+def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
+    """Each value averaged over the ranks (every rank has the same keys). Slices are equal, so a per-sequence mean
+    becomes the global batch's mean; a token-level mean becomes the mean of the ranks' token means."""
+    if not _distributed():
+        return stats
+    t = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return {k: v / world_size() for k, v in zip(stats, t.tolist())}
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank when it is true on one: a rank that skips or stops alone would deadlock the others."""
+    if not _distributed():
+        return bool(flag)
+    t = torch.tensor([float(bool(flag))], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if _distributed():
+        torch.distributed.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Sequences: a left-padded prompt (B, P) followed by a right-padded response (B, T)
 # ---------------------------------------------------------------------------------------------------------
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -293,17 +348,21 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
 @torch.no_grad()
 def make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
                     moments: "RunningMoments", cfg: PPOConfig, kl_coef: float) -> dict:
-    """Steps (2)-(5) of a PPO iteration on one rollout batch. Everything here is computed once, without grad."""
+    """Steps (2)-(5) of a PPO iteration on one rollout batch. Everything here is computed once, without grad.
+    With W data-parallel ranks: "all_scores" (W·B,) is every rank's scores (Eq. 18's moments see them all), "stats"
+    are averaged over the ranks, and a non-finite value on one rank makes every rank skip the batch."""
     mask = response_mask                                                               # (B, T)
     full_ids = torch.cat([query, response], 1)                                         # (B, L)
     full_mask = torch.cat([query_mask, response_mask], 1)                              # (B, L)
     # (2) score: the reward model reads the last real token of prompt + response
     scores = reward_model.score(full_ids, full_mask).float()                           # (B,)
-    if not torch.isfinite(scores).all():   # checked before the running moments see them: one NaN would poison Eq. 18
-        return {"nonfinite": "reward/score", "scores": scores, "stats": {}}
+    # under data parallelism the moments of Eq. 18 must see every rank's scores, or the ranks' moments drift apart
+    all_scores = gather_batch(scores)                                                  # (W·B,) W = 1: scores
+    if not torch.isfinite(all_scores).all():  # checked before the running moments see them: one NaN would poison Eq. 18
+        return {"nonfinite": "reward/score", "scores": scores, "all_scores": all_scores, "stats": {}}
     # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
     if cfg.reward_norm or cfg.reward_scale:
-        moments.update(scores)
+        moments.update(all_scores)
     if cfg.reward_norm:
         rewards_seq = normalize_and_clip_rewards(scores, moments, cfg.reward_clip or None)  # (B,)
     elif cfg.reward_scale:
@@ -324,14 +383,15 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     # (5) values and GAE (Eq. 9); returns = advantages + values are the critic's targets (Eq. 16)
     values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
     advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    for name, x in (("logprobs", logprobs), ("values", values), ("advantages", advantages)):
-        if not torch.isfinite(x).all():
-            return {"nonfinite": name, "scores": scores, "stats": {}}
+    bad = next((name for name, x in (("logprobs", logprobs), ("values", values), ("advantages", advantages))
+                if not torch.isfinite(x).all()), None)
+    if any_rank(bad is not None, scores.device):  # every rank skips the update together
+        return {"nonfinite": bad or "on another rank", "scores": scores, "all_scores": all_scores, "stats": {}}
     nll = -masked_mean(logprobs, mask)
     lengths = mask.sum(1)
     stats = {
-        "reward/score": scores.mean().item(),
-        "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
+        "reward/score": all_scores.mean().item(),
+        "reward/score_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
         "reward/normalized": rewards_seq.mean().item(),
         "reward/total": (rewards * mask).sum(1).mean().item(),
         "kl/ref": masked_mean(kl_exact, mask).item(),
@@ -345,20 +405,24 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
         "returns/mean": masked_mean(returns, mask).item(),
         "values/mean": masked_mean(values, mask).item(),
     }
+    stats = all_mean(stats, scores.device)  # the same numbers on every rank (the KL controller and the logs read them)
     return {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
             "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
-            "scores": scores, "stats": stats, "nonfinite": None}
+            "scores": scores, "all_scores": all_scores, "stats": stats, "nonfinite": None}
 
 
 def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig, ptx_batch) -> dict:
-    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches. Returns mean stats."""
+    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches. Returns mean stats.
+
+    With W data-parallel ranks each rank holds B = rollout_batch / W sequences and takes minibatch / W of them per
+    step; the engines average the gradients, so each optimizer step still sees `minibatch` sequences."""
     B = exp["response"].shape[0]
     # the ratio's denominator: π_θold (PPO) or, with importance sampling against the reference, π_SFT
     old_logprobs = exp["ref_logprobs"] if cfg.importance_sampling else exp["logprobs"]
     acc: dict[str, list[float]] = {}
     nonfinite: list[str] = []   # names of the losses / gradient norms that were not finite (those steps are skipped)
     for _ in range(cfg.ppo_epochs):
-        for idx in torch.randperm(B).split(cfg.minibatch):
+        for idx in torch.randperm(B).split(cfg.minibatch // world_size()):
             q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx], exp["mask"][idx]
             advantages = exp["advantages"][idx]
             if cfg.adv_norm:
@@ -379,26 +443,49 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
                 ptx_logits = policy(input_ids=ids, attention_mask=attn).logits          # (b, L, V)
                 ptx, _ = ptx_loss(ptx_logits, ids, resp)
                 loss = loss + cfg.ptx_coef * ptx
-            policy_opt.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            if _finite_step(policy_opt, "policy", loss, grad_norm, nonfinite):  # a NaN never reaches the weights
-                policy_opt.step()
+            grad_norm = backward_step(policy, policy_opt, loss, cfg.grad_clip, "policy", nonfinite)
             # critic: value loss (Eq. 16), clipped around the rollout's values
             values = critic_values(critic, q, qm, r, m)                                 # (b, T)
             vf_loss, vf_stats = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
-            critic_opt.zero_grad()
-            (cfg.vf_coef * vf_loss).backward()
-            vf_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip or float("inf"))
-            if _finite_step(critic_opt, "critic", vf_loss, vf_grad_norm, nonfinite):
-                critic_opt.step()
+            backward_step(critic, critic_opt, cfg.vf_coef * vf_loss, cfg.grad_clip, "critic", nonfinite)
             for k, v in {"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": ptx.item(),
                          "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
                          "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}.items():
                 acc.setdefault(k, []).append(v)
     stats = {k: sum(v) / len(v) for k, v in acc.items()}
     stats["guard/skipped_updates"] = float(len(nonfinite))
-    return stats if not nonfinite else {**stats, "guard/nonfinite": sorted(set(nonfinite))}
+    stats = all_mean(stats, exp["scores"].device)
+    if any_rank(bool(nonfinite), exp["scores"].device):
+        return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
+    return stats
+
+
+def backward_step(model, optimizer, loss: torch.Tensor, grad_clip: float, name: str,
+                  nonfinite: list[str]) -> torch.Tensor:
+    """loss.backward(), global gradient-norm clip (0 = off), optimizer step, skipped (gradients dropped, `name`
+    logged in `nonfinite`) when the loss or the gradient norm is NaN/inf. Returns the norm before clipping.
+
+    A DeepSpeed engine does the same itself: engine.backward averages the gradients over the ranks (ZeRO-2:
+    reduce-scatter), engine.step clips them to the config's gradient_clipping, steps, and with ZeRO 1-2 skips a
+    step whose gradients overflow, on every rank at once; we only read the global norm. (ZeRO-0 has no such
+    check: a non-finite step is logged here but reaches the weights.)
+    """
+    if hasattr(model, "backward"):  # a DeepSpeed engine (a torch module has no .backward)
+        model.backward(loss)
+        zero0_norm = None if model.zero_optimization() else torch.nn.utils.get_total_norm(  # ZeRO-0 keeps none
+            [p.grad for p in model.parameters() if p.grad is not None])
+        model.step()
+        grad_norm = torch.as_tensor(model.get_global_grad_norm() if zero0_norm is None else zero0_norm).float()
+        for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
+            if not torch.isfinite(x).all():
+                nonfinite.append(what)
+        return grad_norm
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if _finite_step(optimizer, name, loss, grad_norm, nonfinite):  # a NaN never reaches the weights
+        optimizer.step()
+    return grad_norm
 
 
 def _finite_step(opt, name: str, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite: list[str]) -> bool:
@@ -427,16 +514,15 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
             continue
         losses = []
         for _ in range(cfg.ppo_epochs):
-            for idx in torch.randperm(len(response)).split(cfg.minibatch):
+            for idx in torch.randperm(len(response)).split(cfg.minibatch // world_size()):
                 values = critic_values(critic, exp["query"][idx], exp["query_mask"][idx], exp["response"][idx],
                                        exp["mask"][idx])
                 vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], exp["mask"][idx], None)
-                critic_opt.zero_grad()
-                vf_loss.backward()
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip or float("inf"))
-                critic_opt.step()
+                backward_step(critic, critic_opt, vf_loss, cfg.grad_clip, "critic", [])
                 losses.append(vf_loss.item())
-        log.append({"round": it, "loss/vf": sum(losses) / len(losses), "loss/vf_first": losses[0]})
+        # averaged over the ranks, so that every rank takes the same early-stopping decision below
+        log.append({"round": it, **all_mean({"loss/vf": sum(losses) / len(losses), "loss/vf_first": losses[0]},
+                                            response.device)})
         l = [x["loss/vf"] for x in log]
         if len(l) >= 6 and sum(l[-3:]) > 0.95 * sum(l[-6:-3]):
             break

@@ -1,0 +1,271 @@
+"""`deepspeed --num_gpus 2 train.py` on the CPU against one process with the same global batch and seed; an exact
+resume under DeepSpeed; `train.py --plan`; a real --model that is not on this machine fails at once, clearly.
+
+The launch that works here (DeepSpeed 0.19.8, torch CPU, 2 cores, no GPU), run from the run's directory:
+    DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= deepspeed --num_gpus 2 --master_port <port> train.py <flags>
+DeepSpeed finds no GPU, takes its CPU accelerator and the gloo backend, and `--num_gpus 2` starts 2 processes
+(its launcher accepts it on the CPU; no torchrun, no --bind_cores_to_rank needed). DS_ACCELERATOR=cpu and the empty
+CUDA_VISIBLE_DEVICES only make a GPU machine run this test the same way; a free --master_port keeps it off the
+default 29500 that another job may hold. `python train.py --deepspeed` (no launcher) runs the engines in one
+process: that run equals the plain one up to float32 rounding (a test below). The very first launch on a machine
+compiles DeepSpeed's shared-memory communication op (about 2.5 minutes on 2 cores, once; cached in
+~/.cache/torch_extensions); afterwards each launch costs ~10 s of start-up and the whole file ~2.5 minutes.
+
+What is compared, and why not bit for bit. Both runs draw the same global batch of prompts (one prompt stream,
+replayed on every rank; rank r keeps prompts r, r+2, …), start from the same SFT and reward model (the same
+cached runs/_base directory) and use the same global minibatch. But a rank samples its 32 responses in its own
+`generate` call from its own torch stream (seed + rank), and a batched sampler's draws for a row depend on the
+whole batch (its size, its padding, how many steps it runs), so rank r's responses cannot equal the single
+process's responses to the same prompts without changing the single-process sampler. The ranks' minibatches
+are also drawn per rank. So we check:
+  exactly: the prompts of every step (first 4 of the global batch, in order), 64 scores per step, the running
+    moments of Eq. 18 counting every rank's scores (count = (2 critic-pretraining rounds + 4 steps) × 64 = 384:
+    per-rank moments would count 192), the KL coefficient and learning rate;
+  statistically, paired by prompt: per-sequence reward-model scores and gold rewards, pooled over the 4 steps
+    (n = 256 pairs): the mean difference must be within 4 standard errors (|z| ≤ 4; a false alarm about 1 in 15,000
+    per check if the two runs sample one distribution). At step 0 the policies are identical (critic
+    pre-training does not touch the policy), later they differ by a few optimizer steps of drift;
+    Measured on seeds 0, 1, 2: |z| ≤ 1.40 (scores), ≤ 0.41 (gold).
+  tolerances on the training curves, measured on seeds 0, 1, 2 (worst difference in brackets) and set ~4× wider:
+    loss/ptx (same SFT rows in both runs, only the weights differ) |Δ| ≤ 0.05 [0.010]: a broken update moves
+    it by ~0.3 over these 4 steps (3.47 → 3.18); policy/entropy |Δ| ≤ 0.02 [0.005]; kl/ref after step 0 within a
+    factor 1.5 [1.19]; grad/norm within 20% [4%]. Not compared: values and returns, which follow the critic
+    pre-training's own samples and the moments of Eq. 18 (|Δ values/mean| up to 0.5 between the runs).
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import scale
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
+         "--rm-epochs", "1", "--eval-samples", "1", "--threads", "1"]
+# one global batch for both runs: 64 prompts per step, minibatch 16 (8 per rank under 2 processes)
+PPO = ["--rollout-batch", "64", "--minibatch", "16", "--critic-pretrain-steps", "2", "--steps", "4",
+       "--save-every", "2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_cmd(*args: str) -> list[str]:
+    launcher = shutil.which("deepspeed")
+    if launcher is None:
+        pytest.skip("the `deepspeed` launcher is not on PATH")
+    return [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "train.py"), *args]
+
+
+def run_deepspeed(cwd: Path, *args: str, timeout: int = 170) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(deepspeed_cmd(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
+            for l in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def samples(path: Path) -> list[dict]:
+    return [json.loads(l) for l in (path / "samples.jsonl").read_text().splitlines()]
+
+
+def moments(path: Path, step: int) -> dict:
+    state = json.loads((path / "checkpoints" / f"step-{step:06d}" / "state.json").read_text())
+    return state["extra_state"]["moments"]
+
+
+def paired_z(a: list[float], b: list[float]) -> float:
+    """Mean of the paired differences b − a over its standard error (a brute-force loop, no library)."""
+    d = [y - x for x, y in zip(a, b)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1)
+    return mean / (var / n) ** 0.5
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """One process in-process (it also builds the cached SFT and reward model), then 2 DeepSpeed processes."""
+    work = tmp_path_factory.mktemp("deepspeed")
+    old = os.getcwd()
+    os.chdir(work)
+    try:
+        train.main(WORLD + PPO + ["--out", "single"])
+    finally:
+        os.chdir(old)
+    t0 = time.time()
+    proc = run_deepspeed(work, *WORLD, *PPO, "--out", "ds")
+    return work, proc, time.time() - t0
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_deepspeed_two_processes_match_one_process(two_runs):
+    work, proc, _ = two_runs
+    one, two = work / "single", work / "ds"
+    assert "[deepspeed] 2 process(es) on cpu" in proc.stdout and '"stage": 2' in proc.stdout
+    assert proc.stdout.count("preset 'ppo-max'") == 1, "only rank 0 prints"
+    m1, m2 = metrics(one), metrics(two)
+    s1, s2 = samples(one), samples(two)
+    assert [m["step"] for m in m2] == [0, 1, 2, 3]
+    json.loads((two / "summary.json").read_text())  # rank 0 evaluated and wrote the summary
+    # exactly: the same global batch of prompts, every rank's scores in the moments of Eq. 18
+    for a, b in zip(s1, s2):
+        assert [p for p, _ in a["examples"]] == [p for p, _ in b["examples"]]
+        assert len(a["scores"]) == len(b["scores"]) == 64
+    assert moments(one, 4)["count"] == moments(two, 4)["count"] == (2 + 4) * 64
+    for a, b in zip(m1, m2):
+        assert a["kl/coef"] == b["kl/coef"] and a["lr/policy"] == b["lr/policy"]
+    # statistically, paired by prompt: scores and gold rewards of the same prompts
+    for key in ("scores", "gold"):
+        z = paired_z([x for s in s1 for x in s[key]], [x for s in s2 for x in s[key]])
+        assert abs(z) <= 4, f"{key}: paired z = {z:.2f}"
+    # the training curves
+    for a, b in zip(m1, m2):
+        assert abs(a["loss/ptx"] - b["loss/ptx"]) <= 0.05, (a["step"], a["loss/ptx"], b["loss/ptx"])
+        assert abs(a["policy/entropy"] - b["policy/entropy"]) <= 0.02
+        assert abs(a["grad/norm"] - b["grad/norm"]) <= 0.2 * a["grad/norm"]
+        if a["step"] > 0:  # at step 0 the policy is the reference: KL = 0 in both
+            assert 1 / 1.5 <= b["kl/ref"] / a["kl/ref"] <= 1.5, (a["step"], a["kl/ref"], b["kl/ref"])
+        else:
+            assert a["kl/ref"] == pytest.approx(0, abs=1e-6) and b["kl/ref"] == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_deepspeed_engines_in_one_process_match_the_plain_run(two_runs):
+    """`train.py --deepspeed` in one process (W = 1: the same prompts, samples and minibatches as the plain run) puts
+    policy and critic in ZeRO-2 engines; its metrics equal the plain run's up to float32 rounding (measured: ≤ 3e-7
+    absolute, perplexity 5e-7 relative), so engine.backward / engine.step / the engine's clipping do what
+    backward_step does without DeepSpeed."""
+    work, _, _ = two_runs
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *WORLD, *PPO, "--steps", "2", "--deepspeed",
+                           "--out", "ds1"], cwd=work, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[deepspeed] 1 process(es) on cpu" in proc.stdout
+    plain, engines = metrics(work / "single")[:2], metrics(work / "ds1")
+    assert len(engines) == 2
+    for a, b in zip(plain, engines):
+        assert a.keys() == b.keys()
+        floats = [k for k in a if isinstance(a[k], float)]
+        assert {k: a[k] for k in a if k not in floats} == {k: b[k] for k in b if k not in floats}
+        torch.testing.assert_close(torch.tensor([b[k] for k in floats], dtype=torch.float64),
+                                   torch.tensor([a[k] for k in floats], dtype=torch.float64), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_deepspeed_resume_matches_uninterrupted(two_runs):
+    """The DeepSpeed run checkpointed at step 2 (engines: ZeRO shards per rank; every rank's RNG streams) and
+    resumed under DeepSpeed writes steps 2-3 exactly as the uninterrupted run (gloo sums in a fixed order)."""
+    work, _, _ = two_runs
+    shutil.copytree(work / "ds", work / "ds-resumed")
+    ckpt = work / "ds-resumed" / "checkpoints"
+    assert (ckpt / "deepspeed" / "policy" / "step-000002").is_dir()
+    assert (ckpt / "deepspeed" / "rng" / "step-000002-rank1.pt").is_file()
+    run_deepspeed(work, *WORLD, *PPO, "--out", "ds-resumed", "--resume", str(ckpt / "step-000002"))
+    assert metrics(work / "ds-resumed") == metrics(work / "ds")
+
+
+# ------------------------------------------------------------------------------------------------ --plan
+def test_plan_llama7b_prints_the_paper_plan():
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", "llama-7b", "--plan", "--num-gpus", "8",
+                           "--gpu-mem", "80"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Memory plan per GPU: llama-7b" in proc.stdout
+    assert "peak per GPU" in proc.stdout and "77.51" in proc.stdout and "fits" in proc.stdout  # tests/test_scale.py
+    assert "Loading weights" not in proc.stdout + proc.stderr
+
+
+def test_plan_tiny_counts_the_tiny_model(capsys):
+    plan = train.print_plan(["--plan", "--num-gpus", "1", "--gpu-mem", "4", "--zero-stage", "0", "--fp32",
+                             "--sft-hidden", "32"])
+    import toy_world
+    model = train.tiny_llama(len(toy_world.VOCAB), train.SFTConfig(sft_hidden=32))
+    assert plan.n_params["policy"] == sum(p.numel() for p in model.parameters())
+    assert plan.settings["zero_stage"] == 0 and plan.settings["dtype_bytes"] == 4
+    assert plan.fits
+    assert "Memory plan per GPU: tiny" in capsys.readouterr().out
+
+
+def test_plan_of_a_missing_model_fails_clearly(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(tmp_path / "nope"), "--plan"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --model") and "no such directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ --model
+def test_llama_preset_applies_to_flags_not_given(capsys):
+    argv = ["--model", "llama-7b", "--critic-lr", "1e-6"]
+    run, _, _, cfg, _ = train.parse_configs(argv)
+    run, cfg = train.model_preset_configs(argv, run, cfg)
+    assert (cfg.policy_lr, cfg.warmup_frac, cfg.rollout_batch, cfg.minibatch) == (5e-7, 0.1, 128, 32)
+    assert (cfg.lam, cfg.clip_eps, cfg.kl_coef, run.grad_ckpt) == (0.9, 0.2, 0.05, True)
+    assert cfg.critic_lr == 1e-6, "a flag on the command line wins over the preset"
+    out = capsys.readouterr().out
+    assert "[model] llama-7b" in out and '"policy_lr": 5e-07' in out and "critic_lr" not in out
+    assert "top_p" in out  # the paper's evaluation sampling
+
+
+@pytest.mark.parametrize("name", ["llama-7b", "someone/missing-model"])
+def test_model_not_on_this_machine_fails_at_once(tmp_path, name):
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", name, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --model {name}"), proc.stderr
+    assert "download it" in lines[0] and "or pass a local directory" in lines[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists(), "nothing trained, no fallback"
+    assert time.time() - t0 < 60
+
+
+def test_real_model_without_reward_model_fails_clearly(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --model") and "--reward-model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_real_model_directories_run_ppo(tmp_path, monkeypatch):
+    """--model / --reward-model as local Hugging Face directories (here the synthetic world's own SFT and reward
+    model) and --prompts: PPO only, judged by the reward model; --warmup-frac 1 over 2 steps: lr ½α then α."""
+    monkeypatch.chdir(tmp_path)
+    base = Path(train.main(WORLD + ["--steps", "1", "--rollout-batch", "8", "--minibatch", "8",
+                                    "--critic-pretrain-steps", "0", "--out", "tiny"])["base"])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n"
+                               for r in train.read_jsonl(base / "data" / "prompts_train.jsonl")[:40]))
+    summary = train.main(["--model", str(base / "sft"), "--reward-model", str(base / "reward_model"), "--prompts",
+                          str(prompts), "--steps", "2", "--rollout-batch", "8", "--minibatch", "4",
+                          "--critic-pretrain-steps", "1", "--warmup-frac", "1.0", "--grad-ckpt", "--eval-samples", "1",
+                          "--threads", "1", "--out", "real"])
+    assert summary["judge"] == "reward model" and summary["models"]["reward"] == str((base / "reward_model").resolve())
+    m = metrics(tmp_path / "real")
+    assert [x["lr/policy"] for x in m] == pytest.approx([1e-4, 2e-4])
+    assert summary["config"]["ptx_coef"] == 0.0, "no SFT text with --prompts: ptx off"
+    assert (tmp_path / "real" / "policy" / "config.json").is_file()
