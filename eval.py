@@ -42,7 +42,8 @@ def rm_judge(reward_model, tokenizer):
     @torch.no_grad()
     def judge(prompt: str, text: str, finished: bool) -> float:
         ids = encode_prompt(tokenizer, prompt) + encode(tokenizer, text) + ([tokenizer.eos_token_id] if finished else [])
-        return reward_model.score(torch.tensor([ids]), torch.ones(1, len(ids))).item()
+        device = next(reward_model.parameters()).device
+        return reward_model.score(torch.tensor([ids], device=device), torch.ones(1, len(ids), device=device)).item()
     return judge
 
 
@@ -52,11 +53,13 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
     from train import encode_prompt, pad
     rows = [p for p in prompts for _ in range(n)]
     out = {"prompts": rows, "query": [], "query_mask": [], "response": [], "mask": [], "finished": []}
-    gen = torch.random.fork_rng()
+    device = next(model.parameters()).device
+    gen = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with gen:
         torch.manual_seed(seed)
         for i in range(0, len(rows), batch):
             q, qm = pad([encode_prompt(tokenizer, p) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
+            q, qm = q.to(device), qm.to(device)                                        # (B, P), on the model's device
             r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                       **EVAL_SAMPLING)
             out["query"].append(q); out["query_mask"].append(qm)

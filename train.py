@@ -338,6 +338,38 @@ def _last_index(attention_mask: torch.Tensor) -> torch.Tensor:
 # =========================================================================================================
 # Stages 1-2 together, cached: the world, its tokenizer, the SFT model and the reward model
 # =========================================================================================================
+def sft_and_reward_model(tmp: Path, tokenizer, sft_rows: list[dict], pairs_train: list[dict], pairs_heldout: list[dict],
+                         sft_cfg: SFTConfig, rm_cfg: RMConfig, seed: int, timings: dict,
+                         max_positions: int | None = None) -> ScalarHeadModel:
+    """Stages 1-2 into `tmp`: SFT on {prompt, response} rows (tmp/sft), then the reward model initialised from it with
+    a fresh scalar head and trained with Eq. 2 (tmp/reward_model), plus the logs of Fig. 2 and Fig. 3."""
+    # 1. SFT
+    t0 = time.time()
+    seed_everything(seed)
+    sft = tiny_llama(len(tokenizer), sft_cfg)
+    if max_positions:
+        sft.config.max_position_embeddings = max_positions  # RoPE: no table to resize
+    rows = [(r["prompt"], r["response"]) for r in sft_rows]
+    sft_losses = train_lm(sft, tokenizer, rows, sft_cfg.sft_epochs, sft_cfg.sft_lr, sft_cfg.sft_batch, seed, "1. SFT")
+    sft.save_pretrained(tmp / "sft")
+    tokenizer.save_pretrained(tmp / "sft")
+    timings["sft"] = time.time() - t0
+
+    # 2. reward model, initialised from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
+    t0 = time.time()
+    seed_everything(seed)
+    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
+    rm_log = train_reward_model(rm, tokenizer, pairs_train, pairs_heldout, rm_cfg, seed)
+    rm.save_pretrained(tmp / "reward_model")
+    tokenizer.save_pretrained(tmp / "reward_model")
+    rc, rr = score_pairs(rm, tokenizer, pairs_heldout)
+    timings["reward_model"] = time.time() - t0
+    write_json(tmp / "sft_log.json", {"loss": sft_losses})
+    write_json(tmp / "rm_log.json", rm_log)                                                      # Fig. 3
+    write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+    return rm
+
+
 def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig) -> Path:
     from transformers import AutoTokenizer
     base = Path("runs/_base") / f"seed{run.seed}-{config_hash(world_cfg, sft_cfg, rm_cfg)}"
@@ -356,29 +388,8 @@ def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: 
     tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
     timings["world"] = time.time() - t0
 
-    # 1. SFT
-    t0 = time.time()
-    seed_everything(run.seed)
-    sft = tiny_llama(len(tokenizer), sft_cfg)
-    rows = [(r["prompt"], r["response"]) for r in data["sft"]]
-    sft_losses = train_lm(sft, tokenizer, rows, sft_cfg.sft_epochs, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed, "1. SFT")
-    sft.save_pretrained(tmp / "sft")
-    tokenizer.save_pretrained(tmp / "sft")
-    timings["sft"] = time.time() - t0
-
-    # 2. reward model, initialised from SFT with a fresh scalar head
-    t0 = time.time()
-    seed_everything(run.seed)
-    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
-    rm_log = train_reward_model(rm, tokenizer, data["pairs_train"], data["pairs_heldout"], rm_cfg, run.seed)
-    rm.save_pretrained(tmp / "reward_model")
-    tokenizer.save_pretrained(tmp / "reward_model")
-    rc, rr = score_pairs(rm, tokenizer, data["pairs_heldout"])
-    timings["reward_model"] = time.time() - t0
-
-    write_json(tmp / "sft_log.json", {"loss": sft_losses})
-    write_json(tmp / "rm_log.json", rm_log)                                  # Fig. 3
-    write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+    rm = sft_and_reward_model(tmp, tokenizer, data["sft"], data["pairs_train"], data["pairs_heldout"], sft_cfg, rm_cfg,
+                              run.seed, timings)
     bias = length_bias(rm, tokenizer, data["prompts_heldout"], run.seed)
     write_json(tmp / "rm_length_bias.json", bias)
     write_json(tmp / "timings.json", timings)
@@ -505,32 +516,12 @@ def build_base_real(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig) -> Pat
     write_json(tmp / "data_limits.json", limits)
     timings["data"] = time.time() - t0
 
-    # 1. SFT on the chosen responses, a from-scratch tiny LLaMA whose context holds [BOS] + P + T
-    t0 = time.time()
-    seed_everything(run.seed)
-    sft = tiny_llama(len(tokenizer), sft_cfg)
-    sft.config.max_position_embeddings = 1 + run.max_prompt_tokens + run.max_response_tokens  # RoPE: no table to resize
-    rows = [(r["prompt"], r["response"]) for r in data_files["sft"]]
-    sft_losses = train_lm(sft, tokenizer, rows, sft_cfg.sft_epochs, sft_cfg.sft_lr, sft_cfg.sft_batch, run.seed, "1. SFT")
-    sft.save_pretrained(tmp / "sft")
-    tokenizer.save_pretrained(tmp / "sft")
-    timings["sft"] = time.time() - t0
-
-    # 2. reward model from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
-    t0 = time.time()
-    seed_everything(run.seed)
-    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
-    rm_log = train_reward_model(rm, tokenizer, pairs_train, pairs_heldout, rm_cfg, run.seed)
-    rm.save_pretrained(tmp / "reward_model")
-    tokenizer.save_pretrained(tmp / "reward_model")
+    # a from-scratch tiny LLaMA whose context holds [BOS] + P + T, SFT on the chosen responses
+    rm = sft_and_reward_model(tmp, tokenizer, data_files["sft"], pairs_train, pairs_heldout, sft_cfg, rm_cfg, run.seed,
+                              timings, max_positions=1 + run.max_prompt_tokens + run.max_response_tokens)
     write_json(tmp / "reward_model" / "data_limits.json", limits)
-    rc, rr = score_pairs(rm, tokenizer, pairs_heldout)
-    timings["reward_model"] = time.time() - t0
-    print(f"[base] reward model held-out accuracy {rm_log[-1]['heldout_accuracy']:.3f} on {len(pairs_heldout)} pairs")
-
-    write_json(tmp / "sft_log.json", {"loss": sft_losses})
-    write_json(tmp / "rm_log.json", rm_log)                                  # Fig. 3
-    write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+    print(f"[base] reward model held-out accuracy {json.loads((tmp / 'rm_log.json').read_text())[-1]['heldout_accuracy']:.3f}"
+          f" on {len(pairs_heldout)} pairs")
     write_json(tmp / "timings.json", timings)
     write_json(tmp / "config.json", {"data": key["data"], "limits": limits, "vocab_size": run.vocab_size,
                                      "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
@@ -1005,15 +996,8 @@ def main(argv=None) -> dict | None:
     unwrap(critic).save_pretrained(out / "critic")
 
     # final evaluation on held-out prompts, sampled as the paper evaluates
-    if device.type != "cpu":  # eval.py builds its batches on the CPU
-        print(f"[eval] skipped: the models are on {device} and eval.py builds its batches on the CPU; "
-              f"run `python eval.py` on the saved {out / 'policy'}")
-        write_json(out / "summary.json", {"preset": run.preset, "seed": run.seed, "steps": run.steps,
-                                          "seconds": time.time() - t_start, "config": dataclasses.asdict(cfg),
-                                          "timings": timings, "final": None, "stopped": stop_reason})
-        return None
     t0 = time.time()
-    sft = AutoModelForCausalLM.from_pretrained(base / "sft").eval() if base else ref
+    sft = AutoModelForCausalLM.from_pretrained(base / "sft").to(device).eval() if base else ref
     heldout = [r["prompt"] for r in data["prompts_heldout"]]
     report = evaluation.compare(unwrap(policy).eval(), sft, ref, reward_model, tokenizer, heldout, run.eval_samples,
                                 seed=run.seed, max_new_tokens=cfg.max_new_tokens,
