@@ -69,7 +69,8 @@ class RunConfig:
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>)")
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
-    threads: int = arg(0, "torch CPU threads (0 = torch's default)")
+    threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
+                          "shared machine extra threads mostly wait for each other")
     # long runs (checkpoint.py, monitor.py)
     save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end")
     keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)")
