@@ -5,6 +5,13 @@ Implements (equation numbers of Zheng et al. 2023, arXiv 2307.04964):
     normalize_and_clip_rewards(scores, moments, clip_delta)          → Eq. 18  r̃ = clip((r − mean)/std, −δ, δ)
     scale_rewards(scores, moments)                                   → "reward scaling" ablation (Fig. 6): r / std
     shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl) → Eq. 19  r_t = −η KL_t, + score on the last token
+  the recipe (section 5.4; train.py runs the loop):
+    PPOConfig, PRESETS, apply_preset                                 → every trick as a field; ppo-max and vanilla
+    rollout(policy, query, ...)                                      → step (1): sample with the KV cache, stop at EOS
+    make_experience(...)                                             → steps (2)–(5): score, Eq. 18, Eq. 19, GAE (Eq. 9)
+    ppo_update(...)                                                  → step (6): Eq. 15 + 16 + 17, global grad clip
+    pretrain_critic(...)                                             → §5.3.3: fit V_φ (Eq. 16) before any policy update
+    AdaptiveKLController                                             → adaptive η (Ziegler et al. 2019), an ablation
 
 Run: python ppo_max.py        (prints the worked example of the score half)
 
