@@ -255,8 +255,10 @@ def table(variants: dict[str, list[dict]], last: int = 10) -> dict[str, dict]:
     printed as mean ± std. `win−lose` > 0 means better than SFT under the gold judge."""
     out = {}
     keys = [k for k, _ in DYNAMICS]
-    print(f"{'variant':<24}" + "".join(f"{k.split('/')[-1] + ' (last ' + str(last) + ')':>18}" for k in keys)
-          + f"{'held-out win−lose':>19}{'held-out gold':>15}")
+    short = {"reward/score": "RM score", "reward/gold": "gold", "kl/ref": "KL", "policy/perplexity": "perplexity",
+             "response/length": "length"}
+    print(f"{'':<24}{'(means of the last ' + str(last) + ' training steps)':^90}{'(final held-out evaluation)':^34}")
+    print(f"{'variant':<24}" + "".join(f"{short[k]:>18}" for k in keys) + f"{'win − lose':>19}{'gold':>15}")
     for label, rs in variants.items():
         row = {k: series(rs, k)[:, -last:].mean(1) for k in keys}
         row["win-lose"] = np.array([r["win_rate_vs_sft"]["win"] - r["win_rate_vs_sft"]["lose"] for r in rs])
