@@ -7,7 +7,13 @@ Implements (section and figure numbers of Zheng et al. 2023, arXiv 2307.04964; n
         .state_dict() / .load_state_dict(d)  → plain JSON, so a resumed run continues the monitor exactly
     Alarm(step, reasons)               → the step it fired and the numbers behind it
 
+    gold_halfway(gold)                 → the step a collapse has lost half its gain for good (issue 7's yardstick)
+    replay(run_dir, **thresholds)      → what the alarm would have done on a finished run (metrics/samples.jsonl)
+    sweep(runs, grid, **thresholds)    → caught in time / late / missed / false alarms for each setting of a grid
+
 Run: python monitor.py        (a synthetic drifting run; prints the alarm the tests expect)
+     python monitor.py replay runs/vanilla-seed0 runs/ppo-max-seed0 [--kl-max 0.05 --patience 1 ...]
+     python monitor.py sweep runs/*-seed?      (kl_max × patience over every saved run; nothing is retrained)
 
 Why these metrics: section 5.2 finds that the reward and the PPO losses keep looking healthy while the policy
 collapses ("pattern collapse": it exploits the reward model). What moves first is (Fig. 4, vanilla PPO):
@@ -30,7 +36,9 @@ References:
     Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", section 5.2, Fig. 4, 9, 13.
     Cantelli's inequality (one-sided Chebyshev): P(X − μ ≥ kσ) ≤ 1/(1 + k²) for any distribution.
 """
+import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -68,23 +76,34 @@ def _get(metrics: Mapping[str, Any], key: str) -> float | None:
     return None if v is None or not math.isfinite(float(v)) else float(v)
 
 
+# The default thresholds, chosen on the synthetic world's runs of seeds 0-2 and checked on seeds 3-4 (README,
+# "Collapse alarm"); `python monitor.py sweep runs/*-seed?` shows what other values would have done.
+KL_MAX, PATIENCE, PPL_DROP = 0.08, 1, 0.35
+
+
 class CollapseMonitor:
     """Fires when, for `patience` consecutive steps, ANY of these holds (thresholds are arguments):
 
-    kl_max = 0.3 (nats/token)     KL to the reference > kl_max. Absolute, because the reference is fixed: Fig. 4
+    kl_max = 0.08 (nats/token)    KL to the reference > kl_max. Absolute, because the reference is fixed: Fig. 4
         shows vanilla PPO's KL climbing without bound, Fig. 9 PPO-max's staying small under the Eq. 19 penalty.
-        0.3 per token is ≈ 3–5 nats over a short response, far beyond what PPO-max reaches in the synthetic world.
+        In the synthetic world vanilla's KL passes 0.08 at steps 3–5, before its gold reward has fallen halfway
+        (gold_halfway), on all five seeds tried; PPO-max (η = 0.2) stays below 0.075 over 400 steps on seeds 0–2,
+        while on seeds 3 and 4 its KL creeps past 0.08 after ~90 steps (README, "Collapse alarm"). Higher values
+        fire only once a collapse is well under way (0.3: 4–6 steps after the halfway point).
     length_growth = 0.5           mean response length > (1 + 0.5) × baseline. Fig. 4's collapse multiplies
         length by 3–4; Fig. 9 keeps it flat; +50 % is a fraction of the collapse and well outside batch noise.
-    ppl_drop = 0.3                policy perplexity < (1 − 0.3) × baseline. Fig. 4's perplexity falls toward 1
-        (the policy becomes certain of one pattern); Fig. 9's stays flat. Perplexity is ≥ 1, so with a baseline
-        below 1/(1 − ppl_drop) this check can never fire; the other three still do.
+    ppl_drop = 0.35               policy perplexity < (1 − 0.35) × baseline. Fig. 4's perplexity falls toward 1
+        (the policy becomes certain of one pattern); Fig. 9's stays flat, but single batches of PPO-max dip by up
+        to 30 % (one did at 0.3). Perplexity is ≥ 1, so with a baseline below 1/(1 − ppl_drop) this check can
+        never fire; the other three still do.
     tail_sigmas = 3, tail_frac = 0.2   more than 20 % of the step's raw scores lie above baseline mean + 3 σ
         (baseline: all scores of the warmup steps, population σ). Fig. 13: the distribution is unchanged while
         training is stable and grows a long tail after collapse. For the baseline distribution itself, whatever
         its shape, Cantelli's inequality bounds that fraction by 1/(1 + 3²) = 10 %, so 20 % cannot be the
         stable distribution plus noise.
-    patience = 3                  consecutive steps with at least one reason; one noisy batch does not fire.
+    patience = 1                  consecutive steps with at least one reason. Vanilla PPO's gold reward in this
+        world falls halfway within 2–3 steps of its peak, so waiting for a second bad step is already late; raise
+        it (with kl_max) for a quieter alarm that confirms a collapse rather than warns of it.
     warmup = 5                    steps averaged into the baseline (length, perplexity: per-step means averaged;
         scores: pooled).
 
@@ -92,8 +111,8 @@ class CollapseMonitor:
     ends that run (a later run of bad steps fires again). Every alarm is kept in `.alarms`.
     """
 
-    def __init__(self, kl_max: float = 0.3, length_growth: float = 0.5, ppl_drop: float = 0.3,
-                 tail_sigmas: float = 3.0, tail_frac: float = 0.2, warmup: int = 5, patience: int = 3):
+    def __init__(self, kl_max: float = KL_MAX, length_growth: float = 0.5, ppl_drop: float = PPL_DROP,
+                 tail_sigmas: float = 3.0, tail_frac: float = 0.2, warmup: int = 5, patience: int = PATIENCE):
         if warmup < 1 or patience < 1:
             raise ValueError(f"CollapseMonitor: warmup and patience must be ≥ 1, got {warmup}, {patience}")
         if not 0 <= ppl_drop < 1 or length_growth < 0 or not 0 <= tail_frac < 1:
@@ -208,7 +227,152 @@ class CollapseMonitor:
         self.alarms = [Alarm(step=int(a["step"]), reasons=list(a["reasons"])) for a in d["alarms"]]
 
 
-if __name__ == "__main__":
+def gold_halfway(gold: list[float], window: int = 3, hold: int = 10) -> int | None:
+    """The step at which a collapse has cost half its gain: from there to the end of the run, the gold reward stays
+    at or below halfway between its peak and the SFT level. None if that never happens (the run kept its gain).
+
+    gold: per-step mean gold reward of the training batch (synthetic world only; train.py's samples.jsonl).
+    The curve is a centred `window`-step mean, so one lucky or unlucky batch of 64 neither makes the peak nor ends
+    the run early; the SFT level is gold[0], the batch sampled before the first update. "Stays to the end" makes
+    the step well defined on a noisy curve (a run that dips and recovers has no halfway step); a fall that starts
+    fewer than `hold` steps before the end is too short to tell from a dip, and does not count. This is the
+    yardstick of issue 7's "fires before the gold reward has fallen halfway from its peak back to the SFT level".
+    """
+    n, k = len(gold), window // 2
+    if n < 2:
+        return None
+    g = [sum(gold[max(0, i - k):i + k + 1]) / len(gold[max(0, i - k):i + k + 1]) for i in range(n)]
+    peak_at = max(range(n), key=g.__getitem__)
+    half = (g[peak_at] + gold[0]) / 2
+    if g[peak_at] <= gold[0] or g[-1] > half:
+        return None
+    t = n - 1
+    while t > peak_at and g[t - 1] <= half:  # walk back from the end while the curve is still below half
+        t -= 1
+    return t if n - t >= hold else None
+
+
+def load_run(run_dir) -> dict:
+    """A finished run's logs: RUN_DIR/metrics.jsonl (the §5.2 metrics of each step) and RUN_DIR/samples.jsonl (each
+    step's raw scores, and its gold rewards in the synthetic world). gold is the per-step batch mean, [] without it."""
+    from pathlib import Path
+    run_dir = Path(run_dir)
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
+    samples = {}
+    if (run_dir / "samples.jsonl").exists():
+        for line in open(run_dir / "samples.jsonl"):
+            if line.strip():
+                s = json.loads(line)
+                samples[s["step"]] = s
+    scores = [samples.get(r["step"], {}).get("scores") for r in rows]
+    gold = [samples.get(r["step"], {}).get("gold") for r in rows]
+    gold = [sum(g) / len(g) for g in gold] if gold and all(gold) else []
+    return {"run": run_dir.name, "rows": rows, "scores": scores, "gold": gold}
+
+
+def replay(run, **thresholds) -> dict:
+    """What the alarm would have done on a finished run with these thresholds; nothing is retrained.
+
+    run: a run directory or load_run()'s dict. Returns the first alarm (step, reasons), every alarm step, the
+    gold-halfway step (gold_halfway; None without gold) and the number of steps.
+    """
+    if not isinstance(run, dict):
+        run = load_run(run)
+    monitor = CollapseMonitor(**thresholds)
+    for row, scores in zip(run["rows"], run["scores"]):
+        monitor.update(row["step"], row, scores)
+    first = monitor.first_alarm
+    return {"run": run["run"], "steps": len(run["rows"]), "alarm": first.step if first else None,
+            "reasons": first.reasons if first else [], "alarms": [a.step for a in monitor.alarms],
+            "gold_halfway": gold_halfway(run["gold"]) if run["gold"] else None, "has_gold": bool(run["gold"])}
+
+
+def verdict(r: dict) -> str:
+    """One replay() result against its gold yardstick: in time / late / missed / false alarm / quiet."""
+    half, alarm = r["gold_halfway"], r["alarm"]
+    if not r["has_gold"]:
+        return "(no gold in this run)"
+    if half is None:
+        return "false alarm: the run kept its gold" if alarm is not None else "quiet: the run kept its gold"
+    if alarm is None:
+        return "missed the collapse"
+    if alarm == half:
+        return "at the halfway step, not before"
+    return f"in time, {half - alarm} step(s) early" if alarm < half else f"late, {alarm - half} step(s) after"
+
+
+def sweep(runs: list[dict], grid: dict[str, list], **fixed) -> list[dict]:
+    """replay() every run under every combination of `grid` (e.g. {"kl_max": [...], "patience": [...]}), the other
+    thresholds `fixed`. Per setting: how many collapses were caught in time / late / missed, false alarms on runs
+    that kept their gold, and the median lead (halfway step − alarm step; negative = late) over caught collapses."""
+    import itertools
+    out = []
+    for values in itertools.product(*grid.values()):
+        setting = dict(zip(grid, values))
+        counts = {"in_time": 0, "late": 0, "missed": 0, "false": 0, "quiet": 0}
+        leads = []
+        for run in runs:
+            if not run["gold"]:
+                continue
+            r = replay(run, **fixed, **setting)
+            half, alarm = r["gold_halfway"], r["alarm"]
+            if half is None:
+                counts["false" if alarm is not None else "quiet"] += 1
+            elif alarm is None:
+                counts["missed"] += 1
+            else:
+                counts["in_time" if alarm < half else "late"] += 1
+                leads.append(half - alarm)
+        leads.sort()
+        out.append({**setting, **counts, "median_lead": leads[len(leads) // 2] if leads else None})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python monitor.py`: the worked example. `replay RUN_DIR ...`: each run's first alarm against its gold-halfway
+    step. `sweep RUN_DIR ...`: a grid of kl_max × patience over the same runs. Other thresholds: flags."""
+    import argparse
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        return worked_example()
+    p = argparse.ArgumentParser(prog="python monitor.py",
+                                description="Replay finished runs' logs through the collapse alarm, without "
+                                            "retraining: when would it have fired, and was that before the gold "
+                                            "reward had fallen halfway (see gold_halfway)?")
+    p.add_argument("command", choices=["replay", "sweep"])
+    p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl and samples.jsonl)")
+    defaults = CollapseMonitor()
+    for name in ("kl_max", "length_growth", "ppl_drop", "tail_sigmas", "tail_frac"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    for name in ("warmup", "patience"):
+        p.add_argument("--" + name, type=int, default=getattr(defaults, name))
+    p.add_argument("--grid-kl", default="0.05,0.08,0.1,0.15,0.2,0.3", help="sweep: kl_max values")
+    p.add_argument("--grid-patience", default="1,2,3", help="sweep: patience values")
+    a = p.parse_args(argv)
+    thresholds = {k: v for k, v in vars(a).items() if k not in ("command", "runs", "grid_kl", "grid_patience")}
+    runs = [load_run(d) for d in a.runs]
+    if a.command == "replay":
+        print("thresholds:", thresholds)
+        print(f"{'run':<32}{'steps':>6}{'alarm':>7}{'gold halfway':>14}  verdict [first alarm's reasons]")
+        for run in runs:
+            r = replay(run, **thresholds)
+            print(f"{r['run']:<32}{r['steps']:>6}{str(r['alarm']):>7}{str(r['gold_halfway']):>14}  {verdict(r)}"
+                  + (f"  [{'; '.join(r['reasons'])}]" if r["reasons"] else ""))
+        return
+    grid = {"kl_max": [float(x) for x in a.grid_kl.split(",")], "patience": [int(x) for x in a.grid_patience.split(",")]}
+    fixed = {k: v for k, v in thresholds.items() if k not in grid}
+    n_collapse = sum(1 for run in runs if run["gold"] and gold_halfway(run["gold"]) is not None)
+    n_kept = sum(1 for run in runs if run["gold"]) - n_collapse
+    n_none = sum(1 for run in runs if not run["gold"])
+    print(f"{len(runs) - n_none} runs with gold ({n_none} without, skipped): {n_collapse} collapse (gold falls "
+          f"halfway and stays), {n_kept} keep their gold; fixed: {fixed}")
+    print(f"{'kl_max':>7}{'patience':>9}{'in time':>9}{'late':>6}{'missed':>8}{'false alarms':>14}{'median lead':>13}")
+    for r in sweep(runs, grid, **fixed):
+        print(f"{r['kl_max']:>7g}{r['patience']:>9}{r['in_time']:>9}{r['late']:>6}{r['missed']:>8}{r['false']:>14}"
+              f"{str(r['median_lead']):>13}")
+
+
+def worked_example() -> None:
     # A synthetic vanilla-PPO run: 5 calm steps, then KL climbs 0.1/step and length grows 2 tokens/step.
     monitor = CollapseMonitor()
     for step in range(15):
@@ -220,5 +384,9 @@ if __name__ == "__main__":
         if alarm:
             print(alarm)
     print("baseline:", {k: round(v, 4) for k, v in monitor.baseline().items()})
-    # collapse alarm at step 9: kl/ref 0.520 > 0.300; response/length 20.0 > 1.5 × baseline 10.0 = 15.0
+    # collapse alarm at step 5: kl/ref 0.120 > 0.080
     # baseline: {'response/length': 10.0, 'policy/perplexity': 2.0, 'score_mean': 0.5, 'score_std': 1.118}
+
+
+if __name__ == "__main__":
+    main()

@@ -77,6 +77,9 @@ class RunConfig:
     resume: str = arg("", "continue a run exactly: its directory or one of its checkpoints (same flags as the run)")
     max_bad_steps: int = arg(3, "stop after this many consecutive steps with a non-finite score/advantage/gradient")
     on_collapse: str = arg("warn", "when the §5.2 collapse alarm fires: 'warn' (log it) or 'stop' (checkpoint, stop)")
+    alarm_kl_max: float = arg(collapse.KL_MAX, "collapse alarm: KL to the reference (nats/token) that makes a step "
+                                               "bad; higher is quieter and later (`python monitor.py sweep runs/*`)")
+    alarm_patience: int = arg(collapse.PATIENCE, "collapse alarm: consecutive bad steps before it fires")
     # real preference data instead of the synthetic world (build_base_real; data.py reads and checks it)
     data: str = arg("", "HH-RLHF or {prompt,chosen,rejected} .jsonl[.gz]: train on real text with a from-scratch "
                         "model instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
@@ -843,7 +846,7 @@ def main(argv=None) -> dict | None:
     optimizers = {"policy": policy_opt, "critic": critic_opt}
     ds_dir = out / checkpoint.CKPT_SUBDIR / "deepspeed"
     guard = checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write)
-    monitor = collapse.CollapseMonitor()
+    monitor = collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience)
     history: list[dict] = []
     start = 0
     if run.resume:

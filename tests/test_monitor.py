@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from monitor import Alarm, CollapseMonitor
+from monitor import Alarm, CollapseMonitor, gold_halfway
 
 
 def stable_stream(n: int, seed: int = 0, batch: int = 64):
@@ -36,15 +36,21 @@ def test_monitor_stable_stream_never_fires():
 
 
 def test_monitor_drift_fires_after_patience_with_reasons():
-    # numbers printed by `python monitor.py`
-    alarms = run(CollapseMonitor(), drifting_stream())
+    # the former defaults (KL 0.3, patience 3): a quiet alarm that confirms a collapse
+    alarms = run(CollapseMonitor(kl_max=0.3, patience=3), drifting_stream())
     assert len(alarms) == 1, "one run of bad steps fires once"
     assert alarms[0].step == 9
     assert alarms[0].reasons == ["kl/ref 0.520 > 0.300", "response/length 20.0 > 1.5 × baseline 10.0 = 15.0"]
     assert str(alarms[0]).startswith("collapse alarm at step 9: kl/ref 0.520 > 0.300")
     # by hand: KL first exceeds 0.3 at step 7 (0.02 + 0.3 = 0.32), length first exceeds 15 at step 7 (16);
     # patience 3 → steps 7, 8, 9 → fires at 9. With patience 1 it fires at 7.
-    assert run(CollapseMonitor(patience=1), drifting_stream())[0].step == 7
+    assert run(CollapseMonitor(kl_max=0.3, patience=1), drifting_stream())[0].step == 7
+
+
+def test_monitor_defaults_fire_on_the_first_bad_step():
+    # numbers printed by `python monitor.py`: drift starts at step 5 (KL 0.02 + 0.1 = 0.12 > 0.08), patience 1
+    alarms = run(CollapseMonitor(), drifting_stream())
+    assert [(a.step, a.reasons) for a in alarms] == [(5, ["kl/ref 0.120 > 0.080"])]
 
 
 def test_monitor_patience_resets_on_a_good_step():
@@ -56,7 +62,7 @@ def test_monitor_patience_resets_on_a_good_step():
 
 
 def test_monitor_perplexity_drop_fires():
-    monitor = CollapseMonitor(patience=2)
+    monitor = CollapseMonitor(patience=2, ppl_drop=0.3)
     stream = [{"kl/ref": 0.01, "response/length": 10.0, "policy/perplexity": p}
               for p in [2.0, 2.2, 1.8, 2.0, 2.0, 1.5, 1.41, 1.39, 1.2]]
     fired = [(s, a) for s, m in enumerate(stream) if (a := monitor.update(s, m))]
@@ -76,7 +82,7 @@ def test_monitor_reward_tail_fires():
         k = int(round(frac * 64))
         return [float(cut + 2.0)] * k + rng.normal(0.0, 1.0, 64 - k).tolist()
 
-    monitor = CollapseMonitor()
+    monitor = CollapseMonitor(patience=3)
     for step, s in enumerate(base_scores):
         assert monitor.update(step, flat, s) is None
     base = monitor.baseline()
@@ -93,7 +99,7 @@ def test_monitor_reward_tail_fires():
 
 
 def test_monitor_relative_checks_wait_for_warmup_and_skip_missing_metrics():
-    monitor = CollapseMonitor(patience=1)
+    monitor = CollapseMonitor(kl_max=0.3, patience=1)
     # during warmup only the absolute KL check runs, so a long response there is not a reason
     assert monitor.check({"response/length": 1000.0}) == []
     assert monitor.check({"kl/ref": 0.5}) == ["kl/ref 0.500 > 0.300"]
@@ -142,3 +148,76 @@ def test_monitor_accepts_tensor_scores():
         a.update(step, m, torch.tensor(s, dtype=torch.float64))
         b.update(step, m, s)
     assert a.state_dict() == b.state_dict()
+
+
+# ---- the yardstick and the replay of finished runs ----------------------------------------------------------
+
+def halfway_by_brute_force(gold, hold=10):
+    """Independent of gold_halfway's walk back: try every step t after the peak, in order, and test the whole tail."""
+    g = np.array([np.mean(gold[max(0, i - 1):i + 2]) for i in range(len(gold))])  # centred 3-step mean
+    p = int(np.argmax(g))
+    half = (g[p] + gold[0]) / 2
+    if g[p] <= gold[0]:
+        return None
+    for t in range(p + 1, len(g)):
+        if np.all(g[t:] <= half):
+            return t if len(g) - t >= hold else None
+    return None
+
+
+def test_gold_halfway_by_hand():
+    # SFT level 1, a peak of 3, then down to -1: half = (3 + 1) / 2 = 2.
+    gold = [1.0, 2.0, 3.0, 3.0, 3.0, 2.0, 1.0, 0.0] + [-1.0] * 12
+    # centred means: step 4 = (3+3+2)/3 = 2.67, step 5 = (3+2+1)/3 = 2.0 ≤ 2 and everything after is lower
+    assert gold_halfway(gold) == 5 == halfway_by_brute_force(gold)
+    assert gold_halfway([1.0] * 20) is None                       # never rose
+    assert gold_halfway([1.0, 3.0, 3.0] + [2.5] * 20) is None      # kept most of its gain
+    dip = [1.0, 3.0, 3.0, 3.0, 0.0, 0.0, 3.0, 3.0, 3.0] + [3.0] * 15
+    assert gold_halfway(dip) is None                               # a dip that recovers is not a collapse
+    late = [1.0] + [3.0] * 20 + [-1.0] * 5
+    # step 20's centred mean (3 + 3 − 1) / 3 = 1.67 is the first ≤ 2: 6 steps before the end, < hold = 10
+    assert gold_halfway(late) is None and gold_halfway(late, hold=6) == 20 and gold_halfway(late, hold=7) is None
+
+
+def test_gold_halfway_matches_brute_force_on_random_curves():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(5, 60))
+        peak_at = int(rng.integers(1, n))
+        curve = np.concatenate([np.linspace(1, 2, peak_at), np.linspace(2, rng.uniform(-1, 2.5), n - peak_at)])
+        gold = (curve + rng.normal(0, 0.2, n)).tolist()
+        hold = int(rng.integers(1, 12))
+        assert gold_halfway(gold, hold=hold) == halfway_by_brute_force(gold, hold=hold)
+
+
+def write_run(path, stream, gold):
+    path.mkdir()
+    with open(path / "metrics.jsonl", "w") as fm, open(path / "samples.jsonl", "w") as fs:
+        for (step, m, s), g in zip(stream, gold):
+            fm.write(json.dumps({"step": step, **m}) + "\n")
+            fs.write(json.dumps({"step": step, "scores": s, "gold": [g, g]}) + "\n")
+
+
+def test_replay_and_sweep_of_saved_runs(tmp_path):
+    import subprocess, sys
+    from pathlib import Path
+    from monitor import replay, sweep, load_run
+    drift = list(drifting_stream(30))
+    gold = [1.0] * 5 + [3.0] * 4 + [-1.0] * 21  # halfway (2) at step 8: centred mean (3 + 3 − 1) / 3 = 1.67
+    write_run(tmp_path / "drift", drift, gold)
+    write_run(tmp_path / "calm", list(stable_stream(30)), [1.0, 2.0] + [2.0] * 28)
+    live = run(CollapseMonitor(kl_max=0.3, patience=3), drifting_stream(30))
+    r = replay(tmp_path / "drift", kl_max=0.3, patience=3)
+    assert r["alarm"] == live[0].step == 9 and r["reasons"] == live[0].reasons
+    assert r["gold_halfway"] == halfway_by_brute_force(gold) == 8
+    assert replay(tmp_path / "drift", kl_max=0.3, patience=1)["alarm"] == 7
+    assert replay(tmp_path / "drift")["alarm"] == 5  # the defaults: 3 steps before the halfway step
+    assert replay(tmp_path / "calm")["alarm"] is None and replay(tmp_path / "calm")["gold_halfway"] is None
+    rows = sweep([load_run(tmp_path / "drift"), load_run(tmp_path / "calm")], {"patience": [1, 3]}, kl_max=0.3)
+    # patience 1 fires at 7 (< 8: in time, lead 1), patience 3 at 9 (late, lead −1); the calm run stays quiet
+    assert [(x["patience"], x["in_time"], x["late"], x["false"], x["quiet"], x["median_lead"]) for x in rows] == \
+        [(1, 1, 0, 0, 1, 1), (3, 0, 1, 0, 1, -1)]
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "monitor.py"), "replay",
+                          str(tmp_path / "drift"), str(tmp_path / "calm"), "--kl-max", "0.3", "--patience", "3"],
+                         capture_output=True, text=True, check=True)
+    assert "late, 1 step(s) after" in out.stdout and "quiet: the run kept its gold" in out.stdout

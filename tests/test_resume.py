@@ -111,3 +111,19 @@ def test_consecutive_nans_stop_with_last_good_checkpoint(work, monkeypatch):
     latest = checkpoint.find_latest(work / "nan2")
     assert latest.name == "step-000003" and (latest / "COMPLETE").exists()
     assert [m["step"] for m in metrics(work / "nan2")] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work):
+    # KL to the reference is exactly 0 at step 0 (policy = reference) and > 0 after the first update, so with
+    # --alarm-kl-max 0 every step from 1 on is bad: patience 2 fires at step 2, and 'stop' ends the run there.
+    summary = train.main(TINY + ["--steps", "9", "--alarm-kl-max", "0", "--alarm-patience", "2",
+                                 "--on-collapse", "stop", "--out", "alarm"])
+    rows = metrics(work / "alarm")
+    assert rows[0]["kl/ref"] == 0.0 and all(r["kl/ref"] > 0 for r in rows[1:])
+    assert [r["alarm/collapse"] for r in rows] == [False, False, True]
+    assert summary["collapse_alarm"]["step"] == 2 and summary["stopped"] == "collapse alarm at step 2"
+    latest = checkpoint.find_latest(work / "alarm")  # the steps done, alarm step included; resumable
+    assert latest.name == "step-000003" and (latest / "COMPLETE").exists()
+    import monitor
+    assert monitor.replay(work / "alarm", kl_max=0.0, patience=2)["alarm"] == 2  # replay = the live alarm
