@@ -206,7 +206,8 @@ class PPOConfig:
     adv_norm: bool = arg(False, "whiten advantages per minibatch")
     adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off")
     # --- policy constraints (Fig. 7, 15, 16) ---
-    kl_coef: float = arg(0.05, "η of Eq. 19 (token-level KL penalty); 0 = off")
+    kl_coef: float = arg(0.2, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
+                              "(Fig. 15); at 0.05 PPO-max collapses after 137-277 steps here (notebooks/ppo_max.ipynb)")
     kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full (exact)")
     kl_target: float = arg(0.0, "adaptive KL controller target (Ziegler et al. 2019); 0 = fixed η")
     kl_horizon: int = arg(10000, "adaptive KL horizon (in sequences)")

@@ -9,6 +9,7 @@ Implements: no equation; the cache and the two budgets behind every figure noteb
   samples(run_)                  samples.jsonl of a run: per step the RM scores, gold rewards and 4 examples
   base_dir(seed)                 the default SFT + reward-model directory of a seed (rm_log.json, ... for Fig. 2-3)
   evaluate_checkpoints(run_)     win / tie / lose vs SFT under the gold judge of every saved checkpoint (Fig. 4)
+  current_alarm(dir)             the collapse alarm under monitor.py's current thresholds (replayed, not retrained)
   one_at_a_time()                a file lock (runs/.runner.lock): trainings and evaluations of all processes take turns
   dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
@@ -104,11 +105,20 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
         if bad:
             raise RuntimeError(f"{out} holds a run with another {', '.join(bad)} than `train.py {' '.join(argv)}`; "
                                f"delete that directory or give this run another name")
-        return {**summary, "dir": out}
+        return {**summary, "collapse_alarm": current_alarm(out), "dir": out}
     with one_at_a_time():
         if summary_path.exists():          # another process trained it while this one waited
             return run(name, *flags, seed=seed, steps=steps)
         return _train(out, argv)
+
+
+def current_alarm(out: Path) -> dict | None:
+    """The collapse alarm of a saved run under monitor.py's current default thresholds (monitor.replay over its
+    metrics.jsonl and samples.jsonl): summary.json records the alarm under the thresholds in force when the run
+    trained, and the alarm never changes training, so a cached run reports what a fresh run would."""
+    import monitor
+    r = monitor.replay(out)
+    return {"step": r["alarm"], "reasons": r["reasons"]} if r["alarm"] is not None else None
 
 
 def _train(out: Path, argv: list[str]) -> dict:
