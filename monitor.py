@@ -102,7 +102,7 @@ class CollapseMonitor:
         its shape, Cantelli's inequality bounds that fraction by 1/(1 + 3²) = 10 %, so 20 % cannot be the
         stable distribution plus noise.
     patience = 1                  consecutive steps with at least one reason. Vanilla PPO's gold reward in this
-        world falls halfway within 2–3 steps of its peak, so waiting for a second bad step is already late; raise
+        world falls halfway within a few steps of its peak, so waiting for a second bad step is already late; raise
         it (with kl_max) for a quieter alarm that confirms a collapse rather than warns of it.
     warmup = 5                    steps averaged into the baseline (length, perplexity: per-step means averaged;
         scores: pooled).
@@ -257,13 +257,23 @@ def load_run(run_dir) -> dict:
     step's raw scores, and its gold rewards in the synthetic world). gold is the per-step batch mean, [] without it."""
     from pathlib import Path
     run_dir = Path(run_dir)
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
-    samples = {}
-    if (run_dir / "samples.jsonl").exists():
-        for line in open(run_dir / "samples.jsonl"):
+
+    def read(path: Path) -> list[dict]:  # one JSON object with a "step" per line; errors name the file and line
+        out = []
+        for i, line in enumerate(open(path), 1):
             if line.strip():
-                s = json.loads(line)
-                samples[s["step"]] = s
+                try:
+                    row = json.loads(line)
+                    int(row["step"])
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{i}: not a JSON object with a 'step' ({type(e).__name__}: {e})") from None
+                out.append(row)
+        return out
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a train.py run directory)")
+    rows = read(run_dir / "metrics.jsonl")
+    samples = {s["step"]: s for s in read(run_dir / "samples.jsonl")} if (run_dir / "samples.jsonl").exists() else {}
     scores = [samples.get(r["step"], {}).get("scores") for r in rows]
     gold = [samples.get(r["step"], {}).get("gold") for r in rows]
     gold = [sum(g) / len(g) for g in gold] if gold and all(gold) else []
@@ -350,7 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid-patience", default="1,2,3", help="sweep: patience values")
     a = p.parse_args(argv)
     thresholds = {k: v for k, v in vars(a).items() if k not in ("command", "runs", "grid_kl", "grid_patience")}
-    runs = [load_run(d) for d in a.runs]
+    try:
+        runs = [load_run(d) for d in a.runs]
+    except (OSError, ValueError) as e:  # a wrong path or a damaged log: one line, exit 2, as train.py's errors
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
     if a.command == "replay":
         print("thresholds:", thresholds)
         print(f"{'run':<32}{'steps':>6}{'alarm':>7}{'gold halfway':>14}  verdict [first alarm's reasons]")

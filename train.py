@@ -161,6 +161,10 @@ def parse_configs(argv=None):
     ppo = ppo_max.apply_preset(run.preset, **overrides)
     world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
                                                      for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
+    if run.on_collapse not in ("warn", "stop"):
+        fail(f"--on-collapse {run.on_collapse!r}: choose 'warn' or 'stop'")
+    if run.alarm_patience < 1 or not run.alarm_kl_max >= 0:
+        fail(f"--alarm-patience must be ≥ 1 and --alarm-kl-max ≥ 0 (got {run.alarm_patience}, {run.alarm_kl_max})")
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)

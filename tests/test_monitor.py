@@ -221,3 +221,16 @@ def test_replay_and_sweep_of_saved_runs(tmp_path):
                           str(tmp_path / "drift"), str(tmp_path / "calm"), "--kl-max", "0.3", "--patience", "3"],
                          capture_output=True, text=True, check=True)
     assert "late, 1 step(s) after" in out.stdout and "quiet: the run kept its gold" in out.stdout
+
+
+def test_replay_names_a_wrong_directory_or_a_damaged_line(tmp_path):
+    import subprocess, sys
+    from pathlib import Path
+    script = str(Path(__file__).resolve().parents[1] / "monitor.py")
+    out = subprocess.run([sys.executable, script, "replay", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert out.returncode == 2 and "nope: no metrics.jsonl" in out.stderr and "Traceback" not in out.stderr
+    write_run(tmp_path / "bad", list(drifting_stream(3)), [1.0, 1.0, 1.0])
+    with open(tmp_path / "bad" / "samples.jsonl", "a") as f:
+        f.write("{not json\n")
+    out = subprocess.run([sys.executable, script, "replay", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert out.returncode == 2 and "samples.jsonl:4: not a JSON object" in out.stderr

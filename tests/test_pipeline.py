@@ -94,3 +94,13 @@ def test_presets_and_flags_parse():
     assert cfg == ppo_max.apply_preset("ppo-max")
     with pytest.raises(ValueError):
         ppo_max.apply_preset("nope")
+    run, *_ = train.parse_configs(["--alarm-kl-max", "0.3", "--alarm-patience", "3", "--on-collapse", "stop"])
+    assert (run.alarm_kl_max, run.alarm_patience, run.on_collapse) == (0.3, 3, "stop")
+
+
+@pytest.mark.parametrize("flags, message", [(["--on-collapse", "halt"], "--on-collapse 'halt'"),
+                                            (["--alarm-patience", "0"], "--alarm-patience must be ≥ 1")])
+def test_bad_alarm_flags_fail_with_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_configs(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
