@@ -9,6 +9,7 @@ Implements (section and figure numbers of Zheng et al. 2023, arXiv 2307.04964; n
 
     gold_halfway(gold)                 → the step a collapse has lost half its gain for good (issue 7's yardstick)
     replay(run_dir, **thresholds)      → what the alarm would have done on a finished run (metrics/samples.jsonl)
+    outcome(replayed) / verdict(...)   → in time / late / missed / false alarm / quiet, against gold_halfway
     sweep(runs, grid, **thresholds)    → caught in time / late / missed / false alarms for each setting of a grid
 
 Run: python monitor.py        (a synthetic drifting run; prints the alarm the tests expect)
@@ -297,18 +298,28 @@ def replay(run, **thresholds) -> dict:
             "gold_halfway": gold_halfway(run["gold"]) if run["gold"] else None, "has_gold": bool(run["gold"])}
 
 
-def verdict(r: dict) -> str:
-    """One replay() result against its gold yardstick: in time / late / missed / false alarm / quiet."""
+def outcome(r: dict) -> str | None:
+    """One replay() result against its gold yardstick: 'in_time' (alarm before the halfway step), 'late' (at or
+    after it), 'missed', 'false' (an alarm on a run that kept its gold), 'quiet', or None without gold."""
     half, alarm = r["gold_halfway"], r["alarm"]
     if not r["has_gold"]:
-        return "(no gold in this run)"
+        return None
     if half is None:
-        return "false alarm: the run kept its gold" if alarm is not None else "quiet: the run kept its gold"
+        return "false" if alarm is not None else "quiet"
     if alarm is None:
-        return "missed the collapse"
-    if alarm == half:
-        return "at the halfway step, not before"
-    return f"in time, {half - alarm} step(s) early" if alarm < half else f"late, {alarm - half} step(s) after"
+        return "missed"
+    return "in_time" if alarm < half else "late"
+
+
+def verdict(r: dict) -> str:
+    """outcome() in words, with the lead or lag in steps."""
+    kind, half, alarm = outcome(r), r["gold_halfway"], r["alarm"]
+    if kind in ("in_time", "late"):
+        if alarm == half:
+            return "at the halfway step, not before"
+        return f"in time, {half - alarm} step(s) early" if kind == "in_time" else f"late, {alarm - half} step(s) after"
+    return {None: "(no gold in this run)", "false": "false alarm: the run kept its gold",
+            "quiet": "quiet: the run kept its gold", "missed": "missed the collapse"}[kind]
 
 
 def sweep(runs: list[dict], grid: dict[str, list], **fixed) -> list[dict]:
@@ -322,17 +333,13 @@ def sweep(runs: list[dict], grid: dict[str, list], **fixed) -> list[dict]:
         counts = {"in_time": 0, "late": 0, "missed": 0, "false": 0, "quiet": 0}
         leads = []
         for run in runs:
-            if not run["gold"]:
-                continue
             r = replay(run, **fixed, **setting)
-            half, alarm = r["gold_halfway"], r["alarm"]
-            if half is None:
-                counts["false" if alarm is not None else "quiet"] += 1
-            elif alarm is None:
-                counts["missed"] += 1
-            else:
-                counts["in_time" if alarm < half else "late"] += 1
-                leads.append(half - alarm)
+            kind = outcome(r)
+            if kind is None:  # no gold: nothing to measure against
+                continue
+            counts[kind] += 1
+            if kind in ("in_time", "late"):
+                leads.append(r["gold_halfway"] - r["alarm"])
         leads.sort()
         out.append({**setting, **counts, "median_lead": leads[len(leads) // 2] if leads else None})
     return out
