@@ -35,7 +35,7 @@ Conventions (one choice, used everywhere):
       max_response_tokens (EOS included) is never cut: the example is dropped and counted
       (report.dropped["response_too_long"]).
 
-Run: python data.py ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
+Run: python data.py data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
 References: Bai et al. 2022, "Training a Helpful and Harmless Assistant with RLHF" (HH-RLHF,
 github.com/anthropics/hh-rlhf); Zheng et al. 2023, "Secrets of RLHF in LLMs Part I: PPO" (arXiv 2307.04964).
 """
@@ -533,10 +533,10 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     cli_guard(main)()
-    # $ python data.py ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
+    # $ python data.py data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
     # 1794 pairs; mean chars: prompt 480.5, chosen 170.0, rejected 211.2; mean turns 2.48
-    # kept 1794; skipped 6: empty_response 4 (first at ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87),
-    #   prompt_mismatch 2 (first at ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz:1255); truncated 0 prompts; dropped 0
+    # kept 1794; skipped 6: empty_response 4 (first at data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87),
+    #   prompt_mismatch 2 (first at data/hh-rlhf/harmless-base-test.dev.jsonl.gz:1255); truncated 0 prompts; dropped 0
     # (the 4 empty ones: a chosen response of a single space; the 2 mismatches: a chosen response holding a
     #  second "\n\nAssistant:" turn, so its last marker is not the rejected one's.) Without --skip-bad: exit 2,
-    # error: ../shared/data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87: field 'chosen': expected a non-empty response, got " "
+    # error: data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87: field 'chosen': expected a non-empty response, got " "

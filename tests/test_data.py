@@ -15,7 +15,7 @@ import data
 from data import DataError, DataReport, PreferencePair
 
 ROOT = Path(__file__).resolve().parents[1]
-HH_SAMPLE = ROOT.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
+HH_SAMPLE = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
 H, A = "\n\nHuman:", "\n\nAssistant:"
 
 
@@ -208,7 +208,6 @@ def test_load_prompts_and_texts_formats(tmp_path):
     expect_error(write(tmp_path / "n.jsonl", [{"body": "x"}]), "missing_field", 1, "text", data.load_texts)
 
 
-@pytest.mark.skipif(not HH_SAMPLE.exists(), reason="shared HH-RLHF sample not present")
 def test_load_pairs_real_hh_sample():
     with pytest.raises(DataError) as info:  # strict: stops at the first bad line
         data.load_pairs(HH_SAMPLE)
