@@ -1,6 +1,6 @@
 """Hand out the equation files as assignments (function bodies removed) and grade them with the project's own tests.
 
-Implements (the exercises are the paper's equations; see ../shared/PAPER_NOTES.md and TEACHING.md):
+Implements (the exercises are the paper's equations; see docs/paper.md and TEACHING.md):
     make   copies gae.py, ppo_loss.py, reward_model.py into a folder with the bodies of the functions in
            ASSIGNMENT replaced by `raise NotImplementedError("exercise: ...")`; signatures, docstrings,
            comments outside those bodies, private helpers and classes (ScalarHeadModel) are kept verbatim.

@@ -1,6 +1,6 @@
 """The reward model of RLHF: the Bradley–Terry ranking loss, its LM (imitation) term, and a causal LM with a scalar head.
 
-Implements (equation numbers as in Zheng et al. 2023, see ../shared/PAPER_NOTES.md):
+Implements (equation numbers as in Zheng et al. 2023, see docs/paper.md):
     bradley_terry_loss(r_chosen, r_rejected)      −E[log σ(r(x,y_w) − r(x,y_l))]                (Eq. 1)
     accuracy(r_chosen, r_rejected)                pairwise accuracy P(r_w > r_l), ties = ½       (Eq. 1; Fig. 3)
     response_lm_loss(logits, input_ids, mask)     −E[log r'(x, y_w)], per chosen-response token  (Eq. 2, LM term)
