@@ -59,15 +59,15 @@ import torch
 import ppo_max
 from reward_model import ScalarHeadModel
 from scale import llama_param_count
-from train import pad
+from data import pad
 
 MiB, GiB = 2**20, 2**30
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # as train.tiny_llama; random prompt tokens are drawn from [3, V)
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # as sft.tiny_llama; random prompt tokens are drawn from [3, V)
 
 # LlamaConfig numbers + default (batch, prompt length, response length, timed iterations) of each named config;
 # the defaults size `python bench.py` for under 3 minutes on 2 free CPU cores.
 CONFIGS: dict[str, dict] = {
-    # the synthetic world's model (train.tiny_llama with SFTConfig defaults; the world's tokenizer has 91 ids);
+    # the synthetic world's model (sft.tiny_llama with SFTConfig defaults; the world's tokenizer has 91 ids);
     # B, T = PPOConfig.rollout_batch, max_new_tokens
     "tiny": dict(llama=dict(vocab_size=91, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=4, intermediate_size=256), batch=64, prompt_len=16, response_len=24,
@@ -107,7 +107,7 @@ def build_models(numbers: dict, max_len: int, device: torch.device, dtype: torch
 
 
 def random_batch(n: int, length: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """n random prompts: BOS + length−1 ids from [3, V), left-padded by train.pad (here all the same length)."""
+    """n random prompts: BOS + length−1 ids from [3, V), left-padded by data.pad (here all the same length)."""
     seqs = [[BOS_ID] + torch.randint(3, vocab, (length - 1,)).tolist() for _ in range(n)]
     ids, mask = pad(seqs, PAD_ID, "left")  # (n, length), (n, length)
     return ids.to(device), mask.to(device)

@@ -9,6 +9,11 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
     GracefulExit                                               → SIGINT/SIGTERM set a flag: checkpoint, then exit 0
     NonFiniteGuard(max_consecutive=K)                          → skip an update whose score/loss/grad is NaN or ±inf;
                                                                   stop after K bad steps in a row
+    RunCheckpoints(out, models, optimizers, rngs, ...)         → the PPO loop's save(step, state) and resume(path),
+                                                                  one process or DeepSpeed engines alike
+    build_once(dir, build)                                     → a cached stage directory (the base: SFT and RM),
+                                                                  built in a temporary directory, renamed when DONE
+    seed_everything(seed), config_hash(obj)                    → python / numpy / torch seeded; a stable short hash
 
 Run: python checkpoint.py        (saves a tiny model, perturbs everything, resumes; prints the layout and proof)
 
@@ -499,6 +504,15 @@ class NonFiniteGuard:
     def ok(self) -> None:
         self.consecutive = 0
 
+    def step(self, step: int, bad: str | None) -> bool:
+        """The loop's one call: `bad` names the first non-finite value of this step (or None). True when the
+        step's update was skipped (logged, counted, never checkpointed as if it were fine); False resets the count."""
+        if bad is None:
+            self.ok()
+            return False
+        self.check(step, {bad: float("nan")})
+        return True
+
     @property
     def should_stop(self) -> bool:
         return self.consecutive >= self.max_consecutive
@@ -508,6 +522,103 @@ class NonFiniteGuard:
 
     def load_state_dict(self, d: dict) -> None:
         self.consecutive, self.skipped = int(d["consecutive"]), int(d["skipped"])
+
+
+
+# ======================================================================================================
+# The run's wiring: seeds, the cached base, and the PPO loop's checkpoints (one process or DeepSpeed)
+# ======================================================================================================
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def config_hash(obj) -> str:
+    """12 hex digits of sha256 over `obj` as sorted JSON: the same configuration gives the same name."""
+    import hashlib
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+DONE = "DONE"
+
+
+def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str, rebuild: bool = False) -> Path:
+    """`path`, built by build(tmp) into `path`.tmp and renamed into place once `tmp/DONE` is written, so a build
+    killed half-way is never mistaken for a finished one. Reused as it is when DONE exists, unless `rebuild`."""
+    path = Path(path)
+    if (path / DONE).exists() and not rebuild:
+        print(f"[base] reusing {path} ({what}; --rebuild-base trains it again)")
+        return path
+    tmp = Path(str(path) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    (tmp / DONE).write_text("ok\n")
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+class RunCheckpoints:
+    """save(n_done, extra_state) and resume(path) for the PPO loop, whether the models are plain modules or
+    DeepSpeed engines.
+
+    Under DeepSpeed the engines save themselves (ZeRO shards the optimizer state across ranks) into
+    checkpoints/deepspeed/<name>/step-N/, every rank its RNG streams into checkpoints/deepspeed/rng/; rank 0
+    writes the rest with save_checkpoint: from_pretrained-ready weights, the run state, and COMPLETE last.
+    """
+
+    def __init__(self, out: Path, models: dict, optimizers: dict, rngs: dict, tokenizer, keep_last: int,
+                 rank: int = 0, barrier: Callable[[], None] = lambda: None):
+        self.out, self.models, self.optimizers, self.rngs = Path(out), models, optimizers, rngs
+        self.tokenizer, self.keep_last, self.rank, self.barrier = tokenizer, keep_last, rank, barrier
+        self.engines = any(hasattr(m, "backward") for m in models.values())  # DeepSpeed engines
+        self.ds_dir = self.out / CKPT_SUBDIR / "deepspeed"
+
+    def _modules(self) -> dict:
+        return {k: m.module if self.engines else m for k, m in self.models.items()}
+
+    def save(self, n_done: int, extra_state: dict) -> Path | None:
+        tag = f"step-{n_done:06d}"
+        if self.engines:  # every rank: its ZeRO shards and its RNG streams
+            for name, engine in self.models.items():
+                engine.save_checkpoint(str(self.ds_dir / name), tag=tag)
+            (self.ds_dir / "rng").mkdir(parents=True, exist_ok=True)
+            torch.save(rng_state(self.rngs), self.ds_dir / "rng" / f"{tag}-rank{self.rank}.pt")
+            self.barrier()
+        path = None
+        if self.rank == 0:
+            path = save_checkpoint(self.out, n_done, models=self._modules(),
+                                   optimizers={} if self.engines else self.optimizers, rngs=self.rngs,
+                                   extra_state=extra_state, tokenizer=self.tokenizer, keep_last=self.keep_last)
+            if self.engines:  # the engines' states (and RNG files) of the checkpoints save_checkpoint just deleted
+                kept = {p.name for p in path.parent.glob("step-*")}
+                for old in self.ds_dir.glob("*/step-*"):   # <name>/step-N/, rng/step-N-rank<r>.pt
+                    if old.name.split("-rank")[0] not in kept:
+                        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        self.barrier()
+        return path
+
+    def resume(self, path: str | os.PathLike) -> tuple[Path, dict]:
+        """Restore the newest complete checkpoint under `path` into the models, optimizers and RNG streams.
+        Returns (its directory, its state.json). ValueError when there is none or it was written the other way
+        (with engines / without); the caller reports it as one line."""
+        ckpt = find_latest(path)
+        if ckpt is None:
+            raise ValueError(f"--resume {path}: no complete checkpoint there")
+        ds_src = ckpt.parent / "deepspeed"  # where save() put the engines' states of this checkpoint
+        first = next(iter(self.models))
+        if (ds_src / first / ckpt.name).is_dir() != self.engines:
+            raise ValueError(f"--resume {ckpt}: written {'without' if self.engines else 'by'} DeepSpeed engines; "
+                             f"resume it as it ran")
+        state = load_checkpoint(ckpt, models={} if self.engines else self.models,
+                                optimizers={} if self.engines else self.optimizers, rngs=self.rngs)
+        if self.engines:
+            for name, engine in self.models.items():
+                engine.load_checkpoint(str(ds_src / name), tag=ckpt.name, load_lr_scheduler_states=False)
+            set_rng_state(torch.load(ds_src / "rng" / f"{ckpt.name}-rank{self.rank}.pt", weights_only=True), self.rngs)
+        return ckpt, state
 
 
 if __name__ == "__main__":

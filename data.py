@@ -9,9 +9,14 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     split_hh_transcript x = shared prefix up to and including the last "\\n\\nAssistant:"  (HH-RLHF)
     load_prompts        the prompts x that PPO samples responses for                         (Eq. 3, 15)
     load_texts          SFT text and D_pretrain of PPO-ptx                                    (Eq. 17)
-    encode_pair / encode_prompt / encode_text
+    encode_pair / truncate_prompt / encode_text
                         token ids; a too-long prompt keeps its latest turns, a too-long
                         response is dropped and counted, never cut
+    pair_records / prompt_records / prompt_text
+                        those limits applied once, kept as text records for the stages
+    token_ids / query_ids / response_ids / pad / lm_batch / pair_batch
+                        the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
+                        (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
     train_bpe_tokenizer byte-level BPE trained with `tokenizers` on the training split, saved as a
                         Hugging Face tokenizer directory
     load_tokenizer      AutoTokenizer.from_pretrained with a clear error
@@ -343,11 +348,12 @@ def hh_to_messages(prompt: str) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # Token ids with truncation
 # ----------------------------------------------------------------------------------------------
-def _ids(tokenizer, text: str) -> list[int]:
+def token_ids(text: str, tokenizer) -> list[int]:
+    """The ids of `text` with no special tokens added."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def encode_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: int | None = None,
+def truncate_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: int | None = None,
                   source: str = "", report: DataReport | None = None) -> list[int]:
     """Prompt ids (P ≤ max_prompt_tokens), keeping the latest turns.
 
@@ -355,7 +361,7 @@ def encode_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: i
     alone too long → keep its last max_prompt_tokens tokens. Steps 2–3 count report.truncated.
     If the last turn + one response token cannot fit context_len → DataError prompt_too_long.
     """
-    ids = _ids(tokenizer, prompt)  # (P,)
+    ids = token_ids(prompt, tokenizer)  # (P,)
     if len(ids) <= max_prompt_tokens:
         return ids
     starts = []  # character offsets of the "\n\nHuman:" turns that can start a shorter prompt
@@ -364,7 +370,7 @@ def encode_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: i
         starts.append(i)
         i = prompt.find(HUMAN, i + 1)
     last_turn = prompt[starts[-1]:] if starts else prompt
-    last_ids = _ids(tokenizer, last_turn) if starts else ids
+    last_ids = token_ids(last_turn, tokenizer) if starts else ids
     if context_len is not None and len(last_ids) + 1 > context_len:
         path, line = _split_source(source)
         raise DataError(path, line, "prompt", "prompt_too_long",
@@ -373,14 +379,14 @@ def encode_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: i
     if report is not None:
         report.truncated += 1
     for s in starts:  # earliest cut first: keep as many of the latest turns as fit
-        kept = _ids(tokenizer, prompt[s:])
+        kept = token_ids(prompt[s:], tokenizer)
         if len(kept) <= max_prompt_tokens:
             return kept
     return last_ids[-max_prompt_tokens:]  # left cut at token level, keeping the end
 
 
 def _encode_response(text: str, tokenizer, max_response_tokens: int) -> list[int] | None:
-    ids = _ids(tokenizer, text) + [tokenizer.eos_token_id]  # (T,)  EOS ends every response
+    ids = response_ids(text, tokenizer)  # (T,)  EOS ends every response
     return ids if len(ids) <= max_response_tokens else None
 
 
@@ -396,7 +402,7 @@ def encode_pair(pair: PreferencePair, tokenizer, max_prompt_tokens: int, max_res
         if report is not None:
             report.drop("response_too_long", pair.source)
         return None
-    prompt_ids = encode_prompt(pair.prompt, tokenizer, max_prompt_tokens, context_len, pair.source, report)  # (P,)
+    prompt_ids = truncate_prompt(pair.prompt, tokenizer, max_prompt_tokens, context_len, pair.source, report)  # (P,)
     return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "source": pair.source}
 
 
@@ -409,7 +415,7 @@ def encode_text(prompt: str, response: str, tokenizer, max_prompt_tokens: int, m
         if report is not None:
             report.drop("response_too_long", source)
         return None
-    prompt_ids = encode_prompt(prompt, tokenizer, max_prompt_tokens, context_len, source, report) if prompt else []
+    prompt_ids = truncate_prompt(prompt, tokenizer, max_prompt_tokens, context_len, source, report) if prompt else []
     return {"prompt_ids": prompt_ids, "response_ids": response_ids, "source": source}
 
 
@@ -430,6 +436,121 @@ def encode_pairs(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int,
         if enc is not None:
             out.append(enc)
     return out
+
+
+def pair_records(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
+                 skip_bad: bool, report: DataReport) -> list[dict]:
+    """Preference pairs as the text records {"prompt", "chosen", "rejected", "source"} the stages read.
+
+    encode_pairs applies the limits (latest turns kept, over-long responses dropped and counted, prompt_too_long
+    raised or skipped); the kept prompt ids are decoded back to TEXT, so every stage re-encodes exactly those
+    tokens: [BOS] + prompt + response + [EOS], L ≤ 1 + max_prompt_tokens + max_response_tokens.
+    """
+    encoded = encode_pairs(pairs, tokenizer, max_prompt_tokens, max_response_tokens, skip_bad=skip_bad, report=report)
+    by_source = {p.source: p for p in pairs}
+    return [{"prompt": prompt_text(e["prompt_ids"], tokenizer, max_prompt_tokens),
+             "chosen": by_source[e["source"]].chosen, "rejected": by_source[e["source"]].rejected,
+             "source": e["source"]} for e in encoded]
+
+
+def prompt_text(prompt_ids: list[int], tokenizer, max_prompt_tokens: int) -> str:
+    """The text of truncated prompt ids, re-encoding to at most max_prompt_tokens tokens.
+
+    Byte-level BPE decodes losslessly, so an untruncated prompt, or one cut at a "\\n\\nHuman:" turn, comes
+    back character for character. A token-level cut (a single over-long last turn) can start inside a word
+    or a UTF-8 character and re-encode differently: drop one more leading token until it fits.
+    """
+    ids = list(prompt_ids)
+    while True:
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if len(token_ids(text, tokenizer)) <= max_prompt_tokens:
+            return text
+        ids = ids[1:]
+
+
+def prompt_records(prompts_path, texts_path, tokenizer, max_prompt_tokens: int, heldout_frac: float, seed: int,
+                   skip_bad: bool) -> dict[str, list[dict]]:
+    """The PPO data of a given model: prompts (a train / held-out split; long ones keep their latest turns) from
+    `prompts_path` ({"prompt"} lines or pairs), and the SFT text of the ptx term (Eq. 17) from `texts_path`."""
+    prompts = load_prompts(prompts_path, skip_bad=skip_bad)
+    texts = load_texts(texts_path, skip_bad=skip_bad) if texts_path else []
+    prompts = [prompt_text(truncate_prompt(p, tokenizer, max_prompt_tokens), tokenizer, max_prompt_tokens)
+               for p in prompts]
+    train, heldout = train_heldout_split(prompts, heldout_frac, seed)
+    return {"prompts_train": [{"prompt": p} for p in train], "prompts_heldout": [{"prompt": p} for p in heldout],
+            "sft": [{"prompt": p, "response": r} for p, r in texts]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The model's inputs: [BOS] + prompt (+ response + [EOS]); padding is known by the mask, never by an id
+# ----------------------------------------------------------------------------------------------
+def query_ids(prompt: str, tokenizer) -> list[int]:
+    """What the model reads before it answers: [BOS] + x."""
+    return [tokenizer.bos_token_id] + token_ids(prompt, tokenizer)
+
+
+def response_ids(response: str, tokenizer) -> list[int]:
+    """y + [EOS]: every response ends with the tokenizer's EOS, which ends and scores it."""
+    return token_ids(response, tokenizer) + [tokenizer.eos_token_id]
+
+
+def pad(seqs: list[list[int]], pad_id: int, side: str):
+    """Pad id lists to one length. Returns ids (B, L) and the 0/1 mask (B, L) as float."""
+    import torch
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L)
+    for i, s in enumerate(seqs):
+        sl = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+        ids[i, sl] = torch.tensor(s, dtype=torch.long)
+        mask[i, sl] = 1.0
+    return ids, mask
+
+
+def lm_batch(rows: list[tuple[str, str]], tokenizer):
+    """(prompt, response) rows -> right-padded ids (B, L), attention mask (B, L), response-token mask (B, L)."""
+    seqs, resp = [], []
+    for prompt, response in rows:
+        p, r = query_ids(prompt, tokenizer), response_ids(response, tokenizer)
+        seqs.append(p + r)
+        resp.append([0] * len(p) + [1] * len(r))
+    ids, attn = pad(seqs, tokenizer.pad_token_id, "right")
+    response_mask, _ = pad(resp, 0, "right")
+    return ids, attn, response_mask.float()
+
+
+def pair_batch(rows: list[dict], tokenizer):
+    """Chosen and rejected stacked in one batch of 2B sequences: [chosen_0..B-1, rejected_0..B-1]."""
+    return lm_batch([(r["prompt"], r["chosen"]) for r in rows] + [(r["prompt"], r["rejected"]) for r in rows],
+                    tokenizer)
+
+
+class RolloutBatches:
+    """The PPO stage's batches, drawn from one seeded stream (checkpointed as "prompt", so a resumed run draws the
+    same batches): prompts for the rollouts, left-padded (B, P), and SFT rows for the ptx term (Eq. 17),
+    right-padded. Every rank draws the global batch and keeps its rows r, r + W, … (W ranks)."""
+
+    def __init__(self, prompts: list[str], sft_rows: list[tuple[str, str]], tokenizer, seed: int, rank: int = 0,
+                 world: int = 1, device="cpu"):
+        self.prompt_rows, self.sft_rows, self.tokenizer = prompts, sft_rows, tokenizer
+        self.rng, self.rank, self.world, self.device = random.Random(seed), rank, world, device
+
+    def prompts(self, n: int):
+        """n prompts of the global batch → (this rank's prompts, query ids (b, P), query mask (b, P))."""
+        rows = [self.rng.choice(self.prompt_rows) for _ in range(n)][self.rank::self.world]
+        query, query_mask = pad([query_ids(p, self.tokenizer) for p in rows], self.tokenizer.pad_token_id, "left")
+        return rows, query.to(self.device), query_mask.to(self.device)
+
+    def ptx(self, n: int):
+        """n SFT rows of the global batch → this rank's ids (b, L), attention mask (b, L), response mask (b, L)."""
+        rows = [self.sft_rows[self.rng.randrange(len(self.sft_rows))] for _ in range(n)][self.rank::self.world]
+        return tuple(t.to(self.device) for t in lm_batch(rows, self.tokenizer))
+
+
+def read_records(path) -> list[dict]:
+    """Every object of a JSONL file this project wrote itself (a cache, a run's logs); for user data use the
+    loaders above, which check each line. An empty file is an empty list."""
+    return [obj for _, obj in read_jsonl(path)] if Path(path).read_text().strip() else []
 
 
 # ----------------------------------------------------------------------------------------------

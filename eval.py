@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import data
 import ppo_max
 import toy_world
 from ppo_loss import kl_full, logprobs_from_logits, masked_mean
@@ -37,11 +38,10 @@ def gold_judge(prompt: str, text: str, finished: bool) -> float:
 def rm_judge(reward_model, tokenizer):
     """A judge for compare() when no gold exists (real data): r(x, y) of the reward model, on
     [BOS] + prompt + response (+ EOS if the sample finished), the encoding the RM was trained on."""
-    from train import encode, encode_prompt
-
     @torch.no_grad()
     def judge(prompt: str, text: str, finished: bool) -> float:
-        ids = encode_prompt(tokenizer, prompt) + encode(tokenizer, text) + ([tokenizer.eos_token_id] if finished else [])
+        ids = (data.query_ids(prompt, tokenizer) + data.token_ids(text, tokenizer)
+               + ([tokenizer.eos_token_id] if finished else []))
         device = next(reward_model.parameters()).device
         return reward_model.score(torch.tensor([ids], device=device), torch.ones(1, len(ids), device=device)).item()
     return judge
@@ -50,7 +50,6 @@ def rm_judge(reward_model, tokenizer):
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int, batch: int = 256) -> dict:
     """n responses per prompt, sampled with EVAL_SAMPLING from `seed` (the same seed for every model compared)."""
-    from train import encode_prompt, pad
     rows = [p for p in prompts for _ in range(n)]
     out = {"prompts": rows, "query": [], "query_mask": [], "response": [], "mask": [], "finished": []}
     device = next(model.parameters()).device
@@ -58,7 +57,7 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
     with gen:
         torch.manual_seed(seed)
         for i in range(0, len(rows), batch):
-            q, qm = pad([encode_prompt(tokenizer, p) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
+            q, qm = data.pad([data.query_ids(p, tokenizer) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
             q, qm = q.to(device), qm.to(device)                                        # (B, P), on the model's device
             r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                       **EVAL_SAMPLING)
@@ -110,6 +109,32 @@ def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: in
     return {"policy": m_pol, "sft": m_sft, "win_rate": win_rate(g_pol, g_sft), "examples": examples}
 
 
+@torch.no_grad()
+def length_bias(rm, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
+    """RM score vs gold as filler words are added to a correct answer (same content, longer): the RM's
+    length bias beyond gold's (synthetic world). Slopes are per added token, averaged over held-out helpful prompts."""
+    import random
+
+    import numpy as np
+    rng = random.Random(seed)
+    prompts = [toy_world.parse_prompt(r["prompt"]) for r in prompt_rows]
+    prompts = [p for p in prompts if not p.harmful]
+    out = {"extra_tokens": [], "rm": [], "gold": []}
+    for extra in range(0, 7):
+        rows, golds = [], []
+        for p in prompts:
+            base, padded = toy_world.length_probe_responses(p, rng, extra)
+            rows.append((p.text, padded))
+            golds.append(toy_world.gold_reward(p.text, padded))
+        ids, attn, _ = data.lm_batch(rows, tokenizer)
+        out["extra_tokens"].append(extra)
+        out["rm"].append(rm.score(ids, attn).mean().item())
+        out["gold"].append(float(np.mean(golds)))
+    out["rm_slope"] = float(np.polyfit(out["extra_tokens"], out["rm"], 1)[0])
+    out["gold_slope"] = float(np.polyfit(out["extra_tokens"], out["gold"], 1)[0])
+    return out
+
+
 def format_table(summary: dict) -> str:
     keys = ["reward", "gold_reward", "kl", "perplexity", "response_length"]
     judge = summary.get("judge", "gold")
@@ -137,7 +162,6 @@ def load_scorer(model_dir: str):
     data.DataError (one line, exit 2 under cli_guard). limits = data_limits.json written by
     `train.py --data`; without it (a synthetic-world RM) the model's context is split 2:1 prompt:response.
     """
-    import data
     from reward_model import VALUE_HEAD_WEIGHTS, ScalarHeadModel
     tokenizer = data.load_tokenizer(model_dir)
     if not (Path(model_dir) / VALUE_HEAD_WEIGHTS).is_file():
@@ -159,14 +183,13 @@ def load_scorer(model_dir: str):
 
 @torch.no_grad()
 def score_texts(rm, tokenizer, rows: list[tuple[str, str]], batch: int = 64) -> list[float]:
-    """r(x, y) of (prompt, response) rows, encoded as in training ([BOS] + x + y + [EOS], train.lm_batch),
+    """r(x, y) of (prompt, response) rows, encoded as in training ([BOS] + x + y + [EOS], data.lm_batch),
     batched by length so that little is padding; returned in the order of `rows`."""
-    from train import lm_batch
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
     scores = [0.0] * len(rows)
     for i in range(0, len(order), batch):
         idx = order[i:i + batch]
-        ids, attn, _ = lm_batch(tokenizer, [rows[j] for j in idx])                 # (B, L), (B, L)
+        ids, attn, _ = data.lm_batch([rows[j] for j in idx], tokenizer)                 # (B, L), (B, L)
         for j, r in zip(idx, rm.score(ids, attn).tolist()):                          # (B,)
             scores[j] = r
     return scores
@@ -191,9 +214,7 @@ def margin_histogram(margins: list[float], path: str, title: str) -> None:
 
 def score(argv=None) -> dict:
     """Score every pair (or every prompt/response) of a data file with a saved reward model."""
-    import data
     from reward_model import accuracy
-    from train import prompt_text, real_pair_rows
     p = argparse.ArgumentParser(prog="eval.py score", description=score.__doc__)
     p.add_argument("--reward-model", required=True, help="reward-model directory (with its tokenizer), from train.py")
     p.add_argument("--data", required=True, help="HH-RLHF / {prompt,chosen,rejected} pairs, or {prompt,response} / "
@@ -212,7 +233,7 @@ def score(argv=None) -> dict:
     out_rows, result = [], {"file": a.data, "reward_model": a.reward_model, "limits": {"P": P, "T": T}}
     if "chosen" in first or "rejected" in first or not first:
         pairs = data.load_pairs(a.data, a.skip_bad, report)
-        rows = real_pair_rows(pairs, tokenizer, P, T, a.skip_bad, report)  # the truncation of training
+        rows = data.pair_records(pairs, tokenizer, P, T, a.skip_bad, report)  # the truncation of training
         if not rows:
             raise data.DataError(a.data, None, None, "all_skipped", f"no pair fits the limits P={P}, T={T} ({report.summary()})")
         s = score_texts(rm, tokenizer, [(r["prompt"], r["chosen"]) for r in rows]
@@ -238,7 +259,7 @@ def score(argv=None) -> dict:
                 report.skip(err)
                 continue
             if enc is not None:
-                rows.append((prompt_text(enc["prompt_ids"], tokenizer, P) if prompt else "", response, source))
+                rows.append((data.prompt_text(enc["prompt_ids"], tokenizer, P) if prompt else "", response, source))
         if not rows:
             raise data.DataError(a.data, None, None, "all_skipped", f"no record fits the limits P={P}, T={T} ({report.summary()})")
         s = score_texts(rm, tokenizer, [(x, y) for x, y, _ in rows], a.batch)
@@ -260,7 +281,6 @@ def main(argv=None) -> None:
         return cli_guard(score)(argv[1:])
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward_model import ScalarHeadModel
-    from train import read_jsonl
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", help="a run directory written by train.py (reads paths from its summary.json)")
     p.add_argument("--policy", help="policy directory (Hugging Face)")
@@ -284,7 +304,7 @@ def main(argv=None) -> None:
     policy = AutoModelForCausalLM.from_pretrained(a.policy).eval()
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
-    prompts = [r["prompt"] for r in read_jsonl(Path(a.prompts))]
+    prompts = [r["prompt"] for r in data.read_records(a.prompts)]
     judge = gold_judge if judge_name == "gold" else rm_judge(rm, tok)
     rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge)
     print(format_table({"sft": rep["sft"], "final": rep["policy"], "win_rate_vs_sft": rep["win_rate"],

@@ -7,10 +7,12 @@ Implements (section and figure numbers of Zheng et al. 2023, arXiv 2307.04964; n
         .state_dict() / .load_state_dict(d)  → plain JSON, so a resumed run continues the monitor exactly
     Alarm(step, reasons)               → the step it fired and the numbers behind it
 
-    gold_halfway(gold)                 → the step a collapse has lost half its gain for good (issue 7's yardstick)
+    gold_halfway(gold)                 → the step a collapse has lost half its gain for good (the alarm's yardstick)
     replay(run_dir, **thresholds)      → what the alarm would have done on a finished run (metrics/samples.jsonl)
     outcome(replayed) / verdict(...)   → in time / late / missed / false alarm / quiet, against gold_halfway
     sweep(runs, grid, **thresholds)    → caught in time / late / missed / false alarms for each setting of a grid
+    RunLog(out, monitor, history, ...) → the PPO loop's step (7): metrics.jsonl and samples.jsonl, the progress bar,
+                                         a printed line every 10 steps, and the alarm on every step
 
 Run: python monitor.py        (a synthetic drifting run; prints the alarm the tests expect)
      python monitor.py replay runs/vanilla-seed0 runs/ppo-max-seed0 [--kl-max 0.05 --patience 1 ...]
@@ -237,7 +239,7 @@ def gold_halfway(gold: list[float], window: int = 3, hold: int = 10) -> int | No
     the run early; the SFT level is gold[0], the batch sampled before the first update. "Stays to the end" makes
     the step well defined on a noisy curve (a run that dips and recovers has no halfway step); a fall that starts
     fewer than `hold` steps before the end is too short to tell from a dip, and does not count. This is the
-    yardstick of issue 7's "fires before the gold reward has fallen halfway from its peak back to the SFT level".
+    yardstick of the alarm's goal, "fire before the gold reward has fallen halfway from its peak back to the SFT level".
     """
     n, k = len(gold), window // 2
     if n < 2:
@@ -343,6 +345,61 @@ def sweep(runs: list[dict], grid: dict[str, list], **fixed) -> list[dict]:
         leads.sort()
         out.append({**setting, **counts, "median_lead": leads[len(leads) // 2] if leads else None})
     return out
+
+
+class RunLog:
+    """What the PPO loop writes and prints, behind one call per step (record). metrics.jsonl holds exactly the
+    completed steps: a resumed run rewrites it from `history` (the steps before the checkpoint) and appends; only
+    rank 0 writes (the other ranks write to os.devnull)."""
+
+    def __init__(self, out, monitor: CollapseMonitor, history: list[dict], resumed: bool, main_rank: bool = True):
+        from pathlib import Path
+        out = Path(out)
+        self.monitor, self.history, self.main_rank = monitor, history, main_rank
+        self.alarm_info: dict | None = None
+        if main_rank:
+            (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+            if not resumed:
+                (out / "samples.jsonl").write_text("")
+        import os
+        self.metrics_f = open(out / "metrics.jsonl" if main_rank else os.devnull, "a")
+        self.samples_f = open(out / "samples.jsonl" if main_rank else os.devnull, "a")
+
+    def steps(self, start: int, total: int):
+        """range(start, total) under a progress bar (rank 0 only) that starts at `start` of `total`."""
+        from tqdm import tqdm
+        self.total = total
+        self.bar = tqdm(range(start, total), desc="4. PPO", initial=start, total=total, disable=not self.main_rank)
+        return self.bar
+
+    def record(self, step: int, m: dict, scores: list[float], gold: list[float] | None, prompts: list[str],
+               texts: list[str]) -> Alarm | None:
+        """The alarm's verdict on this step (also stored as m["alarm/collapse"]), then m to metrics.jsonl, every
+        score and gold reward plus four examples to samples.jsonl, the bar's postfix and, every 10 steps, a line."""
+        from tqdm import tqdm
+        alarm = self.monitor.update(step, m, scores)
+        m["alarm/collapse"] = alarm is not None
+        self.history.append(m)
+        self.metrics_f.write(json.dumps(m) + "\n")
+        self.metrics_f.flush()
+        self.samples_f.write(json.dumps({"step": step, "scores": scores, "gold": gold,
+                                         "examples": [[p, t] for p, t in zip(prompts[:4], texts[:4])]}) + "\n")
+        self.samples_f.flush()
+        gold_s = "n/a" if m["reward/gold"] is None else f"{m['reward/gold']:+.2f}"
+        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=gold_s, kl=f"{m['kl/ref']:.3f}",
+                             len=f"{m['response/length']:.1f}")
+        if step % 10 == 0 or step == self.total - 1:
+            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {gold_s}  "
+                       f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
+                       f"e.g. {prompts[0]!r} -> {texts[0]!r}")
+        if alarm is not None:
+            tqdm.write(f"[collapse alarm] step {step}: " + "; ".join(alarm.reasons))
+            self.alarm_info = self.alarm_info or {"step": alarm.step, "reasons": alarm.reasons}
+        return alarm
+
+    def close(self) -> None:
+        self.metrics_f.close()
+        self.samples_f.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# the recipe half (below the score half) builds on the two equation files
+# the recipe half (below the score half) builds on the two equation files, and steps its models through engine.py
+from engine import all_mean, any_rank, backward_step, gather_batch, world_size
 from gae import compute_gae
 from ppo_loss import (entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
                       masked_whiten, policy_loss, ptx_loss, value_loss)
@@ -257,61 +258,6 @@ class AdaptiveKLController:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Data parallelism (`deepspeed train.py`): rank r of W holds rows r, r + W, r + 2W, … of the global rollout batch.
-# Without torch.distributed (the single-process default) every helper below is the identity.
-# ---------------------------------------------------------------------------------------------------------
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and world_size() > 1
-
-
-def world_size() -> int:
-    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed.get_world_size() if ok else 1
-
-
-def gather_batch(x: Tensor) -> Tensor:
-    """Every rank's x (B, …) gathered into the global batch (W·B, …) in prompt order (row r + W·j is rank r's j)."""
-    if not _distributed():
-        return x
-    parts = [torch.empty_like(x) for _ in range(world_size())]
-    torch.distributed.all_gather(parts, x.contiguous())
-    return torch.stack(parts, dim=1).flatten(0, 1)                      # (B, W, …) → (W·B, …)
-
-
-def gather_list(xs: list) -> list:
-    """gather_batch for python lists (prompts, texts, gold rewards): the global batch in prompt order."""
-    if not _distributed():
-        return xs
-    parts = [None] * world_size()
-    torch.distributed.all_gather_object(parts, xs)
-    return [x for row in zip(*parts) for x in row]
-
-
-def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
-    """Each value averaged over the ranks (every rank has the same keys). Slices are equal, so a per-sequence mean
-    becomes the global batch's mean; a token-level mean becomes the mean of the ranks' token means."""
-    if not _distributed():
-        return stats
-    t = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return {k: v / world_size() for k, v in zip(stats, t.tolist())}
-
-
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
-    """True on every rank when it is true on one: a rank that skips or stops alone would deadlock the others."""
-    if not _distributed():
-        return bool(flag)
-    t = torch.tensor([float(bool(flag))], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def barrier() -> None:
-    if _distributed():
-        torch.distributed.barrier()
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Sequences: a left-padded prompt (B, P) followed by a right-padded response (B, T)
 # ---------------------------------------------------------------------------------------------------------
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -466,44 +412,6 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
     if any_rank(bool(nonfinite), exp["scores"].device):
         return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
     return stats
-
-
-def backward_step(model, optimizer, loss: torch.Tensor, grad_clip: float, name: str,
-                  nonfinite: list[str]) -> torch.Tensor:
-    """loss.backward(), global gradient-norm clip (0 = off), optimizer step, skipped (gradients dropped, `name`
-    logged in `nonfinite`) when the loss or the gradient norm is NaN/inf. Returns the norm before clipping.
-
-    A DeepSpeed engine does the same itself: engine.backward averages the gradients over the ranks (ZeRO-2:
-    reduce-scatter), engine.step clips them to the config's gradient_clipping, steps, and with ZeRO 1-2 skips a
-    step whose gradients overflow, on every rank at once; we only read the global norm. (ZeRO-0 has no such
-    check: a non-finite step is logged here but reaches the weights.)
-    """
-    if hasattr(model, "backward"):  # a DeepSpeed engine (a torch module has no .backward)
-        model.backward(loss)
-        zero0_norm = None if model.zero_optimization() else torch.nn.utils.get_total_norm(  # ZeRO-0 keeps none
-            [p.grad for p in model.parameters() if p.grad is not None])
-        model.step()
-        grad_norm = torch.as_tensor(model.get_global_grad_norm() if zero0_norm is None else zero0_norm).float()
-        for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
-            if not torch.isfinite(x).all():
-                nonfinite.append(what)
-        return grad_norm
-    optimizer.zero_grad()
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-    if _finite_step(optimizer, name, loss, grad_norm, nonfinite):  # a NaN never reaches the weights
-        optimizer.step()
-    return grad_norm
-
-
-def _finite_step(opt, name: str, loss: torch.Tensor, grad_norm: torch.Tensor, nonfinite: list[str]) -> bool:
-    """False (and the gradients dropped) when the loss or the gradient norm is NaN/inf, so the step is skipped."""
-    for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
-        if not torch.isfinite(x).all():
-            nonfinite.append(what)
-            opt.zero_grad()
-            return False
-    return True
 
 
 def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch, cfg: PPOConfig,

@@ -8,12 +8,15 @@ Implements (equation numbers as in Zheng et al. 2023, see docs/paper.md):
     ScalarHeadModel.score(input_ids, mask)        r(x, y): head on the last real token            (Eq. 1–2, 18–19)
     ScalarHeadModel.forward(input_ids, mask)      V(s_t): head on every token (the critic)        (Eq. 8–11, 16)
     last_token_index(attention_mask)              index of the last position where mask == 1
+    train_reward_model(rm, tokenizer, pairs, ..)  stage 2: Eq. 2 on the training pairs, held-out accuracy along
+                                                  the way (Fig. 3); one process or a DeepSpeed engine
 
 The file has two halves. The loss half imports only torch (it is what students implement and what the tests
 grade). The model half, below its banner, wraps a Hugging Face causal LM and imports transformers and
 safetensors.
 
 Run:  python reward_model.py      (prints the worked example at the bottom of this file; CPU, a few seconds)
+      python train.py --rebuild-base   (stage 2 trains again, even when the base is cached)
 
 References:
     Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", arXiv 2307.04964, sec. 3.1.
@@ -118,10 +121,17 @@ import inspect
 import json
 import math
 import os
+import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
+
+import data
+import engine
+from ppo_max import arg
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -244,6 +254,73 @@ class ScalarHeadModel(torch.nn.Module):
         head = torch.nn.Linear(hidden, 1)
         head.load_state_dict(state)
         return cls(lm, head=head)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Stage 2: train the reward model with Eq. 2, from the SFT model with a fresh scalar head
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class RMConfig:
+    rm_epochs: float = arg(2.0, "epochs over the training preference pairs (paper ~1.06)")
+    rm_lr: float = arg(1e-3, "reward-model learning rate (paper 5e-6 at 7B)")
+    rm_batch: int = arg(32, "pairs per step")
+    rm_lm_coef: float = arg(1.0, "β_rm of Eq. 2: weight of the LM loss on the chosen response (paper 1)")
+    rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)")
+
+
+@torch.no_grad()
+def score_pairs(rm: ScalarHeadModel, tokenizer, rows: list[dict], batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """r(x, y_w) (N,) and r(x, y_l) (N,) of {"prompt", "chosen", "rejected"} rows."""
+    device = next(rm.parameters()).device
+    rc, rr = [], []
+    for i in range(0, len(rows), batch):
+        chunk = rows[i:i + batch]
+        ids, attn, _ = (t.to(device) for t in data.pair_batch(chunk, tokenizer))    # (2b, L)
+        s = rm.score(ids, attn).float()                                              # (2b,)
+        rc.append(s[:len(chunk)])
+        rr.append(s[len(chunk):])
+    return torch.cat(rc), torch.cat(rr)
+
+
+def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], heldout_rows: list[dict],
+                       cfg: RMConfig, seed: int, ds: dict | None = None, out_dir: str | Path | None = None) -> list[dict]:
+    """Stage 2: AdamW with cosine decay on Eq. 2 (λ = 1, β_rm = cfg.rm_lm_coef), chosen and rejected in one batch,
+    global gradient clip 1.0; held-out pairwise accuracy every cfg.rm_eval_every steps and at the end (Fig. 3).
+    Returns the log [{"step", "heldout_accuracy", "train": [stats per step]}]; `rm` is trained in place and saved
+    with its tokenizer at `out_dir` when one is given."""
+    from sft import cosine_lr
+    rng = random.Random(seed)
+    steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
+    opt = torch.optim.AdamW(rm.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
+    trained, opt = engine.wrap(rm, opt, ds, cfg.rm_lr)
+    device = next(rm.parameters()).device
+    log, order = [], []
+    for step in (bar := tqdm(range(steps + 1), desc="2. reward model", leave=False)):
+        if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
+            rm.eval()
+            rc, rr = score_pairs(rm, tokenizer, heldout_rows)
+            log.append({"step": step, "heldout_accuracy": accuracy(rc, rr)})
+            bar.set_postfix(acc=f"{log[-1]['heldout_accuracy']:.3f}")
+        if step == steps:
+            break
+        trained.train()
+        if len(order) < cfg.rm_batch:
+            order += rng.sample(range(len(train_rows)), len(train_rows))
+        idx, order = order[:cfg.rm_batch], order[cfg.rm_batch:]
+        B = len(idx)
+        ids, attn, resp = (t.to(device) for t in data.pair_batch([train_rows[i] for i in idx], tokenizer))
+        values, logits = trained(ids, attn, return_logits=True)                      # (2B, L), (2B, L, V)
+        scores = values.gather(1, last_token_index(attn)[:, None]).squeeze(1)        # (2B,)  r at the last real token
+        loss, stats = reward_model_loss(scores[:B], scores[B:], logits[:B], ids[:B], resp[:B],
+                                        lam=1.0, beta_rm=cfg.rm_lm_coef)             # Eq. 2
+        engine.set_lr(opt, cosine_lr(step, steps, cfg.rm_lr))
+        engine.backward_step(trained, opt, loss, 1.0, "rm", [])
+        log[-1].setdefault("train", []).append({k: float(v) for k, v in stats.items()})
+    rm.eval()
+    if out_dir is not None:
+        rm.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    return log
 
 
 if __name__ == "__main__":

@@ -250,7 +250,7 @@ def build_tokenizer(out_dir: str | Path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The reward model's length bias against gold's (issue: "measure and print that")
+# The reward model's length bias against gold's: responses for the probe in eval.length_bias
 # ---------------------------------------------------------------------------------------------------------
 def length_probe_responses(p: Prompt, rng: random.Random, extra: int) -> tuple[str, str]:
     """A correct answer and the same answer with `extra` filler words inserted (same content, longer)."""

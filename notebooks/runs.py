@@ -76,7 +76,7 @@ def expected(argv: list[str]) -> dict:
     import train
     run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg = train.parse_configs(argv)
     return {"preset": run_cfg.preset, "steps": run_cfg.steps, "config": dataclasses.asdict(ppo_cfg),
-            "base": f"seed{run_cfg.seed}-{train.config_hash(world_cfg, sft_cfg, rm_cfg)}"}
+            "base": train.base_dir(run_cfg, sft_cfg, rm_cfg, world_cfg).name}
 
 
 def mismatch(summary: dict, want: dict) -> list[str]:

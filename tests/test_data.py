@@ -242,7 +242,7 @@ class CharTok:
 def test_encode_prompt_fits_untouched():
     report = DataReport()
     prompt = f"{H} a{A} b{H} c{A}"
-    assert CharTok().decode(data.encode_prompt(prompt, CharTok(), len(prompt), report=report)) == prompt
+    assert CharTok().decode(data.truncate_prompt(prompt, CharTok(), len(prompt), report=report)) == prompt
     assert report.truncated == 0
 
 
@@ -250,11 +250,11 @@ def test_encode_prompt_truncation_keeps_latest_turns_and_counts():
     t1, t2, t3 = f"{H} first{A} one.", f"{H} second{A} two.", f"{H} third{A}"
     prompt = t1 + t2 + t3
     report = DataReport()
-    ids = data.encode_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3), report=report)
+    ids = data.truncate_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3), report=report)
     assert CharTok().decode(ids) == t2 + t3  # earliest whole turn dropped
-    ids = data.encode_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3) - 1, report=report)
+    ids = data.truncate_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3) - 1, report=report)
     assert CharTok().decode(ids) == t3  # only the last turn fits
-    ids = data.encode_prompt(prompt, CharTok(), max_prompt_tokens=10, report=report)
+    ids = data.truncate_prompt(prompt, CharTok(), max_prompt_tokens=10, report=report)
     assert CharTok().decode(ids) == t3[-10:] and len(ids) == 10  # then cut from the left, keeping the end
     assert report.truncated == 3
 

@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import data
 import scale
 import train
 
@@ -259,7 +260,7 @@ def test_real_model_directories_run_ppo(tmp_path, monkeypatch):
                                     "--critic-pretrain-steps", "0", "--out", "tiny"])["base"])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n"
-                               for r in train.read_jsonl(base / "data" / "prompts_train.jsonl")[:40]))
+                               for r in data.read_records(base / "data" / "prompts_train.jsonl")[:40]))
     summary = train.main(["--model", str(base / "sft"), "--reward-model", str(base / "reward_model"), "--prompts",
                           str(prompts), "--steps", "2", "--rollout-batch", "8", "--minibatch", "4",
                           "--critic-pretrain-steps", "1", "--warmup-frac", "1.0", "--grad-ckpt", "--eval-samples", "1",

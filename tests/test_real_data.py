@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import data
 import eval as evaluation
 import train
 from data import cli_guard
@@ -149,11 +150,11 @@ def test_train_data_end_to_end_rm_judge(real_run):
     metrics = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["reward/gold"] is None for m in metrics)
     assert "judge: reward model" in evaluation.format_table(summary)
-    # every prompt written for PPO fits the limit when re-encoded ([BOS] added by train.encode_prompt)
+    # every prompt written for PPO fits the limit when re-encoded ([BOS] added by data.query_ids)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(base / "tokenizer")
     for line in (base / "data" / "prompts_train.jsonl").read_text().splitlines():
-        assert len(train.encode(tok, json.loads(line)["prompt"])) <= 48
+        assert len(data.token_ids(json.loads(line)["prompt"], tok)) <= 48
 
 
 @pytest.mark.slow

@@ -1,0 +1,208 @@
+"""The plumbing every stage calls to run on one process or under `deepspeed`: set-up, wrap a model, step it, gather.
+
+Implements (no equation: what lets the same stage function train the tiny world's model on a laptop and a 7B model
+on 8 GPUs):
+    setup_distributed(deepspeed)              → (rank, world size W, device); nothing initialised in one process
+    engine_config(...) / wrap(model, opt, ..) → a DeepSpeed engine (ZeRO-2 by default, bf16 where the accelerator
+                                                has it), or the model and its AdamW as they are
+    backward_step(model, opt, loss, clip, ..) → backward, global gradient clip, optimizer step; a non-finite loss
+                                                or gradient skips the step (a DeepSpeed engine does this itself)
+    set_lr(opt, lr)                           → the learning rate of every parameter group
+    gather_batch / gather_list / all_mean / any_rank / barrier
+                                              → data parallelism: rank r of W holds rows r, r + W, … of the global
+                                                batch; without torch.distributed every one is the identity
+    unwrap(model)                             → the Hugging Face model inside an engine (what save_pretrained needs)
+
+Run: deepspeed --num_gpus 2 train.py ...      (on a CPU-only machine DeepSpeed picks its CPU accelerator and gloo)
+
+References: DeepSpeed's `deepspeed.initialize` and ZeRO (Rajbhandari et al. 2020); nanoGPT's train.py (`if ddp:`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Set-up
+# ---------------------------------------------------------------------------------------------------------
+def setup_distributed(deepspeed: bool = False) -> tuple[int, int, torch.device]:
+    """(rank, world size W, device). Under the `deepspeed` launcher (WORLD_SIZE > 1) or with deepspeed=True:
+    deepspeed.init_distributed() (gloo on DeepSpeed's CPU accelerator, nccl on GPUs). Otherwise (0, 1, cpu)
+    and nothing is initialised: the single-process run of every test."""
+    if not (deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        return 0, 1, torch.device("cpu")
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        os.environ.setdefault(k, v)  # --deepspeed without the launcher: a world of one
+    import logging
+
+    import deepspeed as ds
+    from deepspeed.accelerator import get_accelerator
+    ds.utils.logger.setLevel(logging.WARNING)  # train.py prints its own config and one line per step
+    ds.init_distributed()
+    accelerator, local_rank = get_accelerator(), int(os.environ["LOCAL_RANK"])
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    device = torch.device(accelerator.device_name(local_rank))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def accelerator_bf16() -> bool:
+    from deepspeed.accelerator import get_accelerator
+    return bool(get_accelerator().is_bf16_supported())
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed configuration the loop cannot use: train.py prints it as one line and exits 2."""
+
+
+def engine_config(config_path: str, zero_stage: int, bf16: bool, micro_batch: int, grad_clip: float) -> dict:
+    """DeepSpeed JSON of a trained model: the file at `config_path`, or scale.deepspeed_config from the flags (ZeRO
+    stage, bf16, gradient_clipping). Either way one optimizer step is one micro batch of `micro_batch` sequences per
+    rank: no gradient accumulation."""
+    import scale
+    if config_path:
+        try:
+            ds = json.loads(Path(config_path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--deepspeed_config {config_path}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{config_path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    else:
+        ds = scale.deepspeed_config(zero_stage=zero_stage, bf16=bf16, train_micro_batch_size_per_gpu=1,
+                                    gradient_accumulation_steps=1, gradient_clipping=grad_clip)
+    ds.pop("train_batch_size", None)
+    ds.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1)
+    if ds.get("zero_optimization", {}).get("stage", 0) not in (0, 1, 2):
+        raise ConfigError("ZeRO-3 for the trained models is not wired in this loop (rollouts would need generate("
+                          "synced_gpus=True) and rank 0's evaluation all ranks); use --zero-stage 0-2 (the paper: 2) "
+                          "and, if they do not fit, optimizer offload in --deepspeed_config (see --plan)")
+    return ds
+
+
+def wrap(model, optimizer, ds: dict | None, lr: float):
+    """One trained model, ready for its stage: (engine, its optimizer) from deepspeed.initialize when `ds` is a
+    DeepSpeed config (with our AdamW, or with the JSON's own optimizer block, e.g. DeepSpeed's CPU Adam for offload,
+    at this model's learning rate), else (model, optimizer) unchanged."""
+    if ds is None:
+        return model, optimizer
+    import deepspeed
+    if "optimizer" in ds:
+        block = ds["optimizer"]
+        ds = {**ds, "optimizer": {**block, "params": {**block.get("params", {}), "lr": lr}}}
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    else:
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    return engine, opt
+
+
+def is_engine(model) -> bool:
+    return hasattr(model, "backward")  # a DeepSpeed engine (a torch module has no .backward)
+
+
+def unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine (the model itself otherwise)."""
+    return model.module if is_engine(model) else model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One optimizer step
+# ---------------------------------------------------------------------------------------------------------
+def set_lr(optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def backward_step(model, optimizer, loss: Tensor, grad_clip: float, name: str, nonfinite: list[str]) -> Tensor:
+    """loss.backward(), global gradient-norm clip (0 = off), optimizer step, skipped (gradients dropped, `name`
+    logged in `nonfinite`) when the loss or the gradient norm is NaN/inf. Returns the norm before clipping.
+
+    A DeepSpeed engine does the same itself: engine.backward averages the gradients over the ranks (ZeRO-2:
+    reduce-scatter), engine.step clips them to the config's gradient_clipping, steps, and with ZeRO 1-2 skips a
+    step whose gradients overflow, on every rank at once; we only read the global norm. (ZeRO-0 has no such
+    check: a non-finite step is logged here but reaches the weights.)
+    """
+    if is_engine(model):
+        model.backward(loss)
+        zero0_norm = None if model.zero_optimization() else torch.nn.utils.get_total_norm(  # ZeRO-0 keeps none
+            [p.grad for p in model.parameters() if p.grad is not None])
+        model.step()
+        grad_norm = torch.as_tensor(model.get_global_grad_norm() if zero0_norm is None else zero0_norm).float()
+        for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
+            if not torch.isfinite(x).all():
+                nonfinite.append(what)
+        return grad_norm
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
+        if not torch.isfinite(x).all():  # a NaN never reaches the weights
+            nonfinite.append(what)
+            optimizer.zero_grad()
+            return grad_norm
+    optimizer.step()
+    return grad_norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data parallelism (`deepspeed train.py`): rank r of W holds rows r, r + W, r + 2W, … of the global batch.
+# Without torch.distributed (the single-process default) every helper below is the identity.
+# ---------------------------------------------------------------------------------------------------------
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and world_size() > 1
+
+
+def world_size() -> int:
+    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if ok else 1
+
+
+def rank() -> int:
+    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_rank() if ok else 0
+
+
+def gather_batch(x: Tensor) -> Tensor:
+    """Every rank's x (B, …) gathered into the global batch (W·B, …) in prompt order (row r + W·j is rank r's j)."""
+    if not _distributed():
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.stack(parts, dim=1).flatten(0, 1)                      # (B, W, …) → (W·B, …)
+
+
+def gather_list(xs: list) -> list:
+    """gather_batch for python lists (prompts, texts, gold rewards): the global batch in prompt order."""
+    if not _distributed():
+        return xs
+    parts = [None] * world_size()
+    torch.distributed.all_gather_object(parts, xs)
+    return [x for row in zip(*parts) for x in row]
+
+
+def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
+    """Each value averaged over the ranks (every rank has the same keys). Slices are equal, so a per-sequence mean
+    becomes the global batch's mean; a token-level mean becomes the mean of the ranks' token means."""
+    if not _distributed():
+        return stats
+    t = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return {k: v / world_size() for k, v in zip(stats, t.tolist())}
+
+
+def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every rank when it is true on one: a rank that skips or stops alone would deadlock the others."""
+    if not _distributed():
+        return bool(flag)
+    t = torch.tensor([float(bool(flag))], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if _distributed():
+        torch.distributed.barrier()

@@ -1,0 +1,116 @@
+"""Stage 1, supervised fine-tuning: next-token NLL on the demonstrations' responses, the prompt as context.
+
+Implements (the SFT model is π_SFT of the paper: the policy's initialisation and the frozen reference of Eq. 19):
+    SFTConfig                           → the stage's flags (`--sft-*`); the tiny LLaMA's size
+    train_sft(model, tokenizer, rows, cfg, seed, ds=)
+                                        → −Σ_t log π(y_t | x, y_<t) over response tokens (the ptx loss of Eq. 17 on
+                                          demonstrations), AdamW with cosine decay, global gradient clip 1.0
+    tiny_llama(vocab_size, cfg)         → the synthetic world's LLaMA-architecture model (transformers.LlamaConfig)
+    pretrained_model(base, cfg, seed)   → Fig. 8's "pretrained, not SFT" policy: the same LM on raw word streams
+
+Run: python train.py --rebuild-base      (stage 1 runs again, even when the base is cached)
+
+The same function trains the tiny world's model on the CPU and a real Hugging Face model under DeepSpeed: `ds` is
+the engine config (engine.engine_config), or None for a plain AdamW in one process.
+
+References: Ouyang et al. 2022 (InstructGPT), §3.5 "Supervised fine-tuning"; Zheng et al. 2023, §3 and §5.3.3.
+"""
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import data
+import engine
+from checkpoint import seed_everything
+from ppo_loss import ptx_loss
+from ppo_max import arg
+
+
+@dataclass
+class SFTConfig:
+    sft_hidden: int = arg(64, "hidden size of the tiny LLaMA")
+    sft_layers: int = arg(2, "transformer layers of the tiny LLaMA")
+    sft_heads: int = arg(4, "attention heads of the tiny LLaMA")
+    sft_epochs: float = arg(3.0, "epochs over the SFT demonstrations")
+    sft_lr: float = arg(3e-3, "SFT learning rate (AdamW, cosine decay)")
+    sft_batch: int = arg(64, "SFT batch size (sequences)")
+
+
+def tiny_llama_config(vocab_size: int, cfg: SFTConfig):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.sft_hidden, intermediate_size=4 * cfg.sft_hidden,
+                       num_hidden_layers=cfg.sft_layers, num_attention_heads=cfg.sft_heads,
+                       num_key_value_heads=cfg.sft_heads, max_position_embeddings=128,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def tiny_llama(vocab_size: int, cfg: SFTConfig):
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM(tiny_llama_config(vocab_size, cfg))
+
+
+def cosine_lr(step: int, total: int, base: float, warmup: int = 0) -> float:
+    """α_step = α · ½(1 + cos(π · step / total)) after a linear warm-up."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * min(step - warmup, total) / max(total, 1)))
+
+
+def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, seed: int, desc: str = "1. SFT",
+              ds: dict | None = None, out_dir: str | Path | None = None) -> list[float]:
+    """Stage 1 on (prompt, response) rows: cfg.sft_epochs epochs of batches of cfg.sft_batch, the NLL of the
+    response tokens only (prompt tokens are context, not targets). Returns the per-step losses; the model is
+    trained in place (under DeepSpeed: through an engine whose module is `model`), left in eval mode, and saved
+    with its tokenizer as a Hugging Face directory at `out_dir` when one is given."""
+    rng = random.Random(seed)
+    steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.sft_batch))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    trained, opt = engine.wrap(model, opt, ds, cfg.sft_lr)
+    device = next(model.parameters()).device
+    losses, order = [], []
+    trained.train()
+    for step in (bar := tqdm(range(steps), desc=desc, leave=False)):
+        if len(order) < cfg.sft_batch:
+            order += rng.sample(range(len(rows)), len(rows))
+        idx, order = order[:cfg.sft_batch], order[cfg.sft_batch:]
+        ids, attn, resp_mask = (t.to(device) for t in data.lm_batch([rows[i] for i in idx], tokenizer))
+        logits = trained(input_ids=ids, attention_mask=attn).logits                    # (B, L, V)
+        loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens
+        engine.set_lr(opt, cosine_lr(step, steps, cfg.sft_lr))
+        engine.backward_step(trained, opt, loss, 1.0, "sft", [])
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    if out_dir is not None:
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    return losses
+
+
+def pretrained_model(base: Path, cfg: SFTConfig, seed: int) -> Path:
+    """The "pretrained, not SFT" policy of Fig. 8: the same LM trained on raw word streams of the world's
+    vocabulary with no instruction format. Built on first use and cached in the base directory."""
+    from transformers import AutoTokenizer
+
+    import toy_world
+    out = base / "pretrained"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
+    seed_everything(seed + 1)
+    pre = tiny_llama(len(tokenizer), cfg)
+    rng = random.Random(seed + 1)
+    raw = [("", " ".join(rng.choice(toy_world.RESPONSE_WORDS) for _ in range(rng.randint(3, 12))))
+           for _ in range(toy_world.WorldConfig().n_sft)]
+    tmp = Path(str(out) + ".tmp")
+    train_sft(pre, tokenizer, raw, replace(cfg, sft_epochs=1.0), seed + 1, "1b. pretrained (no SFT)", out_dir=tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
