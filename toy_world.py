@@ -14,7 +14,7 @@ What each piece stands for in the paper (arXiv 2307.04964):
                           prefer the longer answer more often than its quality says (paper, Table 1, §4.3).
                           Data are limited, as in real life.
   - the learned reward model therefore rewards length beyond what gold does (measured by
-    `train.length_bias` and printed by train.py), and a policy optimised hard against it finds the
+    `eval.length_bias` and printed by train.py), and a policy optimised hard against it finds the
     padding/repetition responses that gold dislikes: the paper's pattern collapse (Fig. 4), visible
     because we can call gold on every sample.
 

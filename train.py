@@ -425,10 +425,14 @@ def ppo_inputs(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cf
     if not main_rank:
         engine.barrier()
     base = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
+    policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
     if main_rank:
         engine.barrier()
+    if not run.data:
+        bias = json.loads((base / "rm_length_bias.json").read_text())
+        print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
+              f"(filler tokens added to a correct answer)")
     records = {k: data.read_records(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
-    policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
                   records, base, json.loads((base / "timings.json").read_text()))
@@ -580,103 +584,44 @@ def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
 # =========================================================================================================
 # The run: configure, stages 1-2 (cached), models, stage 3 (or resume), stage 4, evaluation
 # =========================================================================================================
-def main(argv=None) -> dict | None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--plan" in argv:  # before parsing: the plan's flags (--num-gpus, ...) are scale.py's
-        print_plan(argv)
-        return None
-    run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)
-    dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
-    gold_judge = None if (run.data or dirs) else evaluation.gold_judge  # the synthetic human; real data has none
+def start_processes(run: RunConfig, cfg: ppo_max.PPOConfig) -> tuple[int, int, torch.device]:
+    """Threads, quiet libraries, and data parallelism: (rank, world size W, device); W = 1 and the CPU without the
+    `deepspeed` launcher. Only rank 0 prints."""
     if run.threads:
         torch.set_num_threads(run.threads)
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    # data parallelism: rank, world size W and device; W = 1 and the CPU without the `deepspeed` launcher
     rank, world, device = engine.setup_distributed(run.deepspeed)
-    main_rank = rank == 0
-    if not main_rank:  # only rank 0 prints (and below: writes files, evaluates)
+    if rank != 0:  # only rank 0 prints (and later: writes files, evaluates)
         sys.stdout = open(os.devnull, "w")
         hf_logging.disable_progress_bar()
     for name, n in (("rollout_batch", cfg.rollout_batch), ("minibatch", cfg.minibatch)):
         if n % world:
             fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world}): the global "
                  f"batch is split evenly across ranks")
-    out = Path(run.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
-    t_start = time.time()
+    return rank, world, device
 
-    # stages 1-2 (cached), or the given models
-    inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, main_rank)
-    if inp.base and not run.data:
-        bias = json.loads((inp.base / "rm_length_bias.json").read_text())
-        print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
-              f"(filler tokens added to a correct answer)")
-    if cfg.ptx_coef and not inp.data["sft"]:
-        print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
-        cfg = dataclasses.replace(cfg, ptx_coef=0.0)
-    checkpoint.seed_everything(run.seed + rank)  # rank r samples its own stream; rank 0's is the single-process one
-    ds = None
-    if run.deepspeed or world > 1:  # the JSON decides the dtype of the engines, and so of the frozen models beside them
-        bf16 = not run.fp32 and device.type != "cpu" and engine.accelerator_bf16()
-        try:
-            ds = engine.engine_config(run.deepspeed_config, run.zero_stage, bf16, cfg.minibatch // world, cfg.grad_clip)
-        except engine.ConfigError as e:
-            fail(str(e))
-    m = load_models(inp, run, cfg, device, ds)
-    batches = data.RolloutBatches([r["prompt"] for r in inp.data["prompts_train"]],
-                                  [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
-                                  seed=run.seed, rank=rank, world=world, device=device)
-    state = LoopState(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
-                      collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
-                      checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
-    ckpts = checkpoint.RunCheckpoints(out, {"policy": m.policy, "critic": m.critic},
-                                      {"policy": m.policy_opt, "critic": m.critic_opt}, {"prompt": batches.rng},
-                                      inp.tokenizer, run.keep_last, rank, engine.barrier)
-    timings, start, history = dict(inp.timings), 0, []
-    if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
-        try:
-            ckpt, saved = ckpts.resume(run.resume)
-        except ValueError as e:
-            fail(str(e))
-        start = saved["step"]
-        state.load_state_dict(saved["extra_state"])
-        history = data.read_records(out / "metrics.jsonl")[:start]
-        print(f"[resume] {ckpt}: continuing at step {start}")
-    else:
-        # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
-        t0 = time.time()
-        critic_log = ppo_max.pretrain_critic(m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
-                                             lambda: batches.prompts(cfg.rollout_batch), cfg,
-                                             inp.tokenizer.eos_token_id, inp.tokenizer.pad_token_id, state.kl_ctl.value)
-        timings["critic_pretrain"] = time.time() - t0
-        if main_rank:
-            write_json(out / "critic_pretrain.json", critic_log)
 
-    # 4. PPO
-    t0 = time.time()
-    log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=main_rank)
-    ended = ppo(m, batches, state, log, ckpts, cfg, run, start, inp.tokenizer, gold_judge, device)
-    log.close()
-    timings["ppo"] = time.time() - t0
-    if ended["signal"]:
-        launcher = "deepspeed" if world > 1 else "python"
-        print(f"[{ended['signal']}] checkpoint written to {ended['path']}; continue with: "
-              f"{launcher} train.py {' '.join(argv)} --resume {out}")
-        raise SystemExit(0)
-    if ended["stop_reason"] and not log.alarm_info:  # non-finite values: stop with the last good checkpoint intact
-        print(f"error: stopped: {ended['stop_reason']}", file=sys.stderr)
-        raise SystemExit(1)
-    if not ended["stop_reason"] and (not run.save_every or run.steps % run.save_every):
-        ckpts.save(run.steps, state.state_dict())
-    if not main_rank:  # rank 0 alone saves the final models, evaluates and writes the summary
+def deepspeed_config(run: RunConfig, cfg: ppo_max.PPOConfig, world: int, device: torch.device) -> dict | None:
+    """The engines' DeepSpeed JSON under the launcher or --deepspeed (None otherwise). It decides the dtype of the
+    engines, and so of the frozen models beside them: bf16 where the accelerator has it, unless --fp32."""
+    if not (run.deepspeed or world > 1):
         return None
+    bf16 = not run.fp32 and device.type != "cpu" and engine.accelerator_bf16()
+    try:
+        return engine.engine_config(run.deepspeed_config, run.zero_stage, bf16, cfg.minibatch // world, cfg.grad_clip)
+    except engine.ConfigError as e:
+        fail(str(e))
+
+
+def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, log: collapse.RunLog,
+                  ended: dict, timings: dict, t_start: float, dirs: dict | None, gold_judge, device) -> dict:
+    """Rank 0 at the end: the final policy and critic as Hugging Face directories, the held-out evaluation, and
+    summary.json (printed as a table)."""
+    out = Path(run.out)
     engine.unwrap(m.policy).save_pretrained(out / "policy")
     inp.tokenizer.save_pretrained(out / "policy")
     engine.unwrap(m.critic).save_pretrained(out / "critic")
-
-    # final evaluation on held-out prompts, sampled as the paper evaluates
     t0 = time.time()
     report = evaluate(m, inp, run, cfg, log.history, gold_judge, device)
     timings["eval"] = time.time() - t0
@@ -692,6 +637,75 @@ def main(argv=None) -> dict | None:
     if run.data and inp.base:
         print(f"[data] {run.data}: {summary['data']['summary']}")
     return summary
+
+
+def main(argv=None) -> dict | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--plan" in argv:  # before parsing: the plan's flags (--num-gpus, ...) are scale.py's
+        print_plan(argv)
+        return None
+    run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)
+    dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
+    gold_judge = None if (run.data or dirs) else evaluation.gold_judge  # the synthetic human; real data has none
+    rank, world, device = start_processes(run, cfg)
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
+    t_start = time.time()
+
+    # 1-2. SFT and reward model (cached), or the given models
+    inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0)
+    if cfg.ptx_coef and not inp.data["sft"]:
+        print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
+        cfg = dataclasses.replace(cfg, ptx_coef=0.0)
+    checkpoint.seed_everything(run.seed + rank)  # rank r samples its own stream; rank 0's is the single-process one
+    m = load_models(inp, run, cfg, device, deepspeed_config(run, cfg, world, device))
+    batches = data.RolloutBatches([r["prompt"] for r in inp.data["prompts_train"]],
+                                  [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
+                                  seed=run.seed, rank=rank, world=world, device=device)
+    state = LoopState(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
+                      collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
+                      checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
+    ckpts = checkpoint.RunCheckpoints(out, {"policy": m.policy, "critic": m.critic},
+                                      {"policy": m.policy_opt, "critic": m.critic_opt}, {"prompt": batches.rng},
+                                      inp.tokenizer, run.keep_last, rank, engine.barrier)
+    timings, start, history = dict(inp.timings), 0, []
+    if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
+        try:
+            ckpt, saved = ckpts.resume(run.resume)
+        except ValueError as e:
+            fail(str(e))
+        start, history = saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
+        state.load_state_dict(saved["extra_state"])
+        print(f"[resume] {ckpt}: continuing at step {start}")
+    else:
+        # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
+        t0 = time.time()
+        critic_log = ppo_max.pretrain_critic(m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
+                                             lambda: batches.prompts(cfg.rollout_batch), cfg,
+                                             inp.tokenizer.eos_token_id, inp.tokenizer.pad_token_id, state.kl_ctl.value)
+        timings["critic_pretrain"] = time.time() - t0
+        if rank == 0:
+            write_json(out / "critic_pretrain.json", critic_log)
+
+    # 4. PPO
+    t0 = time.time()
+    log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0)
+    ended = ppo(m, batches, state, log, ckpts, cfg, run, start, inp.tokenizer, gold_judge, device)
+    log.close()
+    timings["ppo"] = time.time() - t0
+    if ended["signal"]:
+        print(f"[{ended['signal']}] checkpoint written to {ended['path']}; continue with: "
+              f"{'deepspeed' if world > 1 else 'python'} train.py {' '.join(argv)} --resume {out}")
+        raise SystemExit(0)
+    if ended["stop_reason"] and not log.alarm_info:  # non-finite values: stop with the last good checkpoint intact
+        print(f"error: stopped: {ended['stop_reason']}", file=sys.stderr)
+        raise SystemExit(1)
+    if not ended["stop_reason"] and (not run.save_every or run.steps % run.save_every):
+        ckpts.save(run.steps, state.state_dict())
+    if rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
+        return None
+    return write_summary(m, inp, run, cfg, log, ended, timings, t_start, dirs, gold_judge, device)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,21 @@ def test_bad_alarm_flags_fail_with_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         train.parse_configs(flags)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rebuild_base_trains_stages_1_2_again_with_the_same_result(base_dir, capsys):
+    """A second run of a seed reuses the cached base; --rebuild-base trains SFT and the reward model again (so a
+    student can step into them), and, the seed being fixed, writes the same weights and logs."""
+    first = Path(run(base_dir, "rb1", "--steps", "1")["base"])
+    rm_log = (first / "rm_log.json").read_text()
+    stamp = (first / "sft" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    run(base_dir, "rb2", "--steps", "1")
+    assert "[base] reusing" in capsys.readouterr().out
+    assert (first / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
+    again = Path(run(base_dir, "rb3", "--steps", "1", "--rebuild-base")["base"])
+    assert "[base] reusing" not in capsys.readouterr().out
+    assert again == first and (again / "DONE").exists()
+    assert (again / "sft" / "model.safetensors").stat().st_mtime_ns != stamp
+    assert (again / "rm_log.json").read_text() == rm_log

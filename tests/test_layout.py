@@ -1,0 +1,56 @@
+"""The layout's promises, checked on the source: the equation files import only torch (and each other), no module
+imports one that imports it back, and the entry point is imported by nobody but the notebooks' runner and tests."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in ROOT.glob("*.py")}
+
+
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """The project modules `path` imports (inside functions too, unless top_level_only)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & set(MODULES)
+
+
+def test_equation_files_import_only_torch():
+    for name in ("gae", "ppo_loss"):
+        tree = ast.parse(MODULES[name].read_text())
+        third_party = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        third_party |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert third_party <= {"torch", "__future__", "math", "dataclasses", "typing"}, (name, third_party)
+    # reward_model.py: its loss half (above the model-half banner) imports only torch
+    loss_half = MODULES["reward_model"].read_text().split("# Model half")[0]
+    assert {l.split()[1].split(".")[0] for l in loss_half.splitlines() if l.startswith(("import ", "from "))} == {"torch"}
+
+
+def test_no_import_cycles():
+    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    for start in graph:  # depth-first search for a path that comes back to `start`
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                assert nxt != start, "import cycle: " + " -> ".join(path + [start])
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+
+
+def test_nothing_imports_the_entry_point():
+    for name, path in MODULES.items():
+        assert "train" not in imports(path) or name == "train", f"{name}.py imports train.py"
+
+
+def test_no_function_in_train_py_is_longer_than_80_lines():
+    tree = ast.parse(MODULES["train"].read_text())
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80}
+    assert not long, long
