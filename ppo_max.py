@@ -194,7 +194,8 @@ class PPOConfig:
     minibatch: int = arg(16, "sequences per gradient step (paper 32)")
     ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)")
     max_new_tokens: int = arg(24, "response length cap T")
-    temperature: float = arg(1.0, "rollout sampling temperature (training samples from π itself)")
+    temperature: float = arg(1.0, "rollout sampling temperature T: samples from π^(1/T), and the log-probs of the "
+                                  "ratio and the KL are those of π^(1/T) too (1 = π itself)")
     # --- optimisation ---
     policy_lr: float = arg(2e-4, "α for π_θ (paper 5e-7 at 7B)")
     critic_lr: float = arg(5e-4, "α for V_φ (paper 1.65e-6 at 7B)")
@@ -210,7 +211,8 @@ class PPOConfig:
     kl_coef: float = arg(0.2, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
                               "(Fig. 15); at 0.05 PPO-max collapses after 137-277 steps here (notebooks/ppo_max.ipynb)")
     kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full (exact)")
-    kl_target: float = arg(0.0, "adaptive KL controller target (Ziegler et al. 2019); 0 = fixed η")
+    kl_target: float = arg(0.0, "adaptive KL controller target, in nats PER TOKEN (kl/ref; Ziegler et al. 2019 "
+                                "state it per sequence: divide by the mean response length); 0 = fixed η")
     kl_horizon: int = arg(10000, "adaptive KL horizon (in sequences)")
     importance_sampling: bool = arg(False, "ratio against π_ref instead of π_old: the 'infinite buffer' of §5.3.2")
     entropy_coef: float = arg(0.0, "entropy bonus weight (paper 0.01)")
@@ -264,14 +266,34 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
-def policy_logits(model, query, query_mask, response, response_mask) -> torch.Tensor:
-    """Logits that predict each response token: position P−1+t predicts response[t]. Returns (B, T, V)."""
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Dropout off for good, in train() mode too (which gradient checkpointing needs): every nn.Dropout gets p = 0,
+    and so does every float attribute or config field named like a dropout probability. The ratio ρ compares the
+    same network at the same weights, so with dropout on it is not 1 on the first minibatch (GPT-2's default 0.1:
+    about 1.02), and the log-probs of rollout, experience and update would each see another random network."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+                setattr(module, name, 0.0)      # e.g. LlamaAttention.attention_dropout, read inside forward()
+    config = getattr(model, "config", None)
+    for name, value in (list(vars(config).items()) if config is not None else []):
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, name, 0.0)          # what the saved config.json says, too
+    return model
+
+
+def policy_logits(model, query, query_mask, response, response_mask, temperature: float = 1.0) -> torch.Tensor:
+    """Logits that predict each response token: position P−1+t predicts response[t], divided by the sampling
+    temperature T, so that log-softmax of them is log π^(1/T), the distribution the rollout sampled from (it enters
+    the ratio and the KL). Returns (B, T, V)."""
     P = query.shape[1]
     input_ids = torch.cat([query, response], dim=1)                    # (B, L)
     attention_mask = torch.cat([query_mask, response_mask], dim=1)     # (B, L)
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    return out.logits[:, P - 1:-1].float()                             # (B, T, V)
+    return out.logits[:, P - 1:-1].float() / temperature               # (B, T, V)  logits / T
 
 
 def critic_values(critic, query, query_mask, response, response_mask) -> torch.Tensor:
@@ -324,8 +346,8 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     else:
         rewards_seq = scores
     # (4) token-level KL penalty against the frozen SFT reference (Eq. 19)
-    logits = policy_logits(policy, query, query_mask, response, response_mask)        # (B, T, V)
-    ref_logits = policy_logits(ref, query, query_mask, response, response_mask)       # (B, T, V)
+    logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
+    ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
     logprobs = logprobs_from_logits(logits, response)                                  # (B, T)
     ref_logprobs = logprobs_from_logits(ref_logits, response)                          # (B, T)
     kl_exact = kl_full(logits, ref_logits)                                             # (B, T)
@@ -384,7 +406,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
                 if cfg.adv_clip:
                     advantages = advantages.clamp(-cfg.adv_clip, cfg.adv_clip)
             # policy: PPO-clip (Eq. 15) + entropy bonus (Fig. 16) + ptx (Eq. 17)
-            logits = policy_logits(policy, q, qm, r, m)                                 # (b, T, V)
+            logits = policy_logits(policy, q, qm, r, m, cfg.temperature)                # (b, T, V)
             logprobs = logprobs_from_logits(logits, r)                                  # (b, T)
             pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages, m, cfg.clip_eps or None)
             loss = pg_loss

@@ -451,7 +451,8 @@ class Models:
 
 
 def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: torch.device, ds: dict | None) -> Models:
-    """The four models from their directories, in bf16 when the DeepSpeed config says so (else as saved)."""
+    """The four models from their directories, in bf16 when the DeepSpeed config says so (else as saved), with
+    dropout off in every one of them (rollouts, experience and updates all see the same deterministic network)."""
     from transformers import AutoModelForCausalLM
     bf16 = bool(ds and ds.get("bf16", {}).get("enabled", False))
     dtype = {"dtype": torch.bfloat16} if bf16 else {}
@@ -460,6 +461,8 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
     head_dtype = {"torch_dtype": torch.bfloat16} if bf16 else {}
     reward_model = ScalarHeadModel.from_pretrained(inp.reward, **head_dtype).eval().requires_grad_(False).to(device)
     critic = ScalarHeadModel.from_pretrained(inp.critic, **head_dtype)
+    for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
+        ppo_max.disable_dropout(model)
     if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
         for m in (policy, critic):
             (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()

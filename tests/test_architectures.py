@@ -1,0 +1,178 @@
+"""Token bookkeeping as invariants, on tiny random-init models of every architecture we support (LLaMA, Qwen2,
+Mistral, GPT-2, GPT-NeoX/Pythia), each built here with dropout on where its config has it:
+
+    dropout off          the log-probs the update computes (train mode) equal the rollout's: ρ = 1 on the first minibatch
+    temperature          the stored log-probs are log-softmax(logits / T): those of π^(1/T), the sampled distribution
+    position ids         a left-padded batch gives each sequence the log-probs it has alone (learned positions too)
+    padding by the mask  the pad id is the EOS id (as GPT-2 / Pythia tokenizers do) and the EOS still ends and scores
+    reward               r(x, y) is the head's value at the last real token, found by a loop over the mask
+"""
+import copy
+
+import pytest
+import torch
+import transformers
+from torch.testing import assert_close
+
+import data
+import ppo_max
+from ppo_loss import logprobs_from_logits
+from reward_model import ScalarHeadModel
+
+V, EOS, BOS = 64, 2, 1
+
+
+def config(arch: str):
+    """A 2-layer, 32-wide model of `arch` whose dropout probabilities (where it has any) are 0.1."""
+    common = dict(vocab_size=V, bos_token_id=BOS, eos_token_id=EOS)
+    if arch == "gpt2":   # learned absolute positions; resid/embd/attn dropout 0.1 by default
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+    if arch == "gpt_neox":
+        return transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.1,
+                                          attention_dropout=0.1, **common)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[arch]
+    return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, attention_dropout=0.1, **common)
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gpt2", "gpt_neox"]
+PAD = {"llama": 0, "qwen2": 0, "mistral": 0, "gpt2": EOS, "gpt_neox": EOS}  # GPT-2 / Pythia: no pad token, EOS pads
+
+
+def models(arch: str):
+    torch.manual_seed(0)
+    policy = transformers.AutoModelForCausalLM.from_config(config(arch))
+    critic = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(config(arch)))
+    return policy, copy.deepcopy(policy).eval(), copy.deepcopy(critic).eval(), critic
+
+
+def prompts(arch: str):
+    """Three prompts of different lengths, left-padded with the architecture's pad id: (B, P) ids and mask."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [[BOS] + torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 2, 8)]
+    return data.pad(seqs, PAD[arch], "left")
+
+
+def experience(arch: str, temperature: float, drop: bool = True):
+    policy, ref, reward_model, critic = models(arch)
+    if drop:
+        for m in (policy, ref, reward_model, critic):
+            ppo_max.disable_dropout(m)
+    query, query_mask = prompts(arch)
+    cfg = ppo_max.PPOConfig(temperature=temperature)
+    torch.manual_seed(2)
+    policy.eval()
+    response, response_mask, _ = ppo_max.rollout(policy, query, query_mask, 10, EOS, PAD[arch], temperature)
+    exp = ppo_max.make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
+                                  ppo_max.RunningMoments(), cfg, 0.05)
+    return policy, exp, cfg
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dropout_off_ratio_is_one_on_the_first_minibatch(arch):
+    policy, exp, cfg = experience(arch, temperature=0.7)
+    policy.train()  # the update's mode (gradient checkpointing needs it)
+    logprobs = logprobs_from_logits(ppo_max.policy_logits(policy, exp["query"], exp["query_mask"], exp["response"],
+                                                          exp["mask"], cfg.temperature), exp["response"])  # (B, T)
+    ratio = torch.exp(logprobs - exp["logprobs"]) * exp["mask"]                                           # ρ_t
+    assert_close(ratio, exp["mask"], atol=1e-5, rtol=0)
+
+
+def test_without_disable_dropout_gpt2_ratio_is_not_one():
+    """The check above can fail: GPT-2's default dropout 0.1 left on moves ρ away from 1 in train mode."""
+    policy, exp, cfg = experience("gpt2", temperature=1.0, drop=False)
+    policy.train()
+    torch.manual_seed(3)
+    logprobs = logprobs_from_logits(ppo_max.policy_logits(policy, exp["query"], exp["query_mask"], exp["response"],
+                                                          exp["mask"]), exp["response"])
+    assert ((logprobs - exp["logprobs"]).abs() * exp["mask"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_are_those_of_the_tempered_distribution(arch):
+    T = 0.7
+    policy, exp, _ = experience(arch, temperature=T)
+    q, qm, r, m = exp["query"], exp["query_mask"], exp["response"], exp["mask"]
+    ids, mask = torch.cat([q, r], 1), torch.cat([qm, m], 1)
+    with torch.no_grad():  # independent: one sequence at a time, unpadded, log-softmax of logits / T by hand
+        for b in range(len(ids)):
+            real = mask[b].bool()
+            seq = ids[b][real][None]                                                          # (1, L_b)
+            logits = policy(input_ids=seq).logits[0].double() / T                             # (L_b, V)
+            logp = logits - torch.logsumexp(logits, -1, keepdim=True)
+            P_b, T_b = int(qm[b].sum()), int(m[b].sum())
+            want = torch.stack([logp[P_b - 1 + t, seq[0, P_b + t]] for t in range(T_b)])
+            assert_close(exp["logprobs"][b, :T_b].double(), want, atol=2e-5, rtol=0)
+            untempered = torch.log_softmax(logits * T, -1)[torch.arange(P_b - 1, P_b - 1 + T_b), seq[0, P_b:P_b + T_b]]
+            assert (want - untempered).abs().max() > 1e-3  # T ≠ 1 does change them: the check can fail
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_position_ids_follow_the_mask_under_left_padding(arch):
+    policy, *_ = models(arch)
+    ppo_max.disable_dropout(policy).eval()
+    query, query_mask = prompts(arch)
+    response = torch.randint(3, V, (3, 4))
+    response_mask = torch.ones(3, 4)
+    with torch.no_grad():
+        batch = ppo_max.policy_logits(policy, query, query_mask, response, response_mask)             # (B, T, V)
+        for b in range(3):
+            real = query_mask[b].bool()
+            alone = ppo_max.policy_logits(policy, query[b][real][None], query_mask[b][real][None], response[b:b + 1],
+                                          response_mask[b:b + 1])
+            assert_close(batch[b:b + 1], alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eos_ends_and_scores_a_response_even_when_it_is_the_pad_id(arch):
+    """The rollout's mask covers each response up to and including its first EOS, whatever the pad id; the reward is
+    the head's value at the last real token of prompt + response (found here by a plain loop over the mask)."""
+    _, exp, _ = experience(arch, temperature=1.0)
+    response, mask = exp["response"], exp["mask"]
+    for b in range(len(response)):
+        n = int(mask[b].sum())
+        eos_at = (response[b] == EOS).nonzero().flatten().tolist()
+        assert n == (eos_at[0] + 1 if eos_at else response.shape[1])
+        assert mask[b, :n].all() and not mask[b, n:].any()
+    _, _, reward_model, _ = models(arch)
+    ppo_max.disable_dropout(reward_model)
+    ids, attn = torch.cat([exp["query"], response], 1), torch.cat([exp["query_mask"], mask], 1)
+    with torch.no_grad():
+        scores, values = reward_model.score(ids, attn), reward_model(ids, attn)                     # (B,), (B, L)
+    for b in range(len(ids)):
+        last = max(i for i in range(ids.shape[1]) if attn[b, i] == 1)
+        assert_close(scores[b], values[b, last])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_and_logprobs_use_one_distribution(arch):
+    """What generate() sampled from at T (its processed scores: logits / T, positions from the left-padded mask)
+    is, token for token, the distribution whose log-probs make_experience stores."""
+    T = 0.7
+    policy, exp, _ = experience(arch, temperature=T)
+    query, query_mask = prompts(arch)
+    torch.manual_seed(2)  # the rollout's seed: the same samples again, now with their scores
+    out = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=1.0,
+                          temperature=T, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD[arch], use_cache=True,
+                          output_scores=True, return_dict_in_generate=True)
+    scores = torch.stack(out.scores, 1).float()                                                  # (B, T, V)
+    mask = exp["mask"].bool()
+    assert torch.equal(out.sequences[:, query.shape[1]:][mask], exp["response"][mask])
+    sampled = torch.log_softmax(scores, -1).gather(-1, exp["response"][..., None]).squeeze(-1)  # (B, T)
+    assert_close(sampled[mask], exp["logprobs"][mask], atol=2e-4, rtol=0)
+
+
+def test_train_load_models_turns_dropout_off_in_all_four(tmp_path):
+    import train
+    policy, _, reward_model, _ = models("gpt2")
+    policy.save_pretrained(tmp_path / "sft")
+    reward_model.save_pretrained(tmp_path / "rm")
+    inp = train.Inputs(tmp_path / "sft", tmp_path / "sft", tmp_path / "rm", tmp_path / "rm", tokenizer=None, data={})
+    m = train.load_models(inp, train.RunConfig(), ppo_max.PPOConfig(), torch.device("cpu"), ds=None)
+    for model in (m.policy, m.ref, m.reward_model, m.critic):
+        drops = [x.p for x in model.modules() if isinstance(x, torch.nn.Dropout)]
+        assert drops and set(drops) == {0.0}
+        lm = model.lm if isinstance(model, ScalarHeadModel) else model
+        assert (lm.config.resid_pdrop, lm.config.embd_pdrop, lm.config.attn_pdrop) == (0.0, 0.0, 0.0)
