@@ -543,20 +543,28 @@ def config_hash(obj) -> str:
 DONE = "DONE"
 
 
-def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str, rebuild: bool = False) -> Path:
+def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str, rebuild: bool = False,
+               rank: int = 0, barrier: Callable[[], None] = lambda: None, label: str = "base") -> Path:
     """`path`, built by build(tmp) into `path`.tmp and renamed into place once `tmp/DONE` is written, so a build
-    killed half-way is never mistaken for a finished one. Reused as it is when DONE exists, unless `rebuild`."""
+    killed half-way is never mistaken for a finished one. Reused as it is when DONE exists, unless `rebuild`.
+    With several ranks that all build (each holds a DeepSpeed engine), rank 0 alone touches the file system and
+    `barrier` keeps the others in step."""
     path = Path(path)
     if (path / DONE).exists() and not rebuild:
-        print(f"[base] reusing {path} ({what}; --rebuild-base trains it again)")
+        print(f"[{label}] reusing {path} ({what}; --rebuild-base trains it again)")
         return path
     tmp = Path(str(path) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
     build(tmp)
-    (tmp / DONE).write_text("ok\n")
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    barrier()
+    if rank == 0:
+        (tmp / DONE).write_text("ok\n")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    barrier()
     return path
 
 

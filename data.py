@@ -263,8 +263,51 @@ def split_hh_transcript(chosen: str, rejected: str, path="<transcript>",
     return prompt, chosen[cut["chosen"]:], rejected[cut["rejected"]:]
 
 
+SYSTEM = "System:"
+ROLES = {"system", "user", "assistant"}
+
+
+def messages_to_hh(messages, path, line_no: int | None, field: str) -> str:
+    """Chat messages [{"role", "content"}] as one HH transcript ("\\n\\nHuman: …\\n\\nAssistant: …"), the one text form
+    every stage reads (hh_to_messages turns it back into messages for a chat template). A system message becomes a
+    leading "System: …"."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(path, line_no, field, "bad_messages", f"expected a non-empty list of messages, got "
+                                                              f"{_show(messages)}")
+    text = ""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(path, line_no, f"{field}[{i}]", "bad_messages",
+                            f'expected {{"role": "system"|"user"|"assistant", "content": "..."}}, got {_show(m)}')
+        if m["role"] == "system":
+            text += f"{SYSTEM} {m['content']}" if i == 0 else f"{HUMAN} {m['content']}"
+        else:
+            text += f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}"
+    return text
+
+
+def _messages_pair(obj: dict, path, line_no: int) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) of {"chosen": [messages], "rejected": [messages]} whose last message is the
+    assistant's answer and whose earlier messages agree."""
+    for name in ("chosen", "rejected"):
+        msgs = obj.get(name)
+        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) \
+                or msgs[-1].get("role") != "assistant":
+            raise DataError(path, line_no, name, "bad_messages", "expected chat messages ending with the assistant's "
+                                                                 f"answer, got {_show(msgs)}")
+    if obj["chosen"][:-1] != obj["rejected"][:-1]:
+        raise DataError(path, line_no, None, "prompt_mismatch",
+                        "chosen and rejected have different conversations before their last (assistant) message")
+    prompt = messages_to_hh(obj["chosen"], path, line_no, "chosen")
+    prompt = prompt[:prompt.rfind(ASSISTANT) + len(ASSISTANT)]
+    messages_to_hh(obj["rejected"], path, line_no, "rejected")  # checks every message of the rejected side too
+    return prompt, " " + obj["chosen"][-1]["content"], " " + obj["rejected"][-1]["content"]
+
+
 def _parse_pair(obj: dict, path, line_no: int) -> PreferencePair:
-    if "prompt" in obj:  # {"prompt", "chosen", "rejected"}
+    if isinstance(obj.get("chosen"), list) or isinstance(obj.get("rejected"), list):  # chat messages
+        prompt, chosen, rejected = _messages_pair(obj, path, line_no)
+    elif "prompt" in obj:  # {"prompt", "chosen", "rejected"}
         prompt = _get_str(obj, "prompt", path, line_no, nonempty=True, reason="empty_prompt")
         chosen = _get_str(obj, "chosen", path, line_no)
         rejected = _get_str(obj, "rejected", path, line_no)
@@ -308,10 +351,19 @@ def _parse_text(obj: dict, path, line_no: int) -> tuple[str, str, str]:
     if "chosen" in obj or "rejected" in obj:  # SFT on the chosen responses of a pair file
         pair = _parse_pair(obj, path, line_no)
         return pair.prompt, pair.chosen, src
+    if "messages" in obj:  # a chat: SFT on its last (assistant) message
+        msgs = obj["messages"]
+        text = messages_to_hh(msgs, path, line_no, "messages")
+        if msgs[-1]["role"] != "assistant":
+            raise DataError(path, line_no, "messages", "bad_messages", "expected the last message to be the "
+                                                                       "assistant's answer")
+        cut = text.rfind(ASSISTANT) + len(ASSISTANT)
+        return text[:cut], text[cut:], src
     if "prompt" not in obj and "response" not in obj:
         have = ", ".join(repr(k) for k in obj) or "none"
         raise DataError(path, line_no, "text", "missing_field",
-                        f'missing: expected {{"text"}} or {{"prompt", "response"}} (fields present: {have})')
+                        f'missing: expected {{"text"}}, {{"prompt", "response"}} or {{"messages"}} (fields present: '
+                        f'{have})')
     prompt = _get_str(obj, "prompt", path, line_no)
     return prompt, _get_str(obj, "response", path, line_no, nonempty=True, reason="empty_response"), src
 
@@ -338,6 +390,11 @@ def hh_to_messages(prompt: str) -> list[dict]:
     """An HH prompt as chat messages [{"role": "user"|"assistant", "content"}] for a real model's
     chat template; the final empty "Assistant:" turn is left for add_generation_prompt."""
     messages = []
+    head = prompt.split(HUMAN)[0].strip()
+    if head.startswith(SYSTEM):  # messages_to_hh's system message
+        messages.append({"role": "system", "content": head[len(SYSTEM):].strip()})
+    elif head:  # a plain prompt, not a transcript: one user turn
+        return [{"role": "user", "content": prompt.strip()}]
     for chunk in prompt.split(HUMAN)[1:]:
         parts = chunk.split(ASSISTANT)
         messages.append({"role": "user", "content": parts[0].strip()})
@@ -484,21 +541,49 @@ def prompt_records(prompts_path, texts_path, tokenizer, max_prompt_tokens: int, 
 # ----------------------------------------------------------------------------------------------
 # The model's inputs: [BOS] + prompt (+ response + [EOS]); padding is known by the mask, never by an id
 # ----------------------------------------------------------------------------------------------
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def stop_id(tokenizer) -> int:
+    """The token that ends a response, ends sampling and is scored: with a chat template its end-of-turn token (the
+    first token the template writes after an assistant message: Qwen's <|im_end|>, Llama 3's <|eot_id|>, which need
+    not be the EOS), else the tokenizer's EOS."""
+    if not has_chat_template(tokenizer):
+        return tokenizer.eos_token_id
+    cached = getattr(tokenizer, "_ppo_max_stop_id", None)
+    if cached is not None:
+        return cached
+    marker = "ppo-max-end-of-answer"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    after = token_ids(text[text.rindex(marker) + len(marker):], tokenizer)
+    tokenizer._ppo_max_stop_id = after[0] if after else tokenizer.eos_token_id
+    return tokenizer._ppo_max_stop_id
+
+
 def query_ids(prompt: str, tokenizer) -> list[int]:
-    """What the model reads before it answers: [BOS] + x."""
-    return [tokenizer.bos_token_id] + token_ids(prompt, tokenizer)
+    """What the model reads before it answers: the chat template's rendering of the conversation with the
+    assistant's turn opened, when the tokenizer has a template; else [BOS] + x (no BOS where the tokenizer has none)."""
+    if has_chat_template(tokenizer):
+        return token_ids(tokenizer.apply_chat_template(hh_to_messages(prompt), add_generation_prompt=True,
+                                                       tokenize=False), tokenizer)
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + token_ids(prompt, tokenizer)
 
 
 def response_ids(response: str, tokenizer) -> list[int]:
-    """y + [EOS]: every response ends with the tokenizer's EOS, which ends and scores it."""
-    return token_ids(response, tokenizer) + [tokenizer.eos_token_id]
+    """y + [stop]: every response ends with stop_id (the EOS, or the template's end-of-turn token), which ends and
+    scores it. A template's assistant content is stripped, as hh_to_messages strips every turn."""
+    text = response.strip() if has_chat_template(tokenizer) else response
+    return token_ids(text, tokenizer) + [stop_id(tokenizer)]
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str):
-    """Pad id lists to one length. Returns ids (B, L) and the 0/1 mask (B, L) as float."""
+    """Pad id lists to one length. Returns ids (B, L) and the 0/1 mask (B, L) as float. The mask alone says what is
+    padding, so any id will do where the tokenizer has no pad token (pad_id None: 0)."""
     import torch
     L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    ids = torch.full((len(seqs), L), 0 if pad_id is None else pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), L)
     for i, s in enumerate(seqs):
         sl = slice(L - len(s), L) if side == "left" else slice(0, len(s))

@@ -41,7 +41,7 @@ def rm_judge(reward_model, tokenizer):
     @torch.no_grad()
     def judge(prompt: str, text: str, finished: bool) -> float:
         ids = (data.query_ids(prompt, tokenizer) + data.token_ids(text, tokenizer)
-               + ([tokenizer.eos_token_id] if finished else []))
+               + ([data.stop_id(tokenizer)] if finished else []))
         device = next(reward_model.parameters()).device
         return reward_model.score(torch.tensor([ids], device=device), torch.ones(1, len(ids), device=device)).item()
     return judge
@@ -59,7 +59,7 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
         for i in range(0, len(rows), batch):
             q, qm = data.pad([data.query_ids(p, tokenizer) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
             q, qm = q.to(device), qm.to(device)                                        # (B, P), on the model's device
-            r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id,
+            r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, data.stop_id(tokenizer), tokenizer.pad_token_id,
                                       **EVAL_SAMPLING)
             out["query"].append(q); out["query_mask"].append(qm)
             out["response"].append(r); out["mask"].append(m); out["finished"].append(f)
@@ -162,13 +162,10 @@ def load_scorer(model_dir: str):
     data.DataError (one line, exit 2 under cli_guard). limits = data_limits.json written by
     `train.py --data`; without it (a synthetic-world RM) the model's context is split 2:1 prompt:response.
     """
-    from reward_model import VALUE_HEAD_WEIGHTS, ScalarHeadModel
+    from reward_model import ScalarHeadModel
     tokenizer = data.load_tokenizer(model_dir)
-    if not (Path(model_dir) / VALUE_HEAD_WEIGHTS).is_file():
-        raise data.DataError(model_dir, None, None, "no_model", f"no {VALUE_HEAD_WEIGHTS}: not a trained reward-model "
-                                                              f"directory (expected runs/_base/<...>/reward_model)")
-    try:
-        rm = ScalarHeadModel.from_pretrained(model_dir).eval().requires_grad_(False)
+    try:  # ours (value_head.safetensors) or an AutoModelForSequenceClassification; never a random head
+        rm = ScalarHeadModel.from_pretrained(model_dir, require_head=True).eval().requires_grad_(False)
     except (OSError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise data.DataError(model_dir, None, None, "no_model", f"cannot load the reward model ({first})") from None

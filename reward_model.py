@@ -150,6 +150,24 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (L - 1) - real.flip(-1).int().argmax(dim=-1)           # (B,)  first 1 seen from the right
 
 
+def reward_model_kind(path: str | os.PathLike) -> str | None:
+    """"scalar-head" (ours: value_head.safetensors), "sequence-classification" (transformers' format), or None (no
+    reward head: a plain causal LM, whose head would be random). Reads file names and config.json only."""
+    path = Path(path)
+    if (path / VALUE_HEAD_WEIGHTS).is_file():
+        return "scalar-head"
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return "sequence-classification" if any(a.endswith("ForSequenceClassification") for a in architectures) else None
+
+
+def not_a_reward_model(path) -> str:
+    return (f"{path}: not a reward model: no {VALUE_HEAD_WEIGHTS} (ScalarHeadModel.save_pretrained) and not an "
+            f"AutoModelForSequenceClassification (config.json's architectures); it would get a random head")
+
+
 class ScalarHeadModel(torch.nn.Module):
     """A causal LM backbone with a linear head H -> 1: r(x, y) for the reward model, V(s_t) for the critic.
 
@@ -225,11 +243,14 @@ class ScalarHeadModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, torch_dtype: torch.dtype | None = None,
-                        seed: int | None = 0) -> "ScalarHeadModel":
+                        seed: int | None = 0, require_head: bool = False) -> "ScalarHeadModel":
         """Load from a local Hugging Face directory: the LM, and the head from value_head.safetensors.
 
-        Without value_head.safetensors (a reward model or critic initialised from an SFT directory) the head
-        is fresh: N(0, 1/(H+1)) weights, zero bias, drawn with `seed` (None: torch's global RNG).
+        A reward model saved by other libraries as AutoModelForSequenceClassification (num_labels = 1) loads with its
+        own score head (weight copied, bias 0): the backbone is the same network and the head reads the same last
+        hidden state, so the scores are the same. Without either head (a reward model or critic initialised from an
+        SFT directory) the head is fresh: N(0, 1/(H+1)) weights, zero bias, drawn with `seed` (None: torch's global
+        RNG); with require_head=True (a --reward-model) that is a ValueError instead, never a random head.
         `torch_dtype` is passed to transformers as `dtype`; the head takes the LM's dtype and device.
         Only local directories are accepted (no Hub download, no remote code).
         """
@@ -241,9 +262,14 @@ class ScalarHeadModel(torch.nn.Module):
             raise FileNotFoundError(f"ScalarHeadModel.from_pretrained: no config.json in {str(path)!r}; expected a "
                                     f"directory written by save_pretrained()")
         kwargs = {} if torch_dtype is None else {"dtype": torch_dtype}
+        head_file = path / VALUE_HEAD_WEIGHTS
+        kind = reward_model_kind(path)
+        if kind == "sequence-classification":
+            return cls._from_sequence_classification(path, kwargs)
+        if kind is None and require_head:
+            raise ValueError(not_a_reward_model(path))
         lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kwargs)
         hidden = lm.config.hidden_size
-        head_file = path / VALUE_HEAD_WEIGHTS
         if not head_file.is_file():
             return cls(lm, head=None, seed=seed)
         state = safetensors.torch.load_file(str(head_file))
@@ -254,6 +280,24 @@ class ScalarHeadModel(torch.nn.Module):
         head = torch.nn.Linear(hidden, 1)
         head.load_state_dict(state)
         return cls(lm, head=head)
+
+    @classmethod
+    def _from_sequence_classification(cls, path: Path, kwargs: dict) -> "ScalarHeadModel":
+        """An AutoModelForSequenceClassification reward model: its backbone inside a causal LM of the same
+        architecture (the LM head is unused by score() and forward(); Eq. 2 would need one), its score head here."""
+        from transformers import AutoModelForSequenceClassification
+        seq = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False, **kwargs)
+        if seq.config.num_labels != 1:
+            raise ValueError(f"{path}: a sequence-classification model with num_labels = {seq.config.num_labels}; a "
+                             f"reward model has one output (num_labels = 1)")
+        score = next(m for name, m in seq.named_children() if name in ("score", "classifier", "v_head"))
+        lm = AutoModelForCausalLM.from_config(seq.config, **kwargs)
+        lm.base_model.load_state_dict(seq.base_model.state_dict())
+        head = torch.nn.Linear(lm.config.hidden_size, 1)
+        with torch.no_grad():
+            head.weight.copy_(score.weight.float())
+            head.bias.copy_(score.bias.float() if getattr(score, "bias", None) is not None else torch.zeros(1))
+        return cls(lm.to(seq.dtype), head=head)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -294,8 +338,9 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     opt = torch.optim.AdamW(rm.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
     trained, opt = engine.wrap(rm, opt, ds, cfg.rm_lr)
     device = next(rm.parameters()).device
+    rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     log, order = [], []
-    for step in (bar := tqdm(range(steps + 1), desc="2. reward model", leave=False)):
+    for step in (bar := tqdm(range(steps + 1), desc="2. reward model", leave=False, disable=rank != 0)):
         if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
             rm.eval()
             rc, rr = score_pairs(rm, tokenizer, heldout_rows)
@@ -307,6 +352,7 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
         if len(order) < cfg.rm_batch:
             order += rng.sample(range(len(train_rows)), len(train_rows))
         idx, order = order[:cfg.rm_batch], order[cfg.rm_batch:]
+        idx = idx[rank::world]
         B = len(idx)
         ids, attn, resp = (t.to(device) for t in data.pair_batch([train_rows[i] for i in idx], tokenizer))
         values, logits = trained(ids, attn, return_logits=True)                      # (2B, L), (2B, L, V)
@@ -315,9 +361,9 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
                                         lam=1.0, beta_rm=cfg.rm_lm_coef)             # Eq. 2
         engine.set_lr(opt, cosine_lr(step, steps, cfg.rm_lr))
         engine.backward_step(trained, opt, loss, 1.0, "rm", [])
-        log[-1].setdefault("train", []).append({k: float(v) for k, v in stats.items()})
+        log[-1].setdefault("train", []).append(engine.all_mean({k: float(v) for k, v in stats.items()}, device))
     rm.eval()
-    if out_dir is not None:
+    if out_dir is not None and rank == 0:
         rm.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     return log

@@ -74,21 +74,22 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     trained, opt = engine.wrap(model, opt, ds, cfg.sft_lr)
     device = next(model.parameters()).device
+    rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     losses, order = [], []
     trained.train()
-    for step in (bar := tqdm(range(steps), desc=desc, leave=False)):
+    for step in (bar := tqdm(range(steps), desc=desc, leave=False, disable=rank != 0)):
         if len(order) < cfg.sft_batch:
             order += rng.sample(range(len(rows)), len(rows))
         idx, order = order[:cfg.sft_batch], order[cfg.sft_batch:]
-        ids, attn, resp_mask = (t.to(device) for t in data.lm_batch([rows[i] for i in idx], tokenizer))
+        ids, attn, resp_mask = (t.to(device) for t in data.lm_batch([rows[i] for i in idx[rank::world]], tokenizer))
         logits = trained(input_ids=ids, attention_mask=attn).logits                    # (B, L, V)
         loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens
         engine.set_lr(opt, cosine_lr(step, steps, cfg.sft_lr))
         engine.backward_step(trained, opt, loss, 1.0, "sft", [])
-        losses.append(loss.item())
+        losses.append(engine.all_mean({"loss": loss.item()}, device)["loss"])
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
-    if out_dir is not None:
+    if out_dir is not None and rank == 0:
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     return losses

@@ -53,7 +53,8 @@ import ppo_max
 import scale
 import toy_world
 from ppo_max import arg  # a dataclass field whose help text becomes `--help`
-from reward_model import RMConfig, ScalarHeadModel, score_pairs, train_reward_model
+from reward_model import (RMConfig, ScalarHeadModel, not_a_reward_model, reward_model_kind, score_pairs,
+                          train_reward_model)
 from sft import SFTConfig, pretrained_model, tiny_llama, tiny_llama_config, train_sft
 
 
@@ -70,7 +71,10 @@ class RunConfig:
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
     threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
                           "shared machine extra threads mostly wait for each other")
-    rebuild_base: bool = arg(False, "train stages 1-2 (SFT, reward model) again even when runs/_base holds them")
+    rebuild_base: bool = arg(False, "train stages 1-2 (SFT, reward model) again even when runs/_base or --out holds "
+                                    "them")
+    stages: str = arg("sft,rm,critic,ppo", "the stages to run, in order (sft, rm, critic, ppo); the run stops after "
+                                           "the last one listed, e.g. sft,rm trains only a reward model")
     # long runs (checkpoint.py, monitor.py)
     save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end")
     keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)")
@@ -91,8 +95,12 @@ class RunConfig:
     # real models and scale (scale.py, engine.py): `--plan`, `deepspeed train.py ...`
     plan: bool = arg(False, "print the per-GPU memory plan of --model and exit, loading no weights (more flags: "
                             "--num-gpus --gpu-mem --micro-batch --prompt-len ...; see `python scale.py --help`)")
-    sft_model: str = arg("", "real --model: the SFT model, policy and reference init (default: --model itself)")
-    reward_model: str = arg("", "real --model: the reward model directory (ScalarHeadModel: value_head.safetensors)")
+    sft_model: str = arg("", "real --model: an SFT model, so stage 1 is skipped (policy and reference init); without "
+                             "it and without stage sft, --model itself")
+    sft_data: str = arg("", "real --model: SFT data ({prompt,response}, {messages} or {text} lines) instead of the "
+                            "chosen responses of --data")
+    reward_model: str = arg("", "real --model: a reward model directory, so stage 2 is skipped (ours, or an "
+                                "AutoModelForSequenceClassification with num_labels 1)")
     critic_model: str = arg("", "real --model: the critic init (default: the reward model, as PPO-max)")
     prompts: str = arg("", "real --model: a .jsonl[.gz] of {\"prompt\"} lines for the rollouts (or use --data's)")
     deepspeed: bool = arg(False, "DeepSpeed engines even in one process (automatic under the `deepspeed` launcher)")
@@ -101,6 +109,7 @@ class RunConfig:
     zero_stage: int = arg(2, "ZeRO stage of the policy and critic engines: 0, 1 or 2 (the paper: 2)")
     grad_ckpt: bool = arg(False, "gradient checkpointing in policy and critic (on in the llama presets)")
     fp32: bool = arg(False, "fp32 where bf16 would be used (DeepSpeed on an accelerator with bf16; never the CPU)")
+    bf16: bool = arg(False, "bf16 for every model even on the CPU (the accelerator's dtype path, testable here)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,8 +189,11 @@ REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epoch
 # --model llama-7b / llama-13b: the paper's hyperparameters (section 5 and its appendix) for the flags not given.
 # bf16 comes with DeepSpeed on an accelerator that has it; the final evaluation always samples as the paper
 # evaluates (eval.EVAL_SAMPLING). Printed at start-up.
+# The reward model: lr 5e-6, about 1.06 epochs, β_rm = 1 (the paper's dynamic batches of 4-128 sequences: 64 pairs).
+# The paper reports no SFT settings; these are Alpaca's for LLaMA-7B (Taori et al. 2023): lr 2e-5, 3 epochs, batch 128.
 PAPER_LLAMA = dict(policy_lr=5e-7, critic_lr=1.65e-6, warmup_frac=0.1, rollout_batch=128, minibatch=32, lam=0.9,
-                   clip_eps=0.2, kl_coef=0.05, grad_ckpt=True)
+                   clip_eps=0.2, kl_coef=0.05, grad_ckpt=True, rm_lr=5e-6, rm_epochs=1.06, rm_batch=64, rm_lm_coef=1.0,
+                   sft_lr=2e-5, sft_epochs=3.0, sft_batch=128)
 MODEL_PRESETS = {"llama-7b": PAPER_LLAMA, "llama-13b": PAPER_LLAMA}
 
 
@@ -204,14 +216,16 @@ def real_data_configs(argv, *configs):
     return out
 
 
-def model_preset_configs(argv, run: RunConfig, cfg: ppo_max.PPOConfig):
-    """Apply MODEL_PRESETS[run.model] to the fields of run and cfg whose flag is not on the command line."""
+def model_preset_configs(argv, run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig | None = None,
+                        rm_cfg: RMConfig | None = None):
+    """Apply MODEL_PRESETS[run.model] to the fields of run, cfg and the SFT / RM configs whose flag is not given."""
+    sft_cfg, rm_cfg = sft_cfg or SFTConfig(), rm_cfg or RMConfig()
     given = given_flags(argv)
-    run, cfg = with_defaults(argv, MODEL_PRESETS[run.model], run, cfg)
+    run, cfg, sft_cfg, rm_cfg = with_defaults(argv, MODEL_PRESETS[run.model], run, cfg, sft_cfg, rm_cfg)
     print(f"[model] {run.model}: the paper's hyperparameters for the flags not given: "
           f"{json.dumps({k: v for k, v in MODEL_PRESETS[run.model].items() if k not in given})}; bf16 "
           f"where the accelerator has it; evaluation sampling {json.dumps(evaluation.EVAL_SAMPLING)}")
-    return run, cfg
+    return run, cfg, sft_cfg, rm_cfg
 
 
 def configure(argv):
@@ -220,10 +234,20 @@ def configure(argv):
     if run.data and run.model == "tiny":  # real text: a smaller budget for the flags not given, and no gold judge
         run, sft_cfg, rm_cfg, cfg = real_data_configs(argv, run, sft_cfg, rm_cfg, cfg)
     if run.model in MODEL_PRESETS:
-        run, cfg = model_preset_configs(argv, run, cfg)
+        run, cfg, sft_cfg, rm_cfg = model_preset_configs(argv, run, cfg, sft_cfg, rm_cfg)
     if cfg.policy_init != "sft" and (run.data or run.model != "tiny"):
         fail("--policy-init pretrained needs the synthetic world")
+    stages = [s.strip() for s in run.stages.split(",") if s.strip()]
+    if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
+        fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
     return run, sft_cfg, rm_cfg, cfg, world_cfg
+
+
+STAGES = ("sft", "rm", "critic", "ppo")
+
+
+def last_stage(run: RunConfig) -> str:
+    return [s.strip() for s in run.stages.split(",") if s.strip()][-1]
 
 
 # =========================================================================================================
@@ -373,25 +397,156 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     return plan
 
 
-def resolve_real_models(run: RunConfig, cfg: ppo_max.PPOConfig) -> dict[str, str]:
-    """Local directories of a real --model's SFT model (policy and reference), reward model and critic.
-    A name not on this machine ends the run with scale.py's message (download it, or pass a local directory)."""
+def resolve_real_models(run: RunConfig, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
+    """Local directories of a real --model and of the models given for the stages it skips (--sft-model,
+    --reward-model, --critic-model; None where a stage trains it here). A name not on this machine ends the run with
+    scale.py's message (download it, or pass a local directory); so does a stage that has no data to train on."""
     def resolve(flag: str, name: str) -> str:
         try:
             return scale.resolve_model(name)
         except scale.ModelNotFound as e:
             fail(str(e).replace("--model", flag, 1))
 
-    sft = resolve("--sft-model" if run.sft_model else "--model", run.sft_model or run.model)
-    if not run.reward_model:
-        fail(f"--model {run.model}: a real model runs PPO only (SFT and reward-model training are for the synthetic "
-             f"world and --data): pass --reward-model DIR, a reward model written by ScalarHeadModel.save_pretrained")
-    reward = resolve("--reward-model", run.reward_model)
-    critic = resolve("--critic-model", run.critic_model) if run.critic_model else (
-        reward if cfg.critic_init == "rm" else sft)
-    if not (run.prompts or run.data):
+    stages = run.stages.split(",")
+    dirs = {"model": resolve("--model", run.model),
+            "sft": resolve("--sft-model", run.sft_model) if run.sft_model else None,
+            "reward": resolve("--reward-model", run.reward_model) if run.reward_model else None,
+            "critic": resolve("--critic-model", run.critic_model) if run.critic_model else None}
+    if dirs["reward"] and reward_model_kind(dirs["reward"]) is None:
+        fail(f"--reward-model {not_a_reward_model(dirs['reward'])}")
+    if "sft" in stages and not dirs["sft"] and not (run.data or run.sft_data):
+        fail(f"--model {run.model}: stage sft needs data: pass --data PAIRS or --sft-data FILE (or --sft-model DIR "
+             f"to skip it, or --stages without sft to use --model itself)")
+    if dirs["reward"] is None and ("rm" not in stages or not run.data) and last_stage(run) in ("rm", "critic", "ppo"):
+        fail(f"--model {run.model}: no reward model: pass --data PAIRS to train one with Eq. 2 (stage rm), or "
+             f"--reward-model DIR")
+    if last_stage(run) in ("critic", "ppo") and not (run.prompts or run.data):
         fail(f"--model {run.model}: no prompts; pass --prompts FILE.jsonl ({{\"prompt\": ...}} lines) or --data PAIRS")
-    return {"sft": sft, "reward": reward, "critic": critic}
+    for path in (run.data, run.sft_data, run.prompts):
+        if path and not Path(path).is_file():
+            raise data.DataError(path, None, None, "not_found", "no such file")
+    return dirs
+
+
+def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int) -> Path:
+    """A real model's stage directory under --out (sft/, reward_model/): every rank trains (under DeepSpeed each
+    holds an engine), rank 0 writes; a directory with DONE is a finished stage, not redone on a second start."""
+    return checkpoint.build_once(path, build, what, rebuild=rebuild, rank=rank, barrier=engine.barrier, label="stage")
+
+
+def real_model_stages(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, dirs: dict,
+                      rank: int, world: int, device: torch.device, timings: dict) -> dict:
+    """Stages 1-2 on a real Hugging Face model (the same sft.train_sft and reward_model.train_reward_model as the
+    tiny world), each into --out/<stage>/ unless a directory for it was given. Returns every model's directory;
+    the stages' seconds go into `timings`."""
+    out, stages = Path(run.out), run.stages.split(",")
+    tokenizer = data.load_tokenizer(dirs["sft"] or dirs["model"])
+    records = real_records(run, tokenizer) if run.data or run.sft_data else {}
+    bf16 = use_bf16(run, device)
+    if dirs["sft"] is None and "sft" in stages:
+        for name, n in (("sft_batch", sft_cfg.sft_batch), ("rm_batch", rm_cfg.rm_batch)):
+            if n % world:
+                fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world})")
+
+        def build_sft(tmp: Path) -> None:
+            checkpoint.seed_everything(run.seed)
+            model = load_lm(dirs["model"], bf16, device, run.grad_ckpt)
+            losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg,
+                               run.seed, ds=stage_ds(run, sft_cfg.sft_batch // world, device), out_dir=tmp)
+            if rank == 0:
+                write_json(tmp / "sft_log.json", {"loss": losses})
+        t0 = time.time()
+        dirs["sft"] = stage_dir(out / "sft", build_sft, f"stage 1, SFT of {run.model}", run.rebuild_base, rank)
+        timings["sft"] = time.time() - t0
+    dirs["sft"] = dirs["sft"] or dirs["model"]
+    if dirs["reward"] is None and "rm" in stages:
+        def build_rm(tmp: Path) -> None:
+            checkpoint.seed_everything(run.seed)
+            rm = ScalarHeadModel.from_pretrained(dirs["sft"], **({"torch_dtype": torch.bfloat16} if bf16 else {}))
+            rm = rm.to(device)
+            if run.grad_ckpt:
+                rm.gradient_checkpointing_enable()
+            log = train_reward_model(rm, tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg, run.seed,
+                                     ds=stage_ds(run, rm_cfg.rm_batch // world, device), out_dir=tmp)
+            rc, rr = score_pairs(rm, tokenizer, records["pairs_heldout"])
+            print(f"[rm] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(records['pairs_heldout'])} pairs")
+            if rank == 0:
+                write_json(tmp / "rm_log.json", log)                                                          # Fig. 3
+                write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+                write_json(tmp / "data_limits.json", {"max_prompt_tokens": run.max_prompt_tokens,
+                                                      "max_response_tokens": run.max_response_tokens})
+        t0 = time.time()
+        dirs["reward"] = stage_dir(out / "reward_model", build_rm, f"stage 2, the reward model from {dirs['sft']}",
+                                   run.rebuild_base, rank)
+        timings["reward_model"] = time.time() - t0
+    if dirs["reward"]:
+        same_tokenizer(dirs["sft"], dirs["reward"])
+    dirs["critic"] = dirs["critic"] or (dirs["reward"] if cfg.critic_init == "rm" else dirs["sft"])
+    return dirs
+
+
+def real_records(run: RunConfig, tokenizer) -> dict[str, list[dict]]:
+    """--data's pairs (a train / held-out split, the limits applied once) and the SFT rows: --sft-data, or the
+    chosen responses of the training pairs."""
+    report = data.DataReport()
+    lim = (run.max_prompt_tokens, run.max_response_tokens)
+    out = {"pairs_train": [], "pairs_heldout": []}
+    if run.data:
+        pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)
+        train_pairs, heldout_pairs = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
+        out["pairs_train"] = data.pair_records(train_pairs, tokenizer, *lim, run.skip_bad, report)
+        out["pairs_heldout"] = data.pair_records(heldout_pairs, tokenizer, *lim, run.skip_bad, report)
+        print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_heldout'])} held-out pairs; "
+              f"{report.summary()}")
+        if not out["pairs_train"] or not out["pairs_heldout"]:
+            which = "training" if not out["pairs_train"] else "held-out"
+            raise data.DataError(run.data, None, None, "all_skipped", f"no {which} pairs left within the limits "
+                                 f"({report.summary()}); raise --max-response-tokens or give more pairs")
+    if run.sft_data:
+        rows = data.load_texts(run.sft_data, skip_bad=run.skip_bad, report=report, with_source=True)
+        enc = [(p, r, data.encode_text(p, r, tokenizer, *lim, source=src, report=report)) for p, r, src in rows]
+        out["sft"] = [{"prompt": data.prompt_text(e["prompt_ids"], tokenizer, lim[0]) if p else "", "response": r}
+                      for p, r, e in enc if e is not None]
+        if not out["sft"]:
+            raise data.DataError(run.sft_data, None, None, "all_skipped", f"no SFT row fits the limits "
+                                                                          f"({report.summary()})")
+    else:
+        out["sft"] = [{"prompt": r["prompt"], "response": r["chosen"]} for r in out["pairs_train"]]  # SFT on y_w
+    return out
+
+
+def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool):
+    """A causal LM from a local directory (never remote code), in bf16 if asked, on `device`."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False,
+                                                 **({"dtype": torch.bfloat16} if bf16 else {})).to(device)
+    if grad_ckpt:
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    return model
+
+
+def same_tokenizer(policy_dir, reward_dir) -> None:
+    """The policy's token ids go straight into the reward model: both must read them alike."""
+    a, b = data.load_tokenizer(policy_dir), data.load_tokenizer(reward_dir)
+    if a.get_vocab() != b.get_vocab() or data.stop_id(a) != data.stop_id(b):
+        fail(f"--reward-model {reward_dir}: its tokenizer differs from the policy's ({policy_dir}); the reward model "
+             f"reads the policy's token ids, so both must share one tokenizer")
+
+
+def use_bf16(run: RunConfig, device: torch.device) -> bool:
+    """bf16 with --bf16 (even on the CPU), or under DeepSpeed on an accelerator that has it (unless --fp32)."""
+    engines = run.deepspeed or engine.world_size() > 1
+    return run.bf16 or (engines and not run.fp32 and device.type != "cpu" and engine.accelerator_bf16())
+
+
+def stage_ds(run: RunConfig, micro_batch: int, device: torch.device) -> dict | None:
+    """The DeepSpeed config of a trained model of stages 1-2 (None in one process without --deepspeed)."""
+    if not (run.deepspeed or engine.world_size() > 1):
+        return None
+    try:
+        return engine.engine_config(run.deepspeed_config, run.zero_stage, use_bf16(run, device), micro_batch, 1.0)
+    except engine.ConfigError as e:
+        fail(str(e))
 
 
 # =========================================================================================================
@@ -416,11 +571,9 @@ def ppo_inputs(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cf
     them while the other ranks wait at the barrier, then they read the cache."""
     from transformers import AutoTokenizer
     if dirs:
-        tokenizer = AutoTokenizer.from_pretrained(dirs["sft"])
-        if tokenizer.pad_token_id is None:  # LLaMA's tokenizer has none; padding is masked everywhere
-            tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
-        records = data.prompt_records(run.prompts or run.data, run.data, tokenizer, run.max_prompt_tokens,
-                                      run.heldout_frac, run.seed, run.skip_bad)
+        tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
+        records = data.prompt_records(run.prompts or run.data, run.sft_data or run.data, tokenizer,
+                                      run.max_prompt_tokens, run.heldout_frac, run.seed, run.skip_bad)
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records)
     if not main_rank:
         engine.barrier()
@@ -451,16 +604,20 @@ class Models:
 
 
 def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: torch.device, ds: dict | None) -> Models:
-    """The four models from their directories, in bf16 when the DeepSpeed config says so (else as saved), with
-    dropout off in every one of them (rollouts, experience and updates all see the same deterministic network)."""
+    """The four models from their directories, in bf16 when the DeepSpeed config (or --bf16) says so, else as
+    saved, with dropout off in every one of them (rollouts, experience and updates see one deterministic network)."""
     from transformers import AutoModelForCausalLM
-    bf16 = bool(ds and ds.get("bf16", {}).get("enabled", False))
+    bf16 = bool(ds.get("bf16", {}).get("enabled", False)) if ds else run.bf16
     dtype = {"dtype": torch.bfloat16} if bf16 else {}
-    policy = AutoModelForCausalLM.from_pretrained(inp.policy, **dtype)
+    policy = AutoModelForCausalLM.from_pretrained(inp.policy, **dtype).to(device)
     ref = AutoModelForCausalLM.from_pretrained(inp.ref, **dtype).eval().requires_grad_(False).to(device)
     head_dtype = {"torch_dtype": torch.bfloat16} if bf16 else {}
-    reward_model = ScalarHeadModel.from_pretrained(inp.reward, **head_dtype).eval().requires_grad_(False).to(device)
-    critic = ScalarHeadModel.from_pretrained(inp.critic, **head_dtype)
+    try:  # a reward model without a trained head stops here: it never becomes a random one
+        reward_model = ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_dtype)
+    except ValueError as e:
+        fail(f"--reward-model {e}")
+    reward_model = reward_model.eval().requires_grad_(False).to(device)
+    critic = ScalarHeadModel.from_pretrained(inp.critic, **head_dtype).to(device)
     for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
         ppo_max.disable_dropout(model)
     if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
@@ -504,7 +661,7 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse
         ckpts: checkpoint.RunCheckpoints, cfg: ppo_max.PPOConfig, run: RunConfig, start: int, tokenizer, gold_judge,
         device: torch.device) -> dict:
     """Steps start … run.steps − 1 of PPO-max. Returns how the loop ended: {"stop_reason", "signal", "path"}."""
-    eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad_id = data.stop_id(tokenizer), tokenizer.pad_token_id  # eos: EOS or the template's end of turn
     warmup_steps = math.ceil(cfg.warmup_frac * run.steps)
     ended = {"stop_reason": None, "signal": None, "path": None}
     with checkpoint.GracefulExit() as interrupt:
@@ -575,9 +732,13 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, his
 
 def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
     """What summary.json says of stages 1-2: the RM's held-out accuracy (and length bias), or the given models."""
-    if not inp.base:
+    dirs = {k: str(v) if v else None for k, v in (dirs or {}).items()}
+    rm_log = (inp.base or Path(inp.reward)) / "rm_log.json"  # a real model's stage 2 keeps it in reward_model/
+    if not rm_log.is_file():
         return {"models": dirs}
-    rm = {"accuracy": json.loads((inp.base / "rm_log.json").read_text())[-1]["heldout_accuracy"]}
+    rm = {"accuracy": json.loads(rm_log.read_text())[-1]["heldout_accuracy"]}
+    if not inp.base:
+        return {"models": dirs, "rm": rm}
     if not run.data:
         bias = json.loads((inp.base / "rm_length_bias.json").read_text())
         rm.update(length_slope=bias["rm_slope"], gold_length_slope=bias["gold_slope"])
@@ -610,9 +771,9 @@ def deepspeed_config(run: RunConfig, cfg: ppo_max.PPOConfig, world: int, device:
     engines, and so of the frozen models beside them: bf16 where the accelerator has it, unless --fp32."""
     if not (run.deepspeed or world > 1):
         return None
-    bf16 = not run.fp32 and device.type != "cpu" and engine.accelerator_bf16()
     try:
-        return engine.engine_config(run.deepspeed_config, run.zero_stage, bf16, cfg.minibatch // world, cfg.grad_clip)
+        return engine.engine_config(run.deepspeed_config, run.zero_stage, use_bf16(run, device), cfg.minibatch // world,
+                                    cfg.grad_clip)
     except engine.ConfigError as e:
         fail(str(e))
 
@@ -642,6 +803,25 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     return summary
 
 
+def stop_after_stages(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
+                      dirs: dict | None, rank: int) -> dict:
+    """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base)."""
+    if dirs is None:
+        if rank == 0:
+            build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base)
+        engine.barrier()
+        base = base_dir(run, sft_cfg, rm_cfg, world_cfg)
+        dirs = {"sft": str(base / "sft"), "reward": str(base / "reward_model")}
+    result = {"stages": run.stages, "sft": str(dirs["sft"])}
+    if "rm" in run.stages.split(","):
+        result["reward_model"] = str(dirs["reward"])
+        log = Path(dirs["reward"]) / "rm_log.json"
+        log = log if log.is_file() else Path(dirs["reward"]).parent / "rm_log.json"  # the tiny world's base
+        result["rm_heldout_accuracy"] = json.loads(log.read_text())[-1]["heldout_accuracy"]
+    print(f"[stages] {run.stages}: " + json.dumps(result))
+    return result
+
+
 def main(argv=None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--plan" in argv:  # before parsing: the plan's flags (--num-gpus, ...) are scale.py's
@@ -657,7 +837,13 @@ def main(argv=None) -> dict | None:
     t_start = time.time()
 
     # 1-2. SFT and reward model (cached), or the given models
+    stage_timings = {}
+    if dirs:
+        dirs = real_model_stages(run, cfg, sft_cfg, rm_cfg, dirs, rank, world, device, stage_timings)
+    if last_stage(run) in ("sft", "rm"):
+        return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank)
     inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0)
+    inp.timings.update(stage_timings)
     if cfg.ptx_coef and not inp.data["sft"]:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
         cfg = dataclasses.replace(cfg, ptx_coef=0.0)
@@ -681,15 +867,21 @@ def main(argv=None) -> dict | None:
         start, history = saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
         state.load_state_dict(saved["extra_state"])
         print(f"[resume] {ckpt}: continuing at step {start}")
-    else:
+    elif "critic" in run.stages.split(","):
         # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
         t0 = time.time()
         critic_log = ppo_max.pretrain_critic(m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
                                              lambda: batches.prompts(cfg.rollout_batch), cfg,
-                                             inp.tokenizer.eos_token_id, inp.tokenizer.pad_token_id, state.kl_ctl.value)
+                                             data.stop_id(inp.tokenizer), inp.tokenizer.pad_token_id, state.kl_ctl.value)
         timings["critic_pretrain"] = time.time() - t0
         if rank == 0:
             write_json(out / "critic_pretrain.json", critic_log)
+        if last_stage(run) == "critic":  # --stages ...,critic: the pre-trained critic is the result
+            if rank == 0:
+                engine.unwrap(m.critic).save_pretrained(out / "critic")
+                inp.tokenizer.save_pretrained(out / "critic")
+                print(f"[stages] {run.stages}: the pre-trained critic is in {out / 'critic'}")
+            return {"stages": run.stages, "critic": str(out / "critic")}
 
     # 4. PPO
     t0 = time.time()

@@ -218,7 +218,7 @@ def test_plan_of_a_missing_model_fails_clearly(tmp_path):
 def test_llama_preset_applies_to_flags_not_given(capsys):
     argv = ["--model", "llama-7b", "--critic-lr", "1e-6"]
     run, _, _, cfg, _ = train.parse_configs(argv)
-    run, cfg = train.model_preset_configs(argv, run, cfg)
+    run, cfg, *_ = train.model_preset_configs(argv, run, cfg)
     assert (cfg.policy_lr, cfg.warmup_frac, cfg.rollout_batch, cfg.minibatch) == (5e-7, 0.1, 128, 32)
     assert (cfg.lam, cfg.clip_eps, cfg.kl_coef, run.grad_ckpt) == (0.9, 0.2, 0.05, True)
     assert cfg.critic_lr == 1e-6, "a flag on the command line wins over the preset"

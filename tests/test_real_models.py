@@ -1,0 +1,146 @@
+"""A real Hugging Face model through every stage: `train.py --model DIR --data PAIRS` runs SFT, the reward model
+(Eq. 2), critic pre-training and PPO-max on tiny random-init LLaMA, Qwen2, Mistral, GPT-2 and GPT-NeoX models, each
+with its own tokenizer (tiny_model.py: no pad token, EOS as BOS, no BOS, a chat template whose end of turn is not
+the EOS). Plus: --stages, restarts that reuse finished stages, --bf16 on the CPU, sequence-classification reward
+models, and the clear errors for a wrong directory or a mismatched tokenizer."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import tiny_model
+import train
+from reward_model import ScalarHeadModel
+from test_real_data import hh_pairs, write_jsonl
+
+BUDGET = ["--steps", "1", "--sft-epochs", "1", "--sft-batch", "8", "--rm-epochs", "1", "--rm-batch", "8",
+          "--rm-eval-every", "4", "--max-prompt-tokens", "48", "--max-response-tokens", "40", "--rollout-batch", "8",
+          "--minibatch", "8", "--ppo-epochs", "1", "--ptx-batch", "4", "--max-new-tokens", "8",
+          "--critic-pretrain-steps", "1", "--eval-samples", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", hh_pairs(96))
+
+
+def tiny(arch: str, root: Path, pairs: Path) -> Path:
+    texts = [p + r for p, r in data.load_texts(pairs)]
+    return tiny_model.build_model(arch, texts, root / f"model-{arch}", hidden=32, layers=2, heads=4, vocab_size=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", tiny_model.ARCHS)
+def test_all_four_stages_on_a_real_architecture(arch, tmp_path, pairs, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    model = tiny(arch, tmp_path, pairs)
+    out = tmp_path / "run"
+    summary = train.main(["--model", str(model), "--data", str(pairs), "--out", str(out), *BUDGET])
+    for stage in ("sft", "reward_model"):
+        assert (out / stage / "DONE").exists() and (out / stage / "config.json").exists()
+    assert (out / "reward_model" / "value_head.safetensors").exists()
+    assert 0.0 <= summary["rm"]["accuracy"] <= 1.0 and summary["models"]["sft"] == str(out / "sft")
+    (m,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # one epoch over one minibatch: the update's first (and only) ratio is exactly 1, so nothing is clipped
+    assert m["ppo/ratio"] == pytest.approx(1.0, abs=1e-5) and m["ppo/clipfrac"] == 0.0
+    assert set(summary["timings"]) >= {"sft", "reward_model", "critic_pretrain", "ppo", "eval"}
+    # a second start reuses the finished stages instead of training them again
+    stamp = (out / "sft" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    train.main(["--model", str(model), "--data", str(pairs), "--out", str(out), *BUDGET])
+    printed = capsys.readouterr().out
+    assert f"[stage] reusing {out / 'sft'}" in printed and f"[stage] reusing {out / 'reward_model'}" in printed
+    assert (out / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_stages_sft_rm_trains_only_a_reward_model(tmp_path, pairs, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = tiny("qwen2", tmp_path, pairs)
+    result = train.main(["--model", str(model), "--data", str(pairs), "--out", "run", "--stages", "sft,rm", *BUDGET])
+    assert result["reward_model"] == str(Path("run") / "reward_model") and 0 <= result["rm_heldout_accuracy"] <= 1
+    assert not (tmp_path / "run" / "policy").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    rm = ScalarHeadModel.from_pretrained(tmp_path / "run" / "reward_model", require_head=True)
+    assert rm.config.model_type == "qwen2"
+
+
+@pytest.mark.slow
+def test_bf16_on_the_cpu_runs_every_stage(tmp_path, pairs, monkeypatch):
+    """--bf16 loads every model in bf16 on the CPU, so a dtype mismatch between them shows up here, not on a GPU."""
+    monkeypatch.chdir(tmp_path)
+    model = tiny("llama", tmp_path, pairs)
+    summary = train.main(["--model", str(model), "--data", str(pairs), "--out", "run", "--bf16", *BUDGET])
+    assert summary["final"]["kl"] == summary["final"]["kl"]  # finite, not NaN
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").dtype == torch.bfloat16
+
+
+def test_sequence_classification_reward_model_loads_with_its_head(tmp_path, pairs):
+    """A reward model saved by another library (AutoModelForSequenceClassification, num_labels = 1) gives the
+    same scores through ScalarHeadModel as through transformers itself."""
+    from transformers import AutoModelForSequenceClassification
+    tok = tiny_model.build_tokenizer("llama", [p + r for p, r in data.load_texts(pairs)], tmp_path / "rm", 300)
+    cfg = tiny_model.model_config("llama", tok, hidden=32)
+    cfg.num_labels, cfg.pad_token_id = 1, 2  # HF pools at the last token that is not the pad id: use a distinct one
+    torch.manual_seed(0)
+    seq = AutoModelForSequenceClassification.from_config(cfg).eval()
+    seq.save_pretrained(tmp_path / "rm")
+    rm = ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
+    ids, attn, _ = data.lm_batch([(p.prompt, p.chosen) for p in data.load_pairs(pairs)[:4]], tok)  # right-padded
+    ids = ids.masked_fill(attn == 0, 2)  # right padding with the id HF's pooling looks for
+    with torch.no_grad():
+        theirs = seq(input_ids=ids, attention_mask=attn).logits.squeeze(-1)
+        ours = rm.score(ids, attn)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_wrong_kind_of_reward_model_directory_fails_clearly(tmp_path, pairs, capsys):
+    model = tiny("gpt2", tmp_path, pairs)  # a causal LM: no value head, not a sequence classifier
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(model), "--reward-model", str(model), "--prompts", str(pairs), "--out",
+                    str(tmp_path / "run"), "--stages", "ppo", *BUDGET])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a reward model" in err[0] and "value_head.safetensors" in err[0]
+
+
+def test_policy_and_reward_model_must_share_a_tokenizer(tmp_path, pairs, capsys):
+    policy = tiny("gpt2", tmp_path, pairs)
+    other = tiny_model.build_model("llama", ["completely different text"] * 20, tmp_path / "other", hidden=32,
+                                   vocab_size=300)
+    ScalarHeadModel.from_pretrained(other).save_pretrained(tmp_path / "other-rm")
+    data.load_tokenizer(other).save_pretrained(tmp_path / "other-rm")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(policy), "--reward-model", str(tmp_path / "other-rm"), "--prompts", str(pairs),
+                    "--out", str(tmp_path / "run"), "--stages", "ppo", *BUDGET])
+    assert e.value.code == 2
+    assert "share one tokenizer" in capsys.readouterr().err
+
+
+def test_chat_messages_pairs_read_like_transcripts(tmp_path):
+    """Today's preference sets: {"chosen": [messages], "rejected": [messages]}, the same pair as the transcript."""
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "How do I cook rice?"}]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"chosen": conv + [{"role": "assistant", "content": "Rinse, boil."}],
+                                              "rejected": conv + [{"role": "assistant", "content": "No."}]}])
+    (pair,) = data.load_pairs(path)
+    assert pair.prompt == "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: How do I cook rice?\n\nAssistant:"
+    assert (pair.chosen, pair.rejected) == (" Rinse, boil.", " No.")
+    assert data.hh_to_messages(pair.prompt) == conv
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"chosen": conv + [{"role": "assistant", "content": "A"}],
+                                              "rejected": conv[:1] + [{"role": "assistant", "content": "B"}]}])
+    with pytest.raises(data.DataError) as info:
+        data.load_pairs(bad)
+    assert info.value.reason == "prompt_mismatch" and info.value.line == 1
+
+
+def test_chat_template_ends_a_response_with_its_end_of_turn_token(tmp_path):
+    tok = tiny_model.build_tokenizer("qwen2", ["hello there, how are you"] * 10, tmp_path / "q", 300)
+    stop = data.stop_id(tok)
+    assert stop == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
+    assert data.response_ids(" Fine.", tok)[-1] == stop
+    q = tok.decode(data.query_ids("\n\nHuman: hi\n\nAssistant:", tok))
+    assert q == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
