@@ -131,7 +131,7 @@ from transformers import AutoModelForCausalLM
 
 import data
 import engine
-from ppo_max import arg
+from ppo_max import arg, disable_dropout
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -335,6 +335,7 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     from sft import cosine_lr
     rng = random.Random(seed)
     steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
+    disable_dropout(rm)  # chosen and rejected scored by one deterministic network (as in PPO)
     opt = torch.optim.AdamW(rm.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
     trained, opt = engine.wrap(rm, opt, ds, cfg.rm_lr)
     device = next(rm.parameters()).device

@@ -4,7 +4,8 @@ Implements (the SFT model is π_SFT of the paper: the policy's initialisation an
     SFTConfig                           → the stage's flags (`--sft-*`); the tiny LLaMA's size
     train_sft(model, tokenizer, rows, cfg, seed, ds=)
                                         → −Σ_t log π(y_t | x, y_<t) over response tokens (the ptx loss of Eq. 17 on
-                                          demonstrations), AdamW with cosine decay, global gradient clip 1.0
+                                          demonstrations), AdamW with cosine decay, global gradient clip 1.0,
+                                          dropout off (as in every stage)
     tiny_llama(vocab_size, cfg)         → the synthetic world's LLaMA-architecture model (transformers.LlamaConfig)
     pretrained_model(base, cfg, seed)   → Fig. 8's "pretrained, not SFT" policy: the same LM on raw word streams
 
@@ -30,7 +31,7 @@ import data
 import engine
 from checkpoint import seed_everything
 from ppo_loss import ptx_loss
-from ppo_max import arg
+from ppo_max import arg, disable_dropout
 
 
 @dataclass
@@ -71,6 +72,7 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     with its tokenizer as a Hugging Face directory at `out_dir` when one is given."""
     rng = random.Random(seed)
     steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.sft_batch))
+    disable_dropout(model)  # every stage trains a deterministic network: the same batch gives the same loss anywhere
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     trained, opt = engine.wrap(model, opt, ds, cfg.sft_lr)
     device = next(model.parameters()).device

@@ -544,9 +544,13 @@ def stage_ds(run: RunConfig, micro_batch: int, device: torch.device) -> dict | N
     if not (run.deepspeed or engine.world_size() > 1):
         return None
     try:
-        return engine.engine_config(run.deepspeed_config, run.zero_stage, use_bf16(run, device), micro_batch, 1.0)
+        ds = engine.engine_config(run.deepspeed_config, run.zero_stage, use_bf16(run, device), micro_batch, 1.0)
     except engine.ConfigError as e:
         fail(str(e))
+    print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, stage engine: ZeRO-"
+          f"{ds.get('zero_optimization', {}).get('stage', 0)}, bf16 {ds.get('bf16', {}).get('enabled', False)}, "
+          f"micro batch {micro_batch} per rank")
+    return ds
 
 
 # =========================================================================================================

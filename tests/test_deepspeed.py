@@ -270,3 +270,34 @@ def test_real_model_directories_run_ppo(tmp_path, monkeypatch):
     assert [x["lr/policy"] for x in m] == pytest.approx([1e-4, 2e-4])
     assert summary["config"]["ptx_coef"] == 0.0, "no SFT text with --prompts: ptx off"
     assert (tmp_path / "real" / "policy" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ real models
+REAL_BUDGET = ["--steps", "2", "--sft-epochs", "1", "--sft-batch", "8", "--rm-epochs", "1", "--rm-batch", "8",
+               "--rm-eval-every", "4", "--max-prompt-tokens", "48", "--max-response-tokens", "40", "--rollout-batch",
+               "8", "--minibatch", "8", "--ppo-epochs", "1", "--ptx-batch", "4", "--max-new-tokens", "8",
+               "--critic-pretrain-steps", "1", "--eval-samples", "1", "--threads", "1"]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_real_model_every_stage_under_deepspeed_matches_one_process(arch, tmp_path):
+    """All four stages of a tiny real-architecture model under `deepspeed --num_gpus 2`: SFT and the reward model
+    are DeepSpeed engines too, each rank takes half of every batch, and their losses follow the one-process run's."""
+    import tiny_model
+    from test_real_data import hh_pairs, write_jsonl
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", hh_pairs(96))
+    model = tiny_model.build_model(arch, [p + r for p, r in data.load_texts(pairs)], tmp_path / "model", hidden=32,
+                                   vocab_size=300)
+    args = ["--model", str(model), "--data", str(pairs), *REAL_BUDGET]
+    train.main(args + ["--out", str(tmp_path / "single")])
+    proc = run_deepspeed(tmp_path, *args, "--out", "two")
+    assert "2 process(es)" in proc.stdout
+    for stage, log, key in (("sft", "sft_log.json", None), ("reward_model", "rm_log.json", "bt")):
+        one, two = (json.loads((tmp_path / run / stage / log).read_text()) for run in ("single", "two"))
+        if key is None:
+            a, b = one["loss"], two["loss"]
+        else:
+            a, b = ([t[key] for row in x for t in row.get("train", [])] for x in (one, two))
+        assert len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) < 5e-3, (stage, a, b)
+    assert len(metrics(tmp_path / "two")) == 2 and (tmp_path / "two" / "policy" / "config.json").exists()
