@@ -365,6 +365,49 @@ def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: 
     return plan
 
 
+def plan_stage_memory(cfg: Mapping[str, Any] | str, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float = 80,
+                      zero_stage: int = 2, dtype_bytes: int = 2, micro_batch: int = 4, prompt_len: int = 1024,
+                      response_len: int = 1024, grad_ckpt: bool = True, offload_optimizer: bool = False,
+                      flash_attention: bool = True, overhead_gb: float = 2.0, **_ignored) -> dict:
+    """Per-GPU memory of stage 1 (stage="sft") or stage 2 ("rm"): one trained model and nothing beside it.
+
+    Same terms as plan_memory's policy: weights β·N, gradients β·N (÷G with ZeRO ≥ 2), AdamW 12·N (÷G with ZeRO ≥ 1;
+    on the CPU with offload), activations with checkpointing ℓ·s·L·h·β + one layer's working set, where s sequences
+    of L = P + T tokens go through per step: s = b for SFT, s = 2b for the reward model (chosen and rejected of b
+    pairs in one batch). Logits: SFT b·L·V·β plus the fp32 log-softmax b·L·V·4; the reward model computes them for
+    all 2b sequences (2b·L·V·β) and upcasts the chosen half for Eq. 2's LM term (b·L·V·4). The reward model keeps
+    its LM head (Eq. 2 needs it): N = the causal LM's parameters + the h + 1 of the scalar head."""
+    if stage not in ("sft", "rm"):
+        raise ValueError(f"plan_stage_memory: stage must be 'sft' or 'rm', got {stage!r}")
+    c = llama_config_numbers(cfg)
+    G, beta, b, L = num_gpus, dtype_bytes, micro_batch, prompt_len + response_len
+    h, n_layers, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    N = llama_param_count(c) + (h + 1 if stage == "rm" else 0)
+    s = b if stage == "sft" else 2 * b
+    ws, _ = _layer_working_set(c, s, L, beta, flash_attention)
+    rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
+            "gradients": beta * N // (G if zero_stage >= 2 else 1),
+            "optimizer": 0 if offload_optimizer else (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1),
+            "activations": (n_layers * s * L * h * beta + ws) if grad_ckpt else n_layers * ws,
+            "logits": s * L * V * beta + b * L * V * 4,
+            "overhead": int(overhead_gb * GiB)}
+    total = sum(rows.values())
+    return {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
+            "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB}
+
+
+def format_stage_plans(plans: list[dict]) -> str:
+    """Stages 1-2 of plan_stage_memory, one line each (GiB per GPU)."""
+    lines = ["Stages 1-2 per GPU (one trained model each; same GPUs, ZeRO stage, dtype and micro batch b):"]
+    for p in plans:
+        parts = "  ".join(f"{k} {v / GiB:.2f}" for k, v in p["rows"].items())
+        name = "1. SFT" if p["stage"] == "sft" else "2. reward model"
+        lines.append(f"  {name:16s} {p['total_bytes'] / GiB:8.2f} GiB of {p['capacity_bytes'] / GiB:.2f} → "
+                     f"{'fits' if p['fits'] else 'DOES NOT FIT'}   ({p['sequences_per_step']} sequences per step; "
+                     f"{parts})")
+    return "\n".join(lines)
+
+
 def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
     """(change in words, overrides, changes the experiment?) for every single step that could save memory."""
     out = []
@@ -550,6 +593,15 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--no-flash-attention", action="store_true", help="count the a·L² attention scores")
     a("--overhead-gb", type=float, default=2.0, help="CUDA context, buffers, fragmentation (GiB)")
     return parser
+
+
+def stage_plans_from_args(model: str, args: argparse.Namespace) -> list[dict]:
+    return [plan_stage_memory(model, stage, num_gpus=args.num_gpus, gpu_mem_gb=args.gpu_mem,
+                              zero_stage=args.zero_stage, dtype_bytes=4 if args.fp32 else 2,
+                              micro_batch=args.micro_batch, prompt_len=args.prompt_len, response_len=args.response_len,
+                              grad_ckpt=not args.no_grad_ckpt, offload_optimizer=args.offload_optimizer,
+                              flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb)
+            for stage in ("sft", "rm")]
 
 
 def plan_from_args(model: str, args: argparse.Namespace, reward_model: str | None = None) -> MemoryPlan:

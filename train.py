@@ -389,10 +389,12 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
         model, reward = run.sft_model or run.model, run.reward_model or None
     try:
         plan = scale.plan_from_args(model, plan_args, reward)
+        stage_plans = scale.stage_plans_from_args(model, plan_args)
     except (scale.ModelNotFound, ValueError) as e:
         fail(str(e))
     if run.model == "tiny":
         plan.name = "tiny (the synthetic world's LLaMA)"
+    print(scale.format_stage_plans(stage_plans))
     print(scale.format_plan(plan))
     return plan
 

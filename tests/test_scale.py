@@ -251,3 +251,19 @@ def test_cli_prints_plan():
     out = subprocess.run([sys.executable, str(ROOT / "scale.py"), "--model", "llama-7b", "--gpu-mem", "24"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "DOES NOT FIT" in out and "together:" in out
+
+
+def test_stage_plans_sft_and_rm_against_a_hand_sum():
+    """Stages 1-2 for llama-7b on the paper's set-up (8 GPUs, ZeRO-2, bf16, checkpointing, b = 4, L = 2048),
+    component by component, from N and the config alone."""
+    N = scale.llama_param_count("llama-7b")  # 6,738,415,616
+    h, layers, V, L, b, G = 4096, 32, 32000, 2048, 4, 8
+    for stage, s, extra in (("sft", b, 0), ("rm", 2 * b, h + 1)):
+        p = scale.plan_stage_memory("llama-7b", stage)
+        n = N + extra
+        want = {"weights": 2 * n, "gradients": 2 * n // G, "optimizer": 12 * n // G,
+                "activations": layers * s * L * h * 2 + 34 * s * L * h,   # inputs of each layer + one working set
+                "logits": s * L * V * 2 + b * L * V * 4, "overhead": 2 * 1024 ** 3}
+        assert p["rows"] == want and p["total_bytes"] == sum(want.values()) and p["fits"]
+    with pytest.raises(ValueError):
+        scale.plan_stage_memory("llama-7b", "ppo")
