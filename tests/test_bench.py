@@ -4,6 +4,8 @@ Run: python -m pytest tests/test_bench.py -q
 """
 import json
 
+import pytest
+
 import bench
 from scale import llama_param_count
 
@@ -40,3 +42,14 @@ def test_decode_roofline_hand_arithmetic():
     assert r["kv_cache_bytes"] == kv * 2 * 7
     assert abs(r["roofline_tok_s_seq"] - 1e9 / (W + kv_read)) < 1e-6
     assert abs(r["roofline_tok_s_batch"] - 2e9 / (W + 2 * kv_read)) < 1e-6
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
+    """The GPU check script's own logic (every stage under --deepspeed, its token and time bookkeeping) on a 0.1 M
+    model, so the script a lent GPU runs has run before."""
+    import gpu_check
+    monkeypatch.chdir(tmp_path)
+    results = gpu_check.main(["--tiny", "--out", str(tmp_path / "check"), "--steps", "2"])
+    assert [r["stage"] for r in results] == ["sft", "rm", "critic+ppo"]
+    assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)
