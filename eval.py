@@ -99,14 +99,20 @@ def win_rate(a: list[float], b: list[float]) -> dict:
 
 
 def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
-            judge=gold_judge) -> dict:
+            judge=gold_judge, extra_judges: dict | None = None) -> dict:
+    """The policy against the SFT model on the same prompts and sampling seed: metrics of each, and the win rate
+    by `judge` (and by every one of `extra_judges`, {name: judge}, on the same samples: "win_rates")."""
     s_pol = sample(policy, tokenizer, prompts, n, seed, max_new_tokens)
     s_sft = sample(sft, tokenizer, prompts, n, seed, max_new_tokens)
     m_pol, g_pol = measure(policy, ref, reward_model, s_pol, judge)
     m_sft, g_sft = measure(sft, ref, reward_model, s_sft, judge)
     examples = [{"prompt": p, "policy": a, "sft": b} for p, a, b in
                 list(zip(s_pol["prompts"], s_pol["texts"], s_sft["texts"]))[::max(n, 1)][:8]]
-    return {"policy": m_pol, "sft": m_sft, "win_rate": win_rate(g_pol, g_sft), "examples": examples}
+    out = {"policy": m_pol, "sft": m_sft, "win_rate": win_rate(g_pol, g_sft), "examples": examples}
+    if extra_judges:
+        score = lambda j, s: [j(p, t, f) for p, t, f in zip(s["prompts"], s["texts"], s["finished"])]  # noqa: E731
+        out["win_rates"] = {name: win_rate(score(j, s_pol), score(j, s_sft)) for name, j in extra_judges.items()}
+    return out
 
 
 @torch.no_grad()
@@ -138,7 +144,7 @@ def length_bias(rm, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
 def format_table(summary: dict) -> str:
     keys = ["reward", "gold_reward", "kl", "perplexity", "response_length"]
     judge = summary.get("judge", "gold")
-    names = {"gold_reward": "gold_reward" if judge == "gold" else "judge(RM)"}  # real data: the RM re-scores text
+    names = {"gold_reward": {"gold": "gold_reward", "held-out reward model": "judge(held-out)"}.get(judge, "judge(RM)")}
     lines = [f"{'held-out':<10}" + "".join(f"{names.get(k, k):>16}" for k in keys)]
     for name in ["sft", "final"]:
         lines.append(f"{name:<10}" + "".join(f"{summary[name][k]:>16.3f}" for k in keys))
@@ -147,6 +153,10 @@ def format_table(summary: dict) -> str:
     lines.append(f"win rate vs SFT (judge: {'gold' if judge == 'gold' else judge}): win {w['win']:.2f}  "
                  f"tie {w['tie']:.2f}  lose {w['lose']:.2f}"
                  + (f"   peak training gold {peak['gold_reward']:.2f} at step {peak['step']}" if peak else ""))
+    for name, w in (summary.get("win_rate_vs_sft_by_judge") or {}).items():
+        if name != judge:
+            lines.append(f"win rate vs SFT (judge: {name}): win {w['win']:.2f}  tie {w['tie']:.2f}  lose {w['lose']:.2f}"
+                         + ("   (the reward PPO optimised: optimistic)" if "proxy" in name else ""))
     if "rm" in summary:
         lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}")
     return "\n".join(lines)
@@ -283,29 +293,36 @@ def main(argv=None) -> None:
     p.add_argument("--policy", help="policy directory (Hugging Face)")
     p.add_argument("--sft", help="SFT directory (the baseline and the KL reference)")
     p.add_argument("--reward-model", help="reward-model directory")
-    p.add_argument("--prompts", help="JSONL of {'prompt'}; default the run's held-out prompts")
+    p.add_argument("--prompts", help="JSONL of {'prompt'} lines or pairs; default the run's held-out prompts")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=24)
     a = p.parse_args(argv)
-    judge_name = "gold"
+    judge_name, judge_dir = "gold", None
     if a.run:
         summ = json.loads((Path(a.run) / "summary.json").read_text())
-        judge_name = summ.get("judge", "gold")  # a `train.py --data` run has no gold: the RM judges
-        base = Path(summ["base"])
+        judge_name = summ.get("judge", "gold")  # real data has no gold: a held-out reward model (or the RM) judges
+        judge_dir = summ.get("judge_model")
+        base, models = (Path(summ["base"]) if summ.get("base") else None), summ.get("models") or {}
         a.policy = a.policy or str(Path(a.run) / "policy")
-        a.sft = a.sft or str(base / "sft")
-        a.reward_model = a.reward_model or str(base / "reward_model")
-        a.prompts = a.prompts or str(base / "data" / "prompts_heldout.jsonl")
+        a.sft = a.sft or (str(base / "sft") if base else models.get("sft"))
+        a.reward_model = a.reward_model or (str(base / "reward_model") if base else models.get("reward"))
+        a.prompts = a.prompts or (str(base / "data" / "prompts_heldout.jsonl") if base else None)
+        if not a.prompts:
+            raise SystemExit(f"error: --run {a.run}: a run of a real --model keeps no held-out prompts; pass --prompts")
     tok = AutoTokenizer.from_pretrained(a.policy)
     policy = AutoModelForCausalLM.from_pretrained(a.policy).eval()
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
-    prompts = [r["prompt"] for r in data.read_records(a.prompts)]
-    judge = gold_judge if judge_name == "gold" else rm_judge(rm, tok)
-    rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge)
+    prompts = data.load_prompts(a.prompts)  # {"prompt"} lines, or the prompts of pairs
+    judge = gold_judge if judge_name == "gold" else rm_judge(
+        ScalarHeadModel.from_pretrained(judge_dir).eval() if judge_dir else rm, tok)
+    extra = {"reward model (proxy)": rm_judge(rm, tok)} if judge_dir else None
+    rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge,
+                  extra_judges=extra)
     print(format_table({"sft": rep["sft"], "final": rep["policy"], "win_rate_vs_sft": rep["win_rate"],
-                        "peak": None, "judge": judge_name}))
+                        "peak": None, "judge": judge_name,
+                        "win_rate_vs_sft_by_judge": {judge_name: rep["win_rate"], **rep.get("win_rates", {})}}))
     for e in rep["examples"]:
         print(f"{e['prompt']!r:28} policy: {e['policy']!r}\n{'':28} sft:    {e['sft']!r}")
 

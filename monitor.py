@@ -372,24 +372,28 @@ class RunLog:
         self.bar = tqdm(range(start, total), desc="4. PPO", initial=start, total=total, disable=not self.main_rank)
         return self.bar
 
-    def record(self, step: int, m: dict, scores: list[float], gold: list[float] | None, prompts: list[str],
-               texts: list[str]) -> Alarm | None:
+    def record(self, step: int, m: dict, scores: list[float], judged: list[float] | None, prompts: list[str],
+               texts: list[str], judge_key: str = "reward/gold") -> Alarm | None:
         """The alarm's verdict on this step (also stored as m["alarm/collapse"]), then m to metrics.jsonl, every
-        score and gold reward plus four examples to samples.jsonl, the bar's postfix and, every 10 steps, a line."""
+        score and judge's reward (gold, or the held-out reward model's) plus four examples to samples.jsonl, the
+        bar's postfix and, every 10 steps, a line."""
         from tqdm import tqdm
         alarm = self.monitor.update(step, m, scores)
         m["alarm/collapse"] = alarm is not None
         self.history.append(m)
         self.metrics_f.write(json.dumps(m) + "\n")
         self.metrics_f.flush()
+        gold = judged if judge_key == "reward/gold" else None
         self.samples_f.write(json.dumps({"step": step, "scores": scores, "gold": gold,
+                                         **({} if gold is not None or judged is None else {"judge": judged}),
                                          "examples": [[p, t] for p, t in zip(prompts[:4], texts[:4])]}) + "\n")
         self.samples_f.flush()
-        gold_s = "n/a" if m["reward/gold"] is None else f"{m['reward/gold']:+.2f}"
-        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", gold=gold_s, kl=f"{m['kl/ref']:.3f}",
+        name = "gold" if judge_key == "reward/gold" else "judge"
+        gold_s = "n/a" if m.get(judge_key) is None else f"{m[judge_key]:+.2f}"
+        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{name: gold_s}, kl=f"{m['kl/ref']:.3f}",
                              len=f"{m['response/length']:.1f}")
         if step % 10 == 0 or step == self.total - 1:
-            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  gold {gold_s}  "
+            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  {name} {gold_s}  "
                        f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
                        f"e.g. {prompts[0]!r} -> {texts[0]!r}")
         if alarm is not None:

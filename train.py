@@ -39,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -92,11 +93,14 @@ class RunConfig:
     vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only")
     max_prompt_tokens: int = arg(128, "with --data: P limit; longer prompts keep their latest turns")
     max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted")
+    judge_frac: float = arg(0.5, "with --data: fraction of the training pairs held back for a second reward model, "
+                                 "the judge of the win rate, which PPO never optimises; 0 = judge by the proxy")
     # real models and scale (scale.py, engine.py): `--plan`, `deepspeed train.py ...`
     plan: bool = arg(False, "print the per-GPU memory plan of --model and exit, loading no weights (more flags: "
                             "--num-gpus --gpu-mem --micro-batch --prompt-len ...; see `python scale.py --help`)")
     sft_model: str = arg("", "real --model: an SFT model, so stage 1 is skipped (policy and reference init); without "
-                             "it and without stage sft, --model itself")
+                             "it, stage sft trains --model on --sft-data or --data, and with neither --model itself is "
+                             "the SFT model")
     sft_data: str = arg("", "real --model: SFT data ({prompt,response}, {messages} or {text} lines) instead of the "
                             "chosen responses of --data")
     reward_model: str = arg("", "real --model: a reward model directory, so stage 2 is skipped (ours, or an "
@@ -266,6 +270,7 @@ def base_key(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: to
               "bos": True, "note": "ids = [BOS] + prompt (latest turns kept) + response + [EOS]"}
     key = {"data": {"path": str(path.resolve()), "size": stat.st_size, "mtime": stat.st_mtime},
            "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
+           "judge_frac": run.judge_frac,
            "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg)}
     return f"real-seed{run.seed}-{checkpoint.config_hash(key)}", key
 
@@ -288,6 +293,10 @@ def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: 
         tokenizer, records, max_positions = real_data(tmp, run, key["limits"]) if run.data else world_data(tmp, world_cfg)
         timings["data" if run.data else "world"] = time.time() - t0
         rm = sft_and_reward_model(tmp, tokenizer, records, sft_cfg, rm_cfg, run.seed, timings, max_positions)
+        if run.data and records["pairs_judge"]:  # the judge: the same recipe on pairs the proxy never saw
+            t0 = time.time()
+            train_judge(tmp / "sft", tokenizer, records, rm_cfg, run.seed, tmp / "judge_model")
+            timings["judge_model"] = time.time() - t0
         if run.data:
             write_json(tmp / "reward_model" / "data_limits.json", key["limits"])
             print(f"[base] reward model held-out accuracy "
@@ -314,30 +323,46 @@ def world_data(tmp: Path, world_cfg: toy_world.WorldConfig):
     return AutoTokenizer.from_pretrained(tmp / "tokenizer"), records, None
 
 
+def split_pairs(run: RunConfig, report: data.DataReport) -> dict[str, list]:
+    """--data's pairs in three disjoint parts: held out (RM accuracy, evaluation prompts), the proxy reward model's
+    training pairs, and (--judge-frac > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022)."""
+    pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)  # DataError: one line, exit 2
+    train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
+    proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1) if run.judge_frac else (
+        train_pairs, [])
+    return {"pairs_train": proxy, "pairs_judge": judge, "pairs_heldout": heldout}
+
+
+def encode_splits(run: RunConfig, splits: dict[str, list], tokenizer, report: data.DataReport) -> dict[str, list]:
+    """The limits applied once to every split (data.pair_records), and a clear error when one is left empty."""
+    lim = (run.max_prompt_tokens, run.max_response_tokens)
+    out = {name: data.pair_records(pairs, tokenizer, *lim, run.skip_bad, report) for name, pairs in splits.items()}
+    print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
+          f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
+    for name, what in (("pairs_train", "training"), ("pairs_heldout", "held-out"), ("pairs_judge", "judge")):
+        if not out[name] and (name != "pairs_judge" or run.judge_frac):
+            raise data.DataError(run.data, None, None, "all_skipped", f"no {what} pairs left within the limits "
+                                 f"({report.summary()}); raise --max-response-tokens or give more pairs")
+    return out
+
+
 def real_data(tmp: Path, run: RunConfig, limits: dict):
-    """--data's pairs: split, a byte-level BPE trained on the training split only, the limits applied once, the
+    """--data's pairs: split, a byte-level BPE trained on the training splits only, the limits applied once, the
     records written to tmp/data. Returns (tokenizer, records, the model's context [BOS] + P + T)."""
     report = data.DataReport()
-    pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)  # DataError: one line, exit 2
-    train_pairs, heldout_pairs = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
+    splits = split_pairs(run, report)
+    train_pairs = splits["pairs_train"] + splits["pairs_judge"]
     tokenizer = data.train_bpe_tokenizer([p.prompt + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs],
                                          tmp / "tokenizer", run.vocab_size)
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)  # tiny_llama's ids
-    lim = (run.max_prompt_tokens, run.max_response_tokens)
-    pairs_train = data.pair_records(train_pairs, tokenizer, *lim, run.skip_bad, report)
-    pairs_heldout = data.pair_records(heldout_pairs, tokenizer, *lim, run.skip_bad, report)
-    print(f"[data] {run.data}: {len(pairs_train)} train / {len(pairs_heldout)} held-out pairs; {report.summary()}")
-    if not pairs_train or not pairs_heldout:
-        raise data.DataError(run.data, None, None, "all_skipped",
-                             f"no {'training' if not pairs_train else 'held-out'} pairs left within the limits "
-                             f"({report.summary()}); raise --max-response-tokens or give more pairs")
-    records = {"prompts_train": [{"prompt": r["prompt"]} for r in pairs_train],
-               "prompts_heldout": [{"prompt": r["prompt"]} for r in pairs_heldout],
-               "sft": [{"prompt": r["prompt"], "response": r["chosen"]} for r in pairs_train],  # SFT on y_w
-               "pairs_train": pairs_train, "pairs_heldout": pairs_heldout}
+    records = encode_splits(run, splits, tokenizer, report)
+    records.update(prompts_train=[{"prompt": r["prompt"]} for r in records["pairs_train"]],
+                   prompts_heldout=[{"prompt": r["prompt"]} for r in records["pairs_heldout"]],
+                   sft=[{"prompt": r["prompt"], "response": r["chosen"]} for r in records["pairs_train"]])  # SFT on y_w
     toy_world.write_dataset(records, tmp / "data")
     write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(), "file": run.data,
-                                          "pairs_train": len(pairs_train), "pairs_heldout": len(pairs_heldout)})
+                                          **{k: len(records[k]) for k in ("pairs_train", "pairs_judge",
+                                                                          "pairs_heldout")}})
     write_json(tmp / "data_limits.json", limits)
     return tokenizer, records, 1 + run.max_prompt_tokens + run.max_response_tokens
 
@@ -367,6 +392,24 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
     write_json(tmp / "rm_log.json", rm_log)                                                      # Fig. 3
     write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
     return rm
+
+
+def train_judge(sft_dir, tokenizer, records: dict, rm_cfg: RMConfig, seed: int, out_dir: Path, ds: dict | None = None,
+                bf16: bool = False, device: torch.device = torch.device("cpu"), grad_ckpt: bool = False) -> list[dict]:
+    """The judge: stage 2's recipe (Eq. 2 from the SFT model, a fresh head) on records["pairs_judge"], disjoint
+    from the proxy's pairs, so the win rate it gives was never the target of PPO (Gao et al. 2022's gold RM)."""
+    checkpoint.seed_everything(seed + 1)
+    judge = ScalarHeadModel.from_pretrained(sft_dir, seed=seed + 1, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
+    judge = judge.to(device)
+    if grad_ckpt:
+        judge.gradient_checkpointing_enable()
+    log = train_reward_model(judge, tokenizer, records["pairs_judge"], records["pairs_heldout"], rm_cfg, seed + 1,
+                             ds=ds, out_dir=out_dir)
+    if engine.rank() == 0:
+        write_json(out_dir / "rm_log.json", log)
+    print(f"[judge] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(records['pairs_heldout'])} pairs "
+          f"(trained on {len(records['pairs_judge'])} pairs the proxy never saw)")
+    return log
 
 
 def write_json(path: Path, obj) -> None:
@@ -416,9 +459,11 @@ def resolve_real_models(run: RunConfig, cfg: ppo_max.PPOConfig) -> dict[str, str
             "critic": resolve("--critic-model", run.critic_model) if run.critic_model else None}
     if dirs["reward"] and reward_model_kind(dirs["reward"]) is None:
         fail(f"--reward-model {not_a_reward_model(dirs['reward'])}")
-    if "sft" in stages and not dirs["sft"] and not (run.data or run.sft_data):
-        fail(f"--model {run.model}: stage sft needs data: pass --data PAIRS or --sft-data FILE (or --sft-model DIR "
-             f"to skip it, or --stages without sft to use --model itself)")
+    if not (run.data or run.sft_data or dirs["reward"]):
+        fail(f"--model {run.model}: nothing to train on: pass --data PAIRS (then SFT, the reward model and PPO all "
+             f"run), or --reward-model DIR with --prompts FILE for PPO alone")
+    if last_stage(run) == "sft" and not (run.data or run.sft_data):
+        fail(f"--model {run.model}: stage sft needs data: pass --data PAIRS or --sft-data FILE")
     if dirs["reward"] is None and ("rm" not in stages or not run.data) and last_stage(run) in ("rm", "critic", "ppo"):
         fail(f"--model {run.model}: no reward model: pass --data PAIRS to train one with Eq. 2 (stage rm), or "
              f"--reward-model DIR")
@@ -445,7 +490,7 @@ def real_model_stages(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig
     tokenizer = data.load_tokenizer(dirs["sft"] or dirs["model"])
     records = real_records(run, tokenizer) if run.data or run.sft_data else {}
     bf16 = use_bf16(run, device)
-    if dirs["sft"] is None and "sft" in stages:
+    if dirs["sft"] is None and "sft" in stages and records.get("sft"):  # without SFT data: --model is the SFT model
         for name, n in (("sft_batch", sft_cfg.sft_batch), ("rm_batch", rm_cfg.rm_batch)):
             if n % world:
                 fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world})")
@@ -481,6 +526,14 @@ def real_model_stages(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig
         dirs["reward"] = stage_dir(out / "reward_model", build_rm, f"stage 2, the reward model from {dirs['sft']}",
                                    run.rebuild_base, rank)
         timings["reward_model"] = time.time() - t0
+    dirs["judge"] = None
+    if "rm" in stages and records.get("pairs_judge"):
+        t0 = time.time()
+        dirs["judge"] = stage_dir(out / "judge_model", lambda tmp: train_judge(
+            dirs["sft"], tokenizer, records, rm_cfg, run.seed, tmp, stage_ds(run, rm_cfg.rm_batch // world, device),
+            bf16, device, run.grad_ckpt), "the judge, a second reward model on pairs the proxy never saw",
+            run.rebuild_base, rank)
+        timings["judge_model"] = time.time() - t0
     if dirs["reward"]:
         same_tokenizer(dirs["sft"], dirs["reward"])
     dirs["critic"] = dirs["critic"] or (dirs["reward"] if cfg.critic_init == "rm" else dirs["sft"])
@@ -488,22 +541,11 @@ def real_model_stages(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig
 
 
 def real_records(run: RunConfig, tokenizer) -> dict[str, list[dict]]:
-    """--data's pairs (a train / held-out split, the limits applied once) and the SFT rows: --sft-data, or the
-    chosen responses of the training pairs."""
+    """--data's pairs (split_pairs, the limits applied once) and the SFT rows: --sft-data, or the chosen responses
+    of the proxy's training pairs."""
     report = data.DataReport()
     lim = (run.max_prompt_tokens, run.max_response_tokens)
-    out = {"pairs_train": [], "pairs_heldout": []}
-    if run.data:
-        pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)
-        train_pairs, heldout_pairs = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
-        out["pairs_train"] = data.pair_records(train_pairs, tokenizer, *lim, run.skip_bad, report)
-        out["pairs_heldout"] = data.pair_records(heldout_pairs, tokenizer, *lim, run.skip_bad, report)
-        print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_heldout'])} held-out pairs; "
-              f"{report.summary()}")
-        if not out["pairs_train"] or not out["pairs_heldout"]:
-            which = "training" if not out["pairs_train"] else "held-out"
-            raise data.DataError(run.data, None, None, "all_skipped", f"no {which} pairs left within the limits "
-                                 f"({report.summary()}); raise --max-response-tokens or give more pairs")
+    out = encode_splits(run, split_pairs(run, report), tokenizer, report) if run.data else {}
     if run.sft_data:
         rows = data.load_texts(run.sft_data, skip_bad=run.skip_bad, report=report, with_source=True)
         enc = [(p, r, data.encode_text(p, r, tokenizer, *lim, source=src, report=report)) for p, r, src in rows]
@@ -569,6 +611,7 @@ class Inputs:
     data: dict
     base: Path | None = None     # runs/_base/<...> when stages 1-2 ran here (None for a real --model)
     timings: dict = dataclasses.field(default_factory=dict)
+    judge: Path | str | None = None  # real data: the second reward model that judges the win rate
 
 
 def ppo_inputs(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
@@ -580,7 +623,8 @@ def ppo_inputs(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cf
         tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
         records = data.prompt_records(run.prompts or run.data, run.sft_data or run.data, tokenizer,
                                       run.max_prompt_tokens, run.heldout_frac, run.seed, run.skip_bad)
-        return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records)
+        return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
+                      judge=dirs.get("judge"))
     if not main_rank:
         engine.barrier()
     base = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
@@ -594,7 +638,9 @@ def ppo_inputs(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cf
     records = {k: data.read_records(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
-                  records, base, json.loads((base / "timings.json").read_text()))
+                  records, base, json.loads((base / "timings.json").read_text()),
+                  judge=base / "judge_model" if (base / "judge_model" / "DONE").exists() or
+                  (base / "judge_model" / "value_head.safetensors").exists() else None)
 
 
 @dataclass
@@ -607,6 +653,7 @@ class Models:
     critic: object
     policy_opt: object
     critic_opt: object
+    bf16: bool = False
 
 
 def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: torch.device, ds: dict | None) -> Models:
@@ -638,7 +685,26 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
               "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
     policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
     critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
-    return Models(policy, ref, reward_model, critic, policy_opt, critic_opt)
+    return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16)
+
+
+@dataclass
+class Judge:
+    """What decides "better" in the logs and the win rate, never optimised by PPO: the synthetic world's gold
+    reward, or on real data a second reward model trained on pairs the proxy never saw."""
+    name: str                                   # "gold" | "held-out reward model"
+    key: str                                    # its metrics.jsonl key: "reward/gold" | "reward/judge"
+    score: Callable[[str, str, bool], float]    # (prompt, response text, finished) → reward
+
+
+def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device) -> Judge | None:
+    if synthetic:
+        return Judge("gold", "reward/gold", evaluation.gold_judge)
+    if not inp.judge:
+        return None
+    rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
+    rm = ppo_max.disable_dropout(rm).eval().requires_grad_(False).to(device)
+    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer))
 
 
 @dataclass
@@ -648,6 +714,12 @@ class LoopState:
     kl_ctl: ppo_max.AdaptiveKLController
     monitor: collapse.CollapseMonitor
     guard: checkpoint.NonFiniteGuard
+
+    @classmethod
+    def new(cls, run: RunConfig, cfg: ppo_max.PPOConfig) -> "LoopState":
+        return cls(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
+                   collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
+                   checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
 
     def state_dict(self) -> dict:
         return {"moments": self.moments.state_dict(), "kl_coef": self.kl_ctl.value,
@@ -664,8 +736,8 @@ class LoopState:
 # Stage 4: PPO, one iteration per step, numbered as the paper's recipe
 # =========================================================================================================
 def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse.RunLog,
-        ckpts: checkpoint.RunCheckpoints, cfg: ppo_max.PPOConfig, run: RunConfig, start: int, tokenizer, gold_judge,
-        device: torch.device) -> dict:
+        ckpts: checkpoint.RunCheckpoints, cfg: ppo_max.PPOConfig, run: RunConfig, start: int, tokenizer,
+        judge: Judge | None, device: torch.device) -> dict:
     """Steps start … run.steps − 1 of PPO-max. Returns how the loop ended: {"stop_reason", "signal", "path"}."""
     eos, pad_id = data.stop_id(tokenizer), tokenizer.pad_token_id  # eos: EOS or the template's end of turn
     warmup_steps = math.ceil(cfg.warmup_frac * run.steps)
@@ -698,16 +770,20 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse
                                             f"checkpoint: {checkpoint.find_latest(run.out)}")
                     break
                 continue
-            # (7) log: gold reward is the synthetic human, never seen by training; lists are the global batch
+            # (7) log: the judge (gold: the synthetic human) is never seen by training; lists are the global batch
             texts = [tokenizer.decode(r[k.bool()], skip_special_tokens=True) for r, k in zip(response, response_mask)]
-            gold = [gold_judge(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if gold_judge else None
+            judged = [judge.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if judge else None
             prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
-            gold = engine.gather_list(gold) if gold_judge else None
-            metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold_judge else None,
+            judged = engine.gather_list(judged) if judge else None
+            gold = judged if judge and judge.key == "reward/gold" else None
+            metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold else None,
                        "kl/coef": state.kl_ctl.value, "lr/policy": cfg.policy_lr * lr_scale,
                        "response/finished": engine.gather_batch(finished.float()).mean().item(),
                        "time/step": time.time() - ts}
-            alarm = log.record(step, metrics, exp["all_scores"].tolist(), gold, prompts, texts)
+            if judge and not gold:
+                metrics[judge.key] = float(np.mean(judged))  # the proxy's score vs the judge's: over-optimisation
+            alarm = log.record(step, metrics, exp["all_scores"].tolist(), judged, prompts, texts,
+                               judge.key if judge else "reward/gold")
             if alarm is not None and run.on_collapse == "stop":
                 ended["stop_reason"] = f"collapse alarm at step {step}"
             if engine.any_rank(interrupt.requested, device):  # every rank stops at the same step
@@ -720,20 +796,27 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse
     return ended
 
 
-def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, history: list[dict], gold_judge,
-             device: torch.device) -> dict:
+def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, history: list[dict],
+             judge: Judge | None, device: torch.device) -> dict:
     """The held-out comparison of the final policy with the SFT model, sampled as the paper evaluates, judged by
-    gold in the synthetic world (by the reward model on real data); the summary's numbers."""
+    gold in the synthetic world; on real data by the held-out judge and, side by side, by the proxy reward model
+    PPO optimised (optimistic by construction); the summary's numbers."""
     from transformers import AutoModelForCausalLM
     sft_model = AutoModelForCausalLM.from_pretrained(inp.base / "sft").to(device).eval() if inp.base else m.ref
     heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    proxy = evaluation.rm_judge(m.reward_model, inp.tokenizer)
     report = evaluation.compare(engine.unwrap(m.policy).eval(), sft_model, m.ref, m.reward_model, inp.tokenizer,
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
-                                judge=gold_judge or evaluation.rm_judge(m.reward_model, inp.tokenizer))
-    peak = max(history, key=lambda h: h["reward/gold"]) if gold_judge else None
-    return {"sft": report["sft"], "final": report["policy"],
-            "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
-            "win_rate_vs_sft": report["win_rate"], "judge": "gold" if gold_judge else "reward model"}
+                                judge=judge.score if judge else proxy,
+                                extra_judges={"reward model (proxy)": proxy} if judge and judge.name != "gold" else None)
+    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" else None
+    out = {"sft": report["sft"], "final": report["policy"],
+           "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
+           "win_rate_vs_sft": report["win_rate"], "judge": judge.name if judge else "reward model"}
+    if report.get("win_rates"):
+        out["win_rate_vs_sft_by_judge"] = {out["judge"]: report["win_rate"], **report["win_rates"]}
+        out["judge_model"] = str(inp.judge)
+    return out
 
 
 def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
@@ -785,7 +868,8 @@ def deepspeed_config(run: RunConfig, cfg: ppo_max.PPOConfig, world: int, device:
 
 
 def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, log: collapse.RunLog,
-                  ended: dict, timings: dict, t_start: float, dirs: dict | None, gold_judge, device) -> dict:
+                  ended: dict, timings: dict, t_start: float, dirs: dict | None, judge: Judge | None,
+                  device) -> dict:
     """Rank 0 at the end: the final policy and critic as Hugging Face directories, the held-out evaluation, and
     summary.json (printed as a table)."""
     out = Path(run.out)
@@ -793,7 +877,7 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     inp.tokenizer.save_pretrained(out / "policy")
     engine.unwrap(m.critic).save_pretrained(out / "critic")
     t0 = time.time()
-    report = evaluate(m, inp, run, cfg, log.history, gold_judge, device)
+    report = evaluate(m, inp, run, cfg, log.history, judge, device)
     timings["eval"] = time.time() - t0
     summary = {"preset": run.preset, "seed": run.seed, "steps": run.steps, "seconds": time.time() - t_start,
                "config": dataclasses.asdict(cfg), "base": str(inp.base) if inp.base else None, "timings": timings,
@@ -835,7 +919,6 @@ def main(argv=None) -> dict | None:
         return None
     run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
-    gold_judge = None if (run.data or dirs) else evaluation.gold_judge  # the synthetic human; real data has none
     rank, world, device = start_processes(run, cfg)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -854,13 +937,13 @@ def main(argv=None) -> dict | None:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
         cfg = dataclasses.replace(cfg, ptx_coef=0.0)
     checkpoint.seed_everything(run.seed + rank)  # rank r samples its own stream; rank 0's is the single-process one
-    m = load_models(inp, run, cfg, device, deepspeed_config(run, cfg, world, device))
+    ds = deepspeed_config(run, cfg, world, device)
+    m = load_models(inp, run, cfg, device, ds)
+    judge = make_judge(inp, not (run.data or dirs), m.bf16, device)  # gold: the synthetic human
     batches = data.RolloutBatches([r["prompt"] for r in inp.data["prompts_train"]],
                                   [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
                                   seed=run.seed, rank=rank, world=world, device=device)
-    state = LoopState(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
-                      collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
-                      checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
+    state = LoopState.new(run, cfg)
     ckpts = checkpoint.RunCheckpoints(out, {"policy": m.policy, "critic": m.critic},
                                       {"policy": m.policy_opt, "critic": m.critic_opt}, {"prompt": batches.rng},
                                       inp.tokenizer, run.keep_last, rank, engine.barrier)
@@ -892,7 +975,7 @@ def main(argv=None) -> dict | None:
     # 4. PPO
     t0 = time.time()
     log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0)
-    ended = ppo(m, batches, state, log, ckpts, cfg, run, start, inp.tokenizer, gold_judge, device)
+    ended = ppo(m, batches, state, log, ckpts, cfg, run, start, inp.tokenizer, judge, device)
     log.close()
     timings["ppo"] = time.time() - t0
     if ended["signal"]:
@@ -906,7 +989,7 @@ def main(argv=None) -> dict | None:
         ckpts.save(run.steps, state.state_dict())
     if rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
         return None
-    return write_summary(m, inp, run, cfg, log, ended, timings, t_start, dirs, gold_judge, device)
+    return write_summary(m, inp, run, cfg, log, ended, timings, t_start, dirs, judge, device)
 
 
 if __name__ == "__main__":

@@ -138,18 +138,25 @@ def test_train_data_end_to_end_rm_judge(real_run):
     for f in ["DONE", "timings.json", "rm_log.json", "rm_heldout_scores.json", "data_report.json", "data_limits.json",
               "data/prompts_train.jsonl", "data/prompts_heldout.jsonl", "data/sft.jsonl",
               "tokenizer/tokenizer.json", "sft/config.json", "reward_model/value_head.safetensors",
-              "reward_model/tokenizer.json", "reward_model/data_limits.json"]:
+              "reward_model/tokenizer.json", "reward_model/data_limits.json", "judge_model/value_head.safetensors",
+              "judge_model/rm_log.json"]:
         assert (base / f).exists(), f
     report = json.loads((base / "data_report.json").read_text())
     assert report["kept"] == 120 and report["skipped"] == {"empty_response": 1}
-    assert report["pairs_train"] + report["pairs_heldout"] + sum(report["dropped"].values()) == 120
+    n = report["pairs_train"] + report["pairs_judge"] + report["pairs_heldout"]
+    assert n + sum(report["dropped"].values()) == 120 and abs(report["pairs_train"] - report["pairs_judge"]) <= 2
     assert 0.0 <= summary["rm"]["accuracy"] <= 1.0
-    assert summary["judge"] == "reward model" and summary["peak"] is None
-    w = summary["win_rate_vs_sft"]
-    assert abs(w["win"] + w["tie"] + w["lose"] - 1) < 1e-9
+    # the win rate is judged by a second reward model on pairs the proxy never saw, and by the proxy beside it
+    assert summary["judge"] == "held-out reward model" and summary["peak"] is None
+    assert set(summary["win_rate_vs_sft_by_judge"]) == {"held-out reward model", "reward model (proxy)"}
+    for w in summary["win_rate_vs_sft_by_judge"].values():
+        assert abs(w["win"] + w["tie"] + w["lose"] - 1) < 1e-9
+    assert summary["win_rate_vs_sft"] == summary["win_rate_vs_sft_by_judge"]["held-out reward model"]
     metrics = [json.loads(l) for l in (d / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["reward/gold"] is None for m in metrics)
-    assert "judge: reward model" in evaluation.format_table(summary)
+    assert all(isinstance(m["reward/judge"], float) for m in metrics)  # the proxy-vs-judge gap, step by step
+    table = evaluation.format_table(summary)
+    assert "judge: held-out reward model" in table and "judge: reward model (proxy)" in table
     # every prompt written for PPO fits the limit when re-encoded ([BOS] added by data.query_ids)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(base / "tokenizer")
