@@ -688,6 +688,12 @@ def load_tokenizer(path):
 # ----------------------------------------------------------------------------------------------
 # Command lines
 # ----------------------------------------------------------------------------------------------
+def fail(message: str) -> None:
+    """A user's mistake: one line on stderr, exit 2 (as data.cli_guard)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def cli_guard(fn: Callable) -> Callable:
     """Wrap a CLI entry point: DataError / FileNotFoundError → one line `error: …` on stderr, exit 2."""
     def wrapped(*args, **kwargs):

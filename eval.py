@@ -25,7 +25,7 @@ import torch
 import data
 import ppo_max
 import toy_world
-from ppo_loss import kl_full, logprobs_from_logits, masked_mean
+from ppo_loss import kl_full, logprobs_from_logits
 
 # The paper's evaluation sampling (§ hyperparameters): top-p 0.9, temperature 0.8, repetition penalty 1.1.
 EVAL_SAMPLING = dict(top_p=0.9, temperature=0.8, repetition_penalty=1.1)

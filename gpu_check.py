@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import data
+import pipeline
 import tiny_model
 import train
 
@@ -82,7 +83,7 @@ def main(argv=None) -> list[dict]:
         results.append({"stage": "critic+ppo" if stage == "ppo" else stage, "seconds": round(seconds, 1),
                         "tokens_per_s": round(tokens / seconds, 1), "peak_gib": round(peak_gib(), 2)})
         print(f"[gpu check] {results[-1]}", file=sys.stderr)
-    n = sum(x.numel() for x in train.load_lm(model, False, torch.device("cpu"), False).parameters())
+    n = sum(x.numel() for x in pipeline.load_lm(model, False, torch.device("cpu"), False).parameters())
     print(json.dumps({"params": n, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "stages": results}, indent=2))
     return results

@@ -5,20 +5,21 @@ Run:
   python train.py --preset vanilla      # the same world with vanilla PPO: watch it collapse (Fig. 4)
   python train.py --rebuild-base        # stages 1-2 again, even when runs/_base holds them (step into SFT, Eq. 2)
   python train.py --help                # every flag, with its paper symbol and default
+  python train.py --model DIR --data PAIRS [--stages sft,rm]       # a real Hugging Face model through every stage
   python train.py --model llama-7b --plan [--num-gpus 8 --gpu-mem 80 ...]   # per-GPU memory bill; loads nothing
-  deepspeed --num_gpus 8 train.py --model llama-7b --reward-model RM_DIR --prompts prompts.jsonl
-                                        # the paper's set-up: DeepSpeed engines (ZeRO-2), paper hyperparameters
+  deepspeed --num_gpus 8 train.py --model llama-7b --data hh.jsonl  # the paper's set-up: DeepSpeed engines (ZeRO-2)
   deepspeed --num_gpus 2 train.py ...   # on a CPU-only machine too: DeepSpeed picks its CPU accelerator and gloo
 
 Stages, each in its own file, each writing a Hugging Face directory under --out or runs/_base/:
-  1. SFT (sft.train_sft): a tiny LLaMA-architecture model on the demonstrations; also the frozen reference π_SFT.
-  2. Reward model (reward_model.train_reward_model) from the SFT model with Eq. 2 (Bradley-Terry + LM on chosen).
+  1. SFT (sft.train_sft): on the demonstrations (the chosen responses); also the frozen reference π_SFT.
+  2. Reward model (reward_model.train_reward_model) from the SFT model with Eq. 2 (Bradley-Terry + LM on chosen);
+     on real data also the judge, a second reward model on pairs the first never saw.
   3. Critic pre-training (ppo_max.pretrain_critic), from the reward model, before any policy update (§5.3.3).
   4. PPO: the numbered loop of `ppo` below, one iteration = ppo_max.rollout, make_experience, ppo_update.
-SFT and reward model depend only on the world (or --data) and their own settings, so they are cached under
-runs/_base/<name>-<hash>/ (checkpoint.build_once) and shared by every preset with the same seed. A real --model
-(a local Hugging Face directory, a hub id already in the local cache, or an alias of scale.py) skips stages 1-2:
---reward-model is required.
+In the synthetic world and with --data alone the model is a from-scratch tiny LLaMA and stages 1-2 are cached under
+runs/_base/<name>-<hash>/ (pipeline.build_base), shared by every preset with the same seed. A real --model (a
+local Hugging Face directory, a hub id already in the local cache, or an alias of scale.py) trains stages 1-2
+into --out/sft/ and --out/reward_model/ (reused on a second start), unless --sft-model / --reward-model give them.
 
 The plumbing sits behind one call each: engine.py (one process or DeepSpeed engines: wrap, step, gather),
 checkpoint.py (atomic checkpoints, exact resume, the non-finite guard), monitor.py (metrics.jsonl, samples.jsonl,
@@ -54,9 +55,11 @@ import ppo_max
 import scale
 import toy_world
 from ppo_max import arg  # a dataclass field whose help text becomes `--help`
-from reward_model import (RMConfig, ScalarHeadModel, not_a_reward_model, reward_model_kind, score_pairs,
-                          train_reward_model)
-from sft import SFTConfig, pretrained_model, tiny_llama, tiny_llama_config, train_sft
+from data import fail
+from pipeline import (STAGES, Inputs, last_stage, ppo_inputs, real_model_stages, resolve_real_models,
+                      stop_after_stages, use_bf16, write_json)
+from reward_model import RMConfig, ScalarHeadModel
+from sft import SFTConfig, tiny_llama_config
 
 
 # =========================================================================================================
@@ -169,12 +172,6 @@ def parse_configs(argv=None):
     return run, sft_cfg, rm_cfg, ppo, world
 
 
-def fail(message: str) -> None:
-    """A user's mistake: one line on stderr, exit 2 (as data.cli_guard)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def given_flags(argv) -> set[str]:
     """The dest names of the flags actually on the command line."""
     p = build_parser()
@@ -247,179 +244,8 @@ def configure(argv):
     return run, sft_cfg, rm_cfg, cfg, world_cfg
 
 
-STAGES = ("sft", "rm", "critic", "ppo")
-
-
-def last_stage(run: RunConfig) -> str:
-    return [s.strip() for s in run.stages.split(",") if s.strip()][-1]
-
-
 # =========================================================================================================
-# Stages 1-2, cached: the data and tokenizer, the SFT model and the reward model ("the base")
-# =========================================================================================================
-def base_key(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig):
-    """(directory name under runs/_base, what it depends on): everything stages 1-2 read, and nothing else."""
-    if not run.data:
-        key = [dataclasses.asdict(c) for c in (world_cfg, sft_cfg, rm_cfg)]
-        return f"seed{run.seed}-{checkpoint.config_hash(key)}", key
-    path = Path(run.data)
-    if not path.is_file():
-        raise data.DataError(path, None, None, "not_found", "no such file")
-    stat = path.stat()
-    limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
-              "bos": True, "note": "ids = [BOS] + prompt (latest turns kept) + response + [EOS]"}
-    key = {"data": {"path": str(path.resolve()), "size": stat.st_size, "mtime": stat.st_mtime},
-           "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
-           "judge_frac": run.judge_frac,
-           "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg)}
-    return f"real-seed{run.seed}-{checkpoint.config_hash(key)}", key
-
-
-def base_dir(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig) -> Path:
-    return Path("runs/_base") / base_key(run, sft_cfg, rm_cfg, world_cfg)[0]
-
-
-def build_base(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-               rebuild: bool = False) -> Path:
-    """Stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the tokenizer, sft/ and reward_model/ (Hugging
-    Face directories), sft_log.json, rm_log.json (Fig. 3), rm_heldout_scores.json (Fig. 2), timings.json,
-    config.json; in the synthetic world also rm_length_bias.json, with --data data_report.json and
-    data_limits.json (also in reward_model/, for `eval.py score`). Reused when built before, unless `rebuild`."""
-    name, key = base_key(run, sft_cfg, rm_cfg, world_cfg)
-
-    def build(tmp: Path) -> None:
-        timings = {}
-        t0 = time.time()
-        tokenizer, records, max_positions = real_data(tmp, run, key["limits"]) if run.data else world_data(tmp, world_cfg)
-        timings["data" if run.data else "world"] = time.time() - t0
-        rm = sft_and_reward_model(tmp, tokenizer, records, sft_cfg, rm_cfg, run.seed, timings, max_positions)
-        if run.data and records["pairs_judge"]:  # the judge: the same recipe on pairs the proxy never saw
-            t0 = time.time()
-            train_judge(tmp / "sft", tokenizer, records, rm_cfg, run.seed, tmp / "judge_model")
-            timings["judge_model"] = time.time() - t0
-        if run.data:
-            write_json(tmp / "reward_model" / "data_limits.json", key["limits"])
-            print(f"[base] reward model held-out accuracy "
-                  f"{json.loads((tmp / 'rm_log.json').read_text())[-1]['heldout_accuracy']:.3f} "
-                  f"on {len(records['pairs_heldout'])} pairs")
-        else:
-            write_json(tmp / "rm_length_bias.json",
-                       evaluation.length_bias(rm, tokenizer, records["prompts_heldout"], run.seed))
-        write_json(tmp / "timings.json", timings)
-        write_json(tmp / "config.json", key if run.data else {"world": key[0], "sft": key[1], "rm": key[2],
-                                                              "seed": run.seed})
-
-    what = ("tokenizer, SFT and reward model for this data file and config" if run.data
-            else "world, SFT and reward model for this seed and config")
-    return checkpoint.build_once(Path("runs/_base") / name, build, what, rebuild=rebuild)
-
-
-def world_data(tmp: Path, world_cfg: toy_world.WorldConfig):
-    """The synthetic world's records (written to tmp/data) and its word-level tokenizer (tmp/tokenizer)."""
-    from transformers import AutoTokenizer
-    records = toy_world.make_dataset(world_cfg)
-    toy_world.write_dataset(records, tmp / "data")
-    toy_world.build_tokenizer(tmp / "tokenizer")
-    return AutoTokenizer.from_pretrained(tmp / "tokenizer"), records, None
-
-
-def split_pairs(run: RunConfig, report: data.DataReport) -> dict[str, list]:
-    """--data's pairs in three disjoint parts: held out (RM accuracy, evaluation prompts), the proxy reward model's
-    training pairs, and (--judge-frac > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022)."""
-    pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)  # DataError: one line, exit 2
-    train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
-    proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1) if run.judge_frac else (
-        train_pairs, [])
-    return {"pairs_train": proxy, "pairs_judge": judge, "pairs_heldout": heldout}
-
-
-def encode_splits(run: RunConfig, splits: dict[str, list], tokenizer, report: data.DataReport) -> dict[str, list]:
-    """The limits applied once to every split (data.pair_records), and a clear error when one is left empty."""
-    lim = (run.max_prompt_tokens, run.max_response_tokens)
-    out = {name: data.pair_records(pairs, tokenizer, *lim, run.skip_bad, report) for name, pairs in splits.items()}
-    print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
-          f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
-    for name, what in (("pairs_train", "training"), ("pairs_heldout", "held-out"), ("pairs_judge", "judge")):
-        if not out[name] and (name != "pairs_judge" or run.judge_frac):
-            raise data.DataError(run.data, None, None, "all_skipped", f"no {what} pairs left within the limits "
-                                 f"({report.summary()}); raise --max-response-tokens or give more pairs")
-    return out
-
-
-def real_data(tmp: Path, run: RunConfig, limits: dict):
-    """--data's pairs: split, a byte-level BPE trained on the training splits only, the limits applied once, the
-    records written to tmp/data. Returns (tokenizer, records, the model's context [BOS] + P + T)."""
-    report = data.DataReport()
-    splits = split_pairs(run, report)
-    train_pairs = splits["pairs_train"] + splits["pairs_judge"]
-    tokenizer = data.train_bpe_tokenizer([p.prompt + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs],
-                                         tmp / "tokenizer", run.vocab_size)
-    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)  # tiny_llama's ids
-    records = encode_splits(run, splits, tokenizer, report)
-    records.update(prompts_train=[{"prompt": r["prompt"]} for r in records["pairs_train"]],
-                   prompts_heldout=[{"prompt": r["prompt"]} for r in records["pairs_heldout"]],
-                   sft=[{"prompt": r["prompt"], "response": r["chosen"]} for r in records["pairs_train"]])  # SFT on y_w
-    toy_world.write_dataset(records, tmp / "data")
-    write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(), "file": run.data,
-                                          **{k: len(records[k]) for k in ("pairs_train", "pairs_judge",
-                                                                          "pairs_heldout")}})
-    write_json(tmp / "data_limits.json", limits)
-    return tokenizer, records, 1 + run.max_prompt_tokens + run.max_response_tokens
-
-
-def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig, rm_cfg: RMConfig, seed: int,
-                         timings: dict, max_positions: int | None = None) -> ScalarHeadModel:
-    """Stage 1 (tmp/sft) on records["sft"], then stage 2 (tmp/reward_model) from it with a fresh scalar head on
-    records["pairs_train"], held-out accuracy on records["pairs_heldout"]; the logs of Fig. 2 and Fig. 3."""
-    # 1. SFT: a from-scratch tiny LLaMA on the demonstrations
-    t0 = time.time()
-    checkpoint.seed_everything(seed)
-    model = tiny_llama(len(tokenizer), sft_cfg)
-    if max_positions:
-        model.config.max_position_embeddings = max_positions  # RoPE: no table to resize
-    sft_losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg, seed,
-                           out_dir=tmp / "sft")
-    timings["sft"] = time.time() - t0
-    # 2. reward model, initialised from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
-    t0 = time.time()
-    checkpoint.seed_everything(seed)
-    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
-    rm_log = train_reward_model(rm, tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg, seed,
-                                out_dir=tmp / "reward_model")
-    rc, rr = score_pairs(rm, tokenizer, records["pairs_heldout"])
-    timings["reward_model"] = time.time() - t0
-    write_json(tmp / "sft_log.json", {"loss": sft_losses})
-    write_json(tmp / "rm_log.json", rm_log)                                                      # Fig. 3
-    write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
-    return rm
-
-
-def train_judge(sft_dir, tokenizer, records: dict, rm_cfg: RMConfig, seed: int, out_dir: Path, ds: dict | None = None,
-                bf16: bool = False, device: torch.device = torch.device("cpu"), grad_ckpt: bool = False) -> list[dict]:
-    """The judge: stage 2's recipe (Eq. 2 from the SFT model, a fresh head) on records["pairs_judge"], disjoint
-    from the proxy's pairs, so the win rate it gives was never the target of PPO (Gao et al. 2022's gold RM)."""
-    checkpoint.seed_everything(seed + 1)
-    judge = ScalarHeadModel.from_pretrained(sft_dir, seed=seed + 1, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
-    judge = judge.to(device)
-    if grad_ckpt:
-        judge.gradient_checkpointing_enable()
-    log = train_reward_model(judge, tokenizer, records["pairs_judge"], records["pairs_heldout"], rm_cfg, seed + 1,
-                             ds=ds, out_dir=out_dir)
-    if engine.rank() == 0:
-        write_json(out_dir / "rm_log.json", log)
-    print(f"[judge] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(records['pairs_heldout'])} pairs "
-          f"(trained on {len(records['pairs_judge'])} pairs the proxy never saw)")
-    return log
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
-
-
-# =========================================================================================================
-# Real models and scale: --plan, --model (scale.py holds the numbers; this is the wiring)
+# Stages 1-2 (pipeline.py: the cached base, a real model's stage directories) and the memory plan
 # =========================================================================================================
 def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     """--plan: scale.py's per-GPU memory plan for --model (for `tiny`, its LlamaConfig), without loading weights.
@@ -442,207 +268,9 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     return plan
 
 
-def resolve_real_models(run: RunConfig, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
-    """Local directories of a real --model and of the models given for the stages it skips (--sft-model,
-    --reward-model, --critic-model; None where a stage trains it here). A name not on this machine ends the run with
-    scale.py's message (download it, or pass a local directory); so does a stage that has no data to train on."""
-    def resolve(flag: str, name: str) -> str:
-        try:
-            return scale.resolve_model(name)
-        except scale.ModelNotFound as e:
-            fail(str(e).replace("--model", flag, 1))
-
-    stages = run.stages.split(",")
-    dirs = {"model": resolve("--model", run.model),
-            "sft": resolve("--sft-model", run.sft_model) if run.sft_model else None,
-            "reward": resolve("--reward-model", run.reward_model) if run.reward_model else None,
-            "critic": resolve("--critic-model", run.critic_model) if run.critic_model else None}
-    if dirs["reward"] and reward_model_kind(dirs["reward"]) is None:
-        fail(f"--reward-model {not_a_reward_model(dirs['reward'])}")
-    if not (run.data or run.sft_data or dirs["reward"]):
-        fail(f"--model {run.model}: nothing to train on: pass --data PAIRS (then SFT, the reward model and PPO all "
-             f"run), or --reward-model DIR with --prompts FILE for PPO alone")
-    if last_stage(run) == "sft" and not (run.data or run.sft_data):
-        fail(f"--model {run.model}: stage sft needs data: pass --data PAIRS or --sft-data FILE")
-    if dirs["reward"] is None and ("rm" not in stages or not run.data) and last_stage(run) in ("rm", "critic", "ppo"):
-        fail(f"--model {run.model}: no reward model: pass --data PAIRS to train one with Eq. 2 (stage rm), or "
-             f"--reward-model DIR")
-    if last_stage(run) in ("critic", "ppo") and not (run.prompts or run.data):
-        fail(f"--model {run.model}: no prompts; pass --prompts FILE.jsonl ({{\"prompt\": ...}} lines) or --data PAIRS")
-    for path in (run.data, run.sft_data, run.prompts):
-        if path and not Path(path).is_file():
-            raise data.DataError(path, None, None, "not_found", "no such file")
-    return dirs
-
-
-def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int) -> Path:
-    """A real model's stage directory under --out (sft/, reward_model/): every rank trains (under DeepSpeed each
-    holds an engine), rank 0 writes; a directory with DONE is a finished stage, not redone on a second start."""
-    return checkpoint.build_once(path, build, what, rebuild=rebuild, rank=rank, barrier=engine.barrier, label="stage")
-
-
-def real_model_stages(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, dirs: dict,
-                      rank: int, world: int, device: torch.device, timings: dict) -> dict:
-    """Stages 1-2 on a real Hugging Face model (the same sft.train_sft and reward_model.train_reward_model as the
-    tiny world), each into --out/<stage>/ unless a directory for it was given. Returns every model's directory;
-    the stages' seconds go into `timings`."""
-    out, stages = Path(run.out), run.stages.split(",")
-    tokenizer = data.load_tokenizer(dirs["sft"] or dirs["model"])
-    records = real_records(run, tokenizer) if run.data or run.sft_data else {}
-    bf16 = use_bf16(run, device)
-    if dirs["sft"] is None and "sft" in stages and records.get("sft"):  # without SFT data: --model is the SFT model
-        for name, n in (("sft_batch", sft_cfg.sft_batch), ("rm_batch", rm_cfg.rm_batch)):
-            if n % world:
-                fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world})")
-
-        def build_sft(tmp: Path) -> None:
-            checkpoint.seed_everything(run.seed)
-            model = load_lm(dirs["model"], bf16, device, run.grad_ckpt)
-            losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg,
-                               run.seed, ds=stage_ds(run, sft_cfg.sft_batch // world, device), out_dir=tmp)
-            if rank == 0:
-                write_json(tmp / "sft_log.json", {"loss": losses})
-        t0 = time.time()
-        dirs["sft"] = stage_dir(out / "sft", build_sft, f"stage 1, SFT of {run.model}", run.rebuild_base, rank)
-        timings["sft"] = time.time() - t0
-    dirs["sft"] = dirs["sft"] or dirs["model"]
-    if dirs["reward"] is None and "rm" in stages:
-        def build_rm(tmp: Path) -> None:
-            checkpoint.seed_everything(run.seed)
-            rm = ScalarHeadModel.from_pretrained(dirs["sft"], **({"torch_dtype": torch.bfloat16} if bf16 else {}))
-            rm = rm.to(device)
-            if run.grad_ckpt:
-                rm.gradient_checkpointing_enable()
-            log = train_reward_model(rm, tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg, run.seed,
-                                     ds=stage_ds(run, rm_cfg.rm_batch // world, device), out_dir=tmp)
-            rc, rr = score_pairs(rm, tokenizer, records["pairs_heldout"])
-            print(f"[rm] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(records['pairs_heldout'])} pairs")
-            if rank == 0:
-                write_json(tmp / "rm_log.json", log)                                                          # Fig. 3
-                write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
-                write_json(tmp / "data_limits.json", {"max_prompt_tokens": run.max_prompt_tokens,
-                                                      "max_response_tokens": run.max_response_tokens})
-        t0 = time.time()
-        dirs["reward"] = stage_dir(out / "reward_model", build_rm, f"stage 2, the reward model from {dirs['sft']}",
-                                   run.rebuild_base, rank)
-        timings["reward_model"] = time.time() - t0
-    dirs["judge"] = None
-    if "rm" in stages and records.get("pairs_judge"):
-        t0 = time.time()
-        dirs["judge"] = stage_dir(out / "judge_model", lambda tmp: train_judge(
-            dirs["sft"], tokenizer, records, rm_cfg, run.seed, tmp, stage_ds(run, rm_cfg.rm_batch // world, device),
-            bf16, device, run.grad_ckpt), "the judge, a second reward model on pairs the proxy never saw",
-            run.rebuild_base, rank)
-        timings["judge_model"] = time.time() - t0
-    if dirs["reward"]:
-        same_tokenizer(dirs["sft"], dirs["reward"])
-    dirs["critic"] = dirs["critic"] or (dirs["reward"] if cfg.critic_init == "rm" else dirs["sft"])
-    return dirs
-
-
-def real_records(run: RunConfig, tokenizer) -> dict[str, list[dict]]:
-    """--data's pairs (split_pairs, the limits applied once) and the SFT rows: --sft-data, or the chosen responses
-    of the proxy's training pairs."""
-    report = data.DataReport()
-    lim = (run.max_prompt_tokens, run.max_response_tokens)
-    out = encode_splits(run, split_pairs(run, report), tokenizer, report) if run.data else {}
-    if run.sft_data:
-        rows = data.load_texts(run.sft_data, skip_bad=run.skip_bad, report=report, with_source=True)
-        enc = [(p, r, data.encode_text(p, r, tokenizer, *lim, source=src, report=report)) for p, r, src in rows]
-        out["sft"] = [{"prompt": data.prompt_text(e["prompt_ids"], tokenizer, lim[0]) if p else "", "response": r}
-                      for p, r, e in enc if e is not None]
-        if not out["sft"]:
-            raise data.DataError(run.sft_data, None, None, "all_skipped", f"no SFT row fits the limits "
-                                                                          f"({report.summary()})")
-    else:
-        out["sft"] = [{"prompt": r["prompt"], "response": r["chosen"]} for r in out["pairs_train"]]  # SFT on y_w
-    return out
-
-
-def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool):
-    """A causal LM from a local directory (never remote code), in bf16 if asked, on `device`."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False,
-                                                 **({"dtype": torch.bfloat16} if bf16 else {})).to(device)
-    if grad_ckpt:
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    return model
-
-
-def same_tokenizer(policy_dir, reward_dir) -> None:
-    """The policy's token ids go straight into the reward model: both must read them alike."""
-    a, b = data.load_tokenizer(policy_dir), data.load_tokenizer(reward_dir)
-    if a.get_vocab() != b.get_vocab() or data.stop_id(a) != data.stop_id(b):
-        fail(f"--reward-model {reward_dir}: its tokenizer differs from the policy's ({policy_dir}); the reward model "
-             f"reads the policy's token ids, so both must share one tokenizer")
-
-
-def use_bf16(run: RunConfig, device: torch.device) -> bool:
-    """bf16 with --bf16 (even on the CPU), or under DeepSpeed on an accelerator that has it (unless --fp32)."""
-    engines = run.deepspeed or engine.world_size() > 1
-    return run.bf16 or (engines and not run.fp32 and device.type != "cpu" and engine.accelerator_bf16())
-
-
-def stage_ds(run: RunConfig, micro_batch: int, device: torch.device) -> dict | None:
-    """The DeepSpeed config of a trained model of stages 1-2 (None in one process without --deepspeed)."""
-    if not (run.deepspeed or engine.world_size() > 1):
-        return None
-    try:
-        ds = engine.engine_config(run.deepspeed_config, run.zero_stage, use_bf16(run, device), micro_batch, 1.0)
-    except engine.ConfigError as e:
-        fail(str(e))
-    print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, stage engine: ZeRO-"
-          f"{ds.get('zero_optimization', {}).get('stage', 0)}, bf16 {ds.get('bf16', {}).get('enabled', False)}, "
-          f"micro batch {micro_batch} per rank")
-    return ds
-
-
 # =========================================================================================================
-# What the PPO stage starts from: the four models' directories, the tokenizer, the prompts; then the models
+# The PPO stage's models (from pipeline.ppo_inputs), its judge and its state
 # =========================================================================================================
-@dataclass
-class Inputs:
-    """The directories the four models load from, their tokenizer, and the PPO stage's records."""
-    policy: Path | str
-    ref: Path | str
-    reward: Path | str
-    critic: Path | str
-    tokenizer: object
-    data: dict
-    base: Path | None = None     # runs/_base/<...> when stages 1-2 ran here (None for a real --model)
-    timings: dict = dataclasses.field(default_factory=dict)
-    judge: Path | str | None = None  # real data: the second reward model that judges the win rate
-
-
-def ppo_inputs(run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
-               world_cfg: toy_world.WorldConfig, dirs: dict | None, main_rank: bool) -> Inputs:
-    """A real --model: its directories and --prompts/--data. Otherwise stages 1-2 first (cached): rank 0 builds
-    them while the other ranks wait at the barrier, then they read the cache."""
-    from transformers import AutoTokenizer
-    if dirs:
-        tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
-        records = data.prompt_records(run.prompts or run.data, run.sft_data or run.data, tokenizer,
-                                      run.max_prompt_tokens, run.heldout_frac, run.seed, run.skip_bad)
-        return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
-                      judge=dirs.get("judge"))
-    if not main_rank:
-        engine.barrier()
-    base = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
-    policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
-    if main_rank:
-        engine.barrier()
-    if not run.data:
-        bias = json.loads((base / "rm_length_bias.json").read_text())
-        print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
-              f"(filler tokens added to a correct answer)")
-    records = {k: data.read_records(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
-    critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
-    return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
-                  records, base, json.loads((base / "timings.json").read_text()),
-                  judge=base / "judge_model" if (base / "judge_model" / "DONE").exists() or
-                  (base / "judge_model" / "value_head.safetensors").exists() else None)
-
-
 @dataclass
 class Models:
     """PPO's four models: policy and critic trained (DeepSpeed engines under the launcher), reference and reward
@@ -891,25 +519,6 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     if run.data and inp.base:
         print(f"[data] {run.data}: {summary['data']['summary']}")
     return summary
-
-
-def stop_after_stages(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-                      dirs: dict | None, rank: int) -> dict:
-    """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base)."""
-    if dirs is None:
-        if rank == 0:
-            build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base)
-        engine.barrier()
-        base = base_dir(run, sft_cfg, rm_cfg, world_cfg)
-        dirs = {"sft": str(base / "sft"), "reward": str(base / "reward_model")}
-    result = {"stages": run.stages, "sft": str(dirs["sft"])}
-    if "rm" in run.stages.split(","):
-        result["reward_model"] = str(dirs["reward"])
-        log = Path(dirs["reward"]) / "rm_log.json"
-        log = log if log.is_file() else Path(dirs["reward"]).parent / "rm_log.json"  # the tiny world's base
-        result["rm_heldout_accuracy"] = json.loads(log.read_text())[-1]["heldout_accuracy"]
-    print(f"[stages] {run.stages}: " + json.dumps(result))
-    return result
 
 
 def main(argv=None) -> dict | None:

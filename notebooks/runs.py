@@ -73,10 +73,11 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
 
 def expected(argv: list[str]) -> dict:
     """What summary.json must say for a cached run to stand for `argv`: preset, steps, PPO config, base directory."""
+    import pipeline
     import train
     run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg = train.parse_configs(argv)
     return {"preset": run_cfg.preset, "steps": run_cfg.steps, "config": dataclasses.asdict(ppo_cfg),
-            "base": train.base_dir(run_cfg, sft_cfg, rm_cfg, world_cfg).name}
+            "base": pipeline.base_dir(run_cfg, sft_cfg, rm_cfg, world_cfg).name}
 
 
 def mismatch(summary: dict, want: dict) -> list[str]:

@@ -46,6 +46,7 @@ import torch
 
 import data
 import scale
+import sft
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +200,7 @@ def test_plan_tiny_counts_the_tiny_model(capsys):
     plan = train.print_plan(["--plan", "--num-gpus", "1", "--gpu-mem", "4", "--zero-stage", "0", "--fp32",
                              "--sft-hidden", "32"])
     import toy_world
-    model = train.tiny_llama(len(toy_world.VOCAB), train.SFTConfig(sft_hidden=32))
+    model = sft.tiny_llama(len(toy_world.VOCAB), sft.SFTConfig(sft_hidden=32))
     assert plan.n_params["policy"] == sum(p.numel() for p in model.parameters())
     assert plan.settings["zero_stage"] == 0 and plan.settings["dtype_bytes"] == 4
     assert plan.fits
