@@ -95,7 +95,8 @@ def win_rate(a: list[float], b: list[float]) -> dict:
     n = len(a)
     win = sum(x > y for x, y in zip(a, b)) / n
     lose = sum(x < y for x, y in zip(a, b)) / n
-    return {"win": win, "tie": 1 - win - lose, "lose": lose}
+    tie = sum(x == y for x, y in zip(a, b)) / n  # counted, not 1 − win − lose (which can print as −0.00)
+    return {"win": win, "tie": tie, "lose": lose}
 
 
 def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
@@ -156,7 +157,7 @@ def format_table(summary: dict) -> str:
     for name, w in (summary.get("win_rate_vs_sft_by_judge") or {}).items():
         if name != judge:
             lines.append(f"win rate vs SFT (judge: {name}): win {w['win']:.2f}  tie {w['tie']:.2f}  lose {w['lose']:.2f}"
-                         + ("   (the reward PPO optimised: optimistic)" if "proxy" in name else ""))
+                         + ("   (the reward PPO optimised)" if "proxy" in name else ""))
     if "rm" in summary:
         lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}")
     return "\n".join(lines)
