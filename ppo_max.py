@@ -185,6 +185,34 @@ def arg(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def check_value(value, spec: str) -> str | None:
+    """What is wrong with a flag's value under `spec` (None if nothing): ">0", ">=0", ">=1", "[0,1]", "(0,1)",
+    "[0,1)", or "a|b|c" (choices). Numbers must also be finite."""
+    if "|" in spec:
+        choices = spec.split("|")
+        return None if str(value) in choices else f"choose one of {', '.join(choices)}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"expected a number {spec}"
+    if not math.isfinite(value):
+        return "must be a finite number"
+    if spec.startswith(">="):
+        return None if value >= float(spec[2:]) else f"must be ≥ {spec[2:]}"
+    if spec.startswith(">"):
+        return None if value > float(spec[1:]) else f"must be > {spec[1:]}"
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    ok = (value >= lo if spec[0] == "[" else value > lo) and (value <= hi if spec[-1] == "]" else value < hi)
+    return None if ok else f"must be in {spec}"
+
+
+# The valid range or choices of every PPOConfig field (train.py checks them all before any work).
+PPO_CHECKS = dict(rollout_batch=">=1", minibatch=">=1", ppo_epochs=">=1", max_new_tokens=">=1", temperature=">0",
+                  policy_lr=">=0", critic_lr=">=0", warmup_frac="[0,1]", grad_clip=">=0", reward_clip=">=0",
+                  adv_clip=">=0", kl_coef=">=0", kl_estimator="k1|k2|k3|full", kl_target=">=0", kl_horizon=">=1",
+                  entropy_coef=">=0", entropy_clip=">=0", clip_eps=">=0", value_clip=">=0", vf_coef=">=0",
+                  gamma="[0,1]", lam="[0,1]", ptx_coef=">=0", ptx_batch=">=1", critic_pretrain_steps=">=0",
+                  critic_init="rm|sft", policy_init="sft|pretrained")
+
+
 @dataclass
 class PPOConfig:
     """Every trick of the paper is a field; presets (below) are named sets of overrides. Defaults = PPO-max (§5.4)

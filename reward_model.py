@@ -312,6 +312,9 @@ class RMConfig:
     rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)")
 
 
+RM_CHECKS = dict(rm_epochs=">0", rm_lr=">0", rm_batch=">=1", rm_lm_coef=">=0", rm_eval_every=">=1")
+
+
 @torch.no_grad()
 def score_pairs(rm: ScalarHeadModel, tokenizer, rows: list[dict], batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """r(x, y_w) (N,) and r(x, y_l) (N,) of {"prompt", "chosen", "rejected"} rows."""

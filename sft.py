@@ -44,6 +44,9 @@ class SFTConfig:
     sft_batch: int = arg(64, "SFT batch size (sequences)")
 
 
+SFT_CHECKS = dict(sft_hidden=">=1", sft_layers=">=1", sft_heads=">=1", sft_epochs=">0", sft_lr=">0", sft_batch=">=1")
+
+
 def tiny_llama_config(vocab_size: int, cfg: SFTConfig):
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.sft_hidden, intermediate_size=4 * cfg.sft_hidden,

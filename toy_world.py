@@ -75,6 +75,10 @@ class WorldConfig:
     length_bias: float = field(default=0.8, metadata={"help": "annotators' extra log-odds per token of length difference (Table 1's bias)"})
 
 
+WORLD_CHECKS = dict(heldout_frac="(0,1)", n_sft=">=1", n_pairs=">=1", n_pairs_heldout=">=1", label_beta=">=0",
+                    length_bias=">-1e300")  # finite
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------------------

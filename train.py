@@ -58,8 +58,8 @@ from ppo_max import arg  # a dataclass field whose help text becomes `--help`
 from data import fail
 from pipeline import (STAGES, Inputs, last_stage, ppo_inputs, real_model_stages, resolve_real_models,
                       stop_after_stages, use_bf16, write_json)
-from reward_model import RMConfig, ScalarHeadModel
-from sft import SFTConfig, tiny_llama_config
+from reward_model import RM_CHECKS, RMConfig, ScalarHeadModel
+from sft import SFT_CHECKS, SFTConfig, tiny_llama_config
 
 
 # =========================================================================================================
@@ -119,8 +119,52 @@ class RunConfig:
     bf16: bool = arg(False, "bf16 for every model even on the CPU (the accelerator's dtype path, testable here)")
 
 
+# The valid range or choices of every RunConfig flag; with PPO_CHECKS, SFT_CHECKS, RM_CHECKS and WORLD_CHECKS,
+# every flag of train.py is checked by validate() before any stage runs (paths: they exist; --out: writable).
+RUN_CHECKS = dict(seed=">=0", steps=">=1", eval_samples=">=1", threads=">=0", save_every=">=0", keep_last=">=0",
+                  max_bad_steps=">=1", on_collapse="warn|stop", alarm_kl_max=">=0", alarm_patience=">=1",
+                  heldout_frac="(0,1)", vocab_size=">=1", max_prompt_tokens=">=1", max_response_tokens=">=2",
+                  judge_frac="[0,1)", zero_stage="0|1|2")
+FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be existing files when given
+
+
+def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.PPOConfig,
+             world_cfg: toy_world.WorldConfig) -> None:
+    """Every flag against its range or choices, the files it names, and the combinations the loop needs: one line
+    naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written."""
+    for obj, checks, prefix in ((run, RUN_CHECKS, ""), (sft_cfg, SFT_CHECKS, ""), (rm_cfg, RM_CHECKS, ""),
+                                (cfg, ppo_max.PPO_CHECKS, ""), (world_cfg, toy_world.WORLD_CHECKS, "world-")):
+        for name, spec in checks.items():
+            value = getattr(obj, name)
+            problem = ppo_max.check_value(value, spec)
+            if problem:
+                fail(f"--{prefix}{name.replace('_', '-')} {value!r}: {problem}")
+    for name in FILE_FLAGS:
+        path = getattr(run, name)
+        if path and not Path(path).is_file():
+            fail(f"--{name.replace('_', '-')} {path}: no such file")
+    if run.resume and not Path(run.resume).exists():
+        fail(f"--resume {run.resume}: no such run or checkpoint directory")
+    if cfg.minibatch > cfg.rollout_batch:
+        fail(f"--minibatch {cfg.minibatch}: must be ≤ --rollout-batch {cfg.rollout_batch} (a minibatch is a part of "
+             f"the rollout batch)")
+    if sft_cfg.sft_hidden % sft_cfg.sft_heads:
+        fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    if run.bf16 and run.fp32:
+        fail("--bf16 and --fp32: choose one")
+    if Path(run.out).exists() and not Path(run.out).is_dir():
+        fail(f"--out {run.out}: exists and is not a directory")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (a value that is not a number, an unknown flag) as one line and exit 2, like ours."""
+
+    def error(self, message: str) -> None:
+        fail(f"{message} (python train.py --help lists every flag)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig)]:
         g = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
@@ -128,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
             if f.name == "deepspeed_config":
                 flags.append("--deepspeed_config")  # DeepSpeed's own spelling of the flag
             help_ = f.metadata.get("help", "")
+            spec = {**RUN_CHECKS, **SFT_CHECKS, **RM_CHECKS, **ppo_max.PPO_CHECKS}.get(f.name)
+            if spec:
+                help_ += f" (allowed: {spec.replace('|', ', ')})"
             if cls is ppo_max.PPOConfig:  # PPO defaults come from the preset, so the parser's default is None
                 kw = dict(default=None, help=f"{help_} [PPO-max: {f.default}]")
             else:
@@ -160,15 +207,12 @@ def parse_configs(argv=None):
         fail(f"--preset: {e}")
     world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
                                                      for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
-    if run.on_collapse not in ("warn", "stop"):
-        fail(f"--on-collapse {run.on_collapse!r}: choose 'warn' or 'stop'")
-    if run.alarm_patience < 1 or not run.alarm_kl_max >= 0:
-        fail(f"--alarm-patience must be ≥ 1 and --alarm-kl-max ≥ 0 (got {run.alarm_patience}, {run.alarm_kl_max})")
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
     if not run.out:
         run.out = f"runs/{run.preset}-seed{run.seed}"
+    validate(run, sft_cfg, rm_cfg, ppo, world)
     return run, sft_cfg, rm_cfg, ppo, world
 
 
@@ -242,6 +286,18 @@ def configure(argv):
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
     return run, sft_cfg, rm_cfg, cfg, world_cfg
+
+
+def make_out_dir(run: RunConfig) -> Path:
+    """The run's own directory, the first thing written, so that an unwritable --out fails before any stage."""
+    try:
+        Path(run.out).mkdir(parents=True, exist_ok=True)
+        probe = Path(run.out) / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        fail(f"--out {run.out}: cannot write there ({e.strerror or e})")
+    return Path(run.out)
 
 
 # =========================================================================================================
@@ -528,9 +584,8 @@ def main(argv=None) -> dict | None:
         return None
     run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
+    out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
-    out = Path(run.out)
-    out.mkdir(parents=True, exist_ok=True)
     print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
     t_start = time.time()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ppo_max
+import toy_world
 import train
 
 # a world and budget small enough for CI (each run well under a minute on 2 cores)
@@ -98,12 +99,75 @@ def test_presets_and_flags_parse():
     assert (run.alarm_kl_max, run.alarm_patience, run.on_collapse) == (0.3, 3, "stop")
 
 
-@pytest.mark.parametrize("flags, message", [(["--on-collapse", "halt"], "--on-collapse 'halt'"),
-                                            (["--alarm-patience", "0"], "--alarm-patience must be ≥ 1")])
-def test_bad_alarm_flags_fail_with_one_line(flags, message, capsys):
+def bad_value(spec: str):
+    """A value outside `spec` (ppo_max.check_value's language)."""
+    if "|" in spec:
+        return "7" if all(c.isdigit() for c in spec.split("|")) else "nope"
+    if spec.startswith(">="):
+        return float(spec[2:]) - 1
+    if spec.startswith(">"):
+        return float(spec[1:]) - 1 if float(spec[1:]) > -1e300 else float("nan")
+    return float(spec[1:-1].split(",")[1]) + 1
+
+
+ALL_CHECKS = [("", n, s) for d in (train.RUN_CHECKS, train.SFT_CHECKS, train.RM_CHECKS, ppo_max.PPO_CHECKS)
+              for n, s in d.items()] + [("world-", n, s) for n, s in toy_world.WORLD_CHECKS.items()]
+
+
+@pytest.mark.parametrize("prefix, name, spec", ALL_CHECKS, ids=[f"{p}{n}" for p, n, _ in ALL_CHECKS])
+def test_every_flag_out_of_range_fails_with_one_line(prefix, name, spec, capsys):
+    flag = f"--{prefix}{name.replace('_', '-')}"
+    value = bad_value(spec)
+    if isinstance(value, float) and value.is_integer() and "|" not in spec:
+        value = int(value)
+    with pytest.raises(SystemExit) as e:
+        train.parse_configs([flag, str(value)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag} "), err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kl-coef", "nan"], "--kl-coef nan: must be a finite number"),
+    (["--lam", "2"], "--lam 2.0: must be in [0,1]"),
+    (["--preset", "foo"], "unknown preset 'foo'"),
+    (["--minibatch", "128"], "--minibatch 128: must be ≤ --rollout-batch 64"),
+    (["--sft-heads", "3"], "divisible by --sft-heads 3"),
+    (["--data", "nope.jsonl"], "--data nope.jsonl: no such file"),
+    (["--resume", "nowhere"], "--resume nowhere: no such run"),
+    (["--bf16", "--fp32"], "--bf16 and --fp32"),
+    (["--out", "pytest.ini"], "--out pytest.ini: exists and is not a directory")])
+def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(Path(train.__file__).parent)
     with pytest.raises(SystemExit) as e:
         train.parse_configs(flags)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_every_numeric_or_choice_flag_has_a_check():
+    """A new flag cannot slip in without its range: every int/float/str field is checked, or is a path/name."""
+    import dataclasses
+    checked = {n for _, n, _ in ALL_CHECKS}
+    free = {"out", "model", "resume", "data", "sft_data", "prompts", "deepspeed_config", "sft_model", "reward_model",
+            "critic_model", "preset", "stages", "seed"}  # paths and names: checked where they are used
+    for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig):
+        for f in dataclasses.fields(cls):
+            if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name == "seed"):
+                continue
+            assert f.name in checked or f.name in free, f"{cls.__name__}.{f.name} has no check"
+
+
+def test_bad_flag_exits_before_any_work(tmp_path):
+    """From the command line: one line, exit 2, no traceback, within seconds, and nothing written."""
+    import subprocess
+    import sys
+    import time
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(Path(train.__file__)), "--rollout-batch", "0", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --rollout-batch 0: must be ≥ 1"
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+    assert time.time() - t0 < 60
 
 
 @pytest.mark.slow
