@@ -4,6 +4,8 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
     save_checkpoint(run_dir, step, models=, optimizers=, ...)  → run_dir/checkpoints/step-000123/, written into a
                                                                   temporary directory, fsynced, renamed into place
     find_latest(path)                                          → the newest *complete* checkpoint, or None
+    find_intact(path) / damage(ckpt)                           → the newest complete one whose files all have the
+                                                                  sizes COMPLETE recorded (resume falls back to it)
     load_checkpoint(ckpt_dir, models=, optimizers=, rngs=)     → weights, optimizer/scheduler states and every RNG
                                                                   stream restored in place; returns state.json
     GracefulExit                                               → SIGINT/SIGTERM set a flag: checkpoint, then exit 0
@@ -321,6 +323,47 @@ def find_latest(path: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def damage(d: Path) -> str | None:
+    """What is wrong with checkpoint `d`, or None when it is intact: COMPLETE must list every file with its size
+    (a truncated or missing file is damage), state.json must parse, and every safetensors header must read."""
+    try:
+        listed = json.loads((d / COMPLETE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{COMPLETE} is missing or unreadable"
+    for name, size in listed.items():
+        p = d / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes, {size} when it was written (truncated or overwritten)"
+    try:
+        json.loads((d / STATE).read_text())
+        for p in d.rglob("*.safetensors"):
+            with safetensors.safe_open(str(p), framework="pt") as f:
+                f.keys()
+    except Exception as e:  # noqa: BLE001  (any unreadable file is damage, whatever the library raises)
+        return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def find_intact(path: str | os.PathLike, log: Callable[[str], Any] = print) -> Path | None:
+    """The newest checkpoint under `path` that is complete *and* intact (see damage), saying in one line about each
+    newer one that is not; None if there is none. A checkpoint directory given itself must be intact: ValueError."""
+    path = Path(path)
+    if _STEP_RE.match(path.name) and path.is_dir():
+        problem = damage(path) if _is_complete(path) else f"not a complete checkpoint (no {COMPLETE})"
+        if problem:
+            raise ValueError(f"--resume {path}: {problem}")
+        return path
+    root = path / CKPT_SUBDIR if (path / CKPT_SUBDIR).is_dir() else path
+    for _, d in reversed(_step_dirs(root)):
+        problem = damage(d)
+        if problem is None:
+            return d
+        log(f"[resume] {d}: {problem}; trying the checkpoint before it")
+    return None
+
+
 def _read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a save_pretrained directory (one model.safetensors or the shards of its index)."""
     index = d / "model.safetensors.index.json"
@@ -612,9 +655,9 @@ class RunCheckpoints:
         """Restore the newest complete checkpoint under `path` into the models, optimizers and RNG streams.
         Returns (its directory, its state.json). ValueError when there is none or it was written the other way
         (with engines / without); the caller reports it as one line."""
-        ckpt = find_latest(path)
+        ckpt = find_intact(path)
         if ckpt is None:
-            raise ValueError(f"--resume {path}: no complete checkpoint there")
+            raise ValueError(f"--resume {path}: no intact checkpoint there")
         ds_src = ckpt.parent / "deepspeed"  # where save() put the engines' states of this checkpoint
         first = next(iter(self.models))
         if (ds_src / first / ckpt.name).is_dir() != self.engines:

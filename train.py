@@ -273,8 +273,46 @@ def model_preset_configs(argv, run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: 
     return run, cfg, sft_cfg, rm_cfg
 
 
-def configure(argv):
-    """Every configuration of a run, presets and defaults applied: (run, sft_cfg, rm_cfg, cfg, world_cfg)."""
+RUN_RECORD = "run_config.json"  # in the run directory: the flags and the resolved configuration of the run
+SAFE_ON_RESUME = {"steps", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps", "on_collapse",
+                  "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
+
+
+def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig]:
+    """The run's flags and every configuration, presets and defaults applied. With --resume DIR the flags are the
+    run's recorded ones (RUN_RECORD) plus those given now, which may only change SAFE_ON_RESUME."""
+    run = parse_configs(argv)[0]
+    if run.resume:
+        argv = resumed_argv(argv, run)
+    return (argv, *resolve(argv))
+
+
+def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
+    """The resumed run's recorded flags, then the ones given with --resume (argparse: the last one wins). A given
+    flag that changes anything but SAFE_ON_RESUME is refused with one line naming it."""
+    import contextlib
+    import io
+    record = Path(run.out) / RUN_RECORD
+    if not record.is_file():
+        print(f"[resume] no {record} (a run from before runs recorded their flags): using the flags given now")
+        return argv
+    recorded = json.loads(record.read_text())["argv"]
+    combined = recorded + argv + ["--out", run.out]
+    with contextlib.redirect_stdout(io.StringIO()):  # the presets' messages, printed once by the real resolve
+        before, after = resolve(recorded + ["--out", run.out]), resolve(combined)
+    for prefix, old, new in zip(("", "", "", "", "world-"), before, after):
+        for name, value in dataclasses.asdict(new).items():
+            if value != getattr(old, name) and name not in SAFE_ON_RESUME:
+                flag = f"--{prefix}{name.replace('_', '-')}"
+                fail(f"{flag} {value!r} contradicts the run's {flag} {getattr(old, name)!r} (recorded in {record}): "
+                     f"--resume continues the run as configured; leave it out (only "
+                     f"{', '.join('--' + s.replace('_', '-') for s in sorted(SAFE_ON_RESUME - {'resume', 'out'}))} "
+                     f"may change)")
+    return combined
+
+
+def resolve(argv):
+    """(run, sft_cfg, rm_cfg, cfg, world_cfg) of a command line, presets and defaults applied and checked."""
     run, sft_cfg, rm_cfg, cfg, world_cfg = parse_configs(argv)
     if run.data and run.model == "tiny":  # real text: a smaller budget for the flags not given, and no gold judge
         run, sft_cfg, rm_cfg, cfg = real_data_configs(argv, run, sft_cfg, rm_cfg, cfg)
@@ -582,10 +620,15 @@ def main(argv=None) -> dict | None:
     if "--plan" in argv:  # before parsing: the plan's flags (--num-gpus, ...) are scale.py's
         print_plan(argv)
         return None
-    run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)
+    argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
+    if rank == 0:  # --resume DIR alone continues from this record
+        flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
+        write_json(out / RUN_RECORD, {"argv": flags, "configs": {
+            name: dataclasses.asdict(c) for name, c in zip(("run", "sft", "rm", "ppo", "world"),
+                                                           (run, sft_cfg, rm_cfg, cfg, world_cfg))}})
     print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
     t_start = time.time()
 
@@ -644,7 +687,7 @@ def main(argv=None) -> dict | None:
     timings["ppo"] = time.time() - t0
     if ended["signal"]:
         print(f"[{ended['signal']}] checkpoint written to {ended['path']}; continue with: "
-              f"{'deepspeed' if world > 1 else 'python'} train.py {' '.join(argv)} --resume {out}")
+              f"{'deepspeed' if world > 1 else 'python'} train.py --resume {out}")
         raise SystemExit(0)
     if ended["stop_reason"] and not log.alarm_info:  # non-finite values: stop with the last good checkpoint intact
         print(f"error: stopped: {ended['stop_reason']}", file=sys.stderr)

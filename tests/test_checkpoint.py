@@ -286,3 +286,63 @@ def test_nonfinite_guard_nan_and_consecutive():
     restored = NonFiniteGuard(3)
     restored.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert restored.should_stop and restored.skipped == 5
+
+
+# ------------------------------------------------------------------------------------------------------
+# Damage never costs more than one checkpoint
+# ------------------------------------------------------------------------------------------------------
+def test_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    from checkpoint import damage, find_intact
+    policy, critic, popt, copt = tiny_setup()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, models={"policy": policy, "critic": critic})
+    newest = tmp_path / "checkpoints" / "step-000002"
+    weights_file = newest / "policy" / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:100])           # a disk that filled up mid-copy
+    said = []
+    assert "truncated" in damage(newest) and find_intact(tmp_path, log=said.append).name == "step-000001"
+    assert len(said) == 1 and "step-000002" in said[0] and "\n" not in said[0]
+    with pytest.raises(ValueError, match="truncated"):                 # asked for by name: refused, not replaced
+        find_intact(newest)
+    (tmp_path / "checkpoints" / "step-000001" / "state.json").write_text("{not json")
+    assert find_intact(tmp_path, log=said.append) is None               # none intact: the caller stops (exit 2)
+
+
+KILLER = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from transformers import LlamaConfig, LlamaForCausalLM
+from checkpoint import save_checkpoint
+cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4)
+model = LlamaForCausalLM(cfg)
+for step in range(1, 1000):
+    save_checkpoint(sys.argv[1], step, models={"policy": model}, keep_last=2)
+    print(step, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_in_the_middle_of_a_save_leaves_an_intact_checkpoint(tmp_path):
+    """Really kill a process (SIGKILL: no handler runs) while it writes checkpoints back to back: what is left is
+    the newest intact checkpoint plus a half-written temporary directory that nothing mistakes for one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from checkpoint import damage, find_intact
+    root = Path(__file__).resolve().parents[1]
+    half_written = 0
+    for delay in (0.05, 0.15, 0.3):  # three moments within the saves (100 MB each: ~0.1-0.5 s here)
+        run = tmp_path / f"run{delay}"
+        proc = subprocess.Popen([sys.executable, "-c", KILLER, str(run), str(root)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "1"                    # one checkpoint written, the next under way
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        ckpt = find_intact(run)
+        assert ckpt is not None and damage(ckpt) is None
+        from transformers import LlamaForCausalLM
+        LlamaForCausalLM.from_pretrained(ckpt / "policy")               # and it loads
+        assert all(".tmp-" in p.name or damage(p) is None for p in (run / "checkpoints").glob("step-*"))
+        half_written += any(".tmp-" in p.name for p in (run / "checkpoints").glob("step-*"))
+    assert half_written >= 1, "no kill landed inside a save: the test did not test what it says"

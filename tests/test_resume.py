@@ -44,8 +44,21 @@ def uninterrupted(work):
 @pytest.mark.slow
 def test_resume_after_stop_matches_uninterrupted(work, uninterrupted):
     train.main(TINY + ["--steps", "5", "--out", "part"])          # stops after step 5 (checkpoints at 3 and 5)
-    train.main(TINY + ["--steps", "9", "--resume", "part"])
+    train.main(["--resume", "part", "--steps", "9"])               # the run's own flags, extended to 9 steps
     assert metrics(work / "part") == uninterrupted
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_flag_that_contradicts_the_run(work, uninterrupted, capsys):
+    """--resume continues the run as it was configured: --seed 4 on a seed-0 run is one line, exit 2, nothing done."""
+    before = (work / "full" / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", "full", "--seed", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --seed 4 contradicts the run's --seed 0")
+    assert (work / "full" / "metrics.jsonl").read_text() == before
+    record = json.loads((work / "full" / "run_config.json").read_text())
+    assert record["configs"]["run"]["steps"] == 9 and record["configs"]["ppo"]["rollout_batch"] == 16
 
 
 @pytest.mark.slow
@@ -66,7 +79,7 @@ def test_resume_after_sigterm_matches_uninterrupted(work, uninterrupted):
     if done < 9:  # the signal arrived during training: a checkpoint at the step it stopped and a resume hint
         assert "--resume" in out
         assert checkpoint.find_latest(work / "term").name == f"step-{done:06d}"
-        train.main(TINY + ["--steps", "9", "--resume", "term"])
+        train.main(["--resume", "term"])  # the directory alone: the run remembers its flags
     assert metrics(work / "term") == uninterrupted
 
 
@@ -127,3 +140,18 @@ def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work):
     assert latest.name == "step-000003" and (latest / "COMPLETE").exists()
     import monitor
     assert monitor.replay(work / "alarm", kl_max=0.0, patience=2)["alarm"] == 2  # replay = the live alarm
+
+
+@pytest.mark.slow
+def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupted, capsys):
+    """Truncate the newest checkpoint's weights (steps 3, 6, 9 saved): --resume says so in one line, continues from
+    step 6, and the run ends with the same metrics.jsonl as the uninterrupted one."""
+    import shutil
+    shutil.copytree(work / "full", work / "damaged")
+    weights = work / "damaged" / "checkpoints" / "step-000009" / "policy" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    capsys.readouterr()
+    train.main(["--resume", "damaged"])
+    out = capsys.readouterr().out
+    assert "step-000009" in out and "truncated" in out and "continuing at step 6" in out
+    assert metrics(work / "damaged") == uninterrupted
