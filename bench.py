@@ -59,7 +59,7 @@ import torch
 import ppo_max
 from reward_model import ScalarHeadModel
 from scale import llama_param_count
-from data import pad
+from data import OneLineParser, fail, pad
 
 MiB, GiB = 2**20, 2**30
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # as sft.tiny_llama; random prompt tokens are drawn from [3, V)
@@ -290,7 +290,7 @@ def format_tables(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="bench.py", description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="tiny,25m,1b", help=f"comma-separated, from {list(CONFIGS)}; 1b needs a GPU")
     p.add_argument("--iters", type=int, default=None, help="timed PPO iterations per config, after one warm-up "
                    "(default: per config, tiny 2, 25m 1, 1b 3)")
@@ -310,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    for flag, v, lo in (("--iters", args.iters, 1), ("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
+                        ("--response-len", args.response_len, 1), ("--threads", args.threads, 0),
+                        ("--bandwidth-mib", args.bandwidth_mib, 0)):
+        if v is not None and v < lo:
+            fail(f"{flag} {v}: must be ≥ {lo}")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     # ppo_update logs float(ptx) of a tensor that still requires grad; harmless, and not this file's to change
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("bench.py: --device cuda, but torch sees no GPU (torch.cuda.is_available() is False)")
+            fail("--device cuda, but torch sees no GPU (torch.cuda.is_available() is False)")
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     else:
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
-        raise SystemExit(f"bench.py: unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+        fail(f"--configs: unknown config(s) {unknown}; choose from {list(CONFIGS)}")
 
     result = {"machine": machine_info(device, threads), "rows": [], "skipped": []}
     for name in names:

@@ -46,6 +46,7 @@ github.com/anthropics/hh-rlhf); Zheng et al. 2023, "Secrets of RLHF in LLMs Part
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import random
@@ -93,6 +94,7 @@ class DataReport:
     kept: int = 0                                           # lines loaded
     skipped: Counter = field(default_factory=Counter)       # reason → lines skipped (skip_bad)
     truncated: int = 0                                      # prompts shortened to fit (latest turns kept)
+    truncated_responses: int = 0                            # responses cut to fit (scoring only; training drops)
     dropped: Counter = field(default_factory=Counter)       # reason → examples dropped when encoding
     first: dict = field(default_factory=dict)               # reason → "file:line" where it first happened
 
@@ -109,13 +111,15 @@ class DataReport:
             return ", ".join(f"{r} {n} (first at {self.first.get(r, '?')})" for r, n in sorted(c.items()))
         parts = [f"kept {self.kept}"]
         parts.append(f"skipped {sum(self.skipped.values())}" + (f": {by_reason(self.skipped)}" if self.skipped else ""))
-        parts.append(f"truncated {self.truncated} prompts")
+        parts.append(f"truncated {self.truncated} prompts"
+                     + (f" and {self.truncated_responses} responses" if self.truncated_responses else ""))
         parts.append(f"dropped {sum(self.dropped.values())}" + (f": {by_reason(self.dropped)}" if self.dropped else ""))
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
         return {"kept": self.kept, "skipped": dict(self.skipped), "truncated": self.truncated,
-                "dropped": dict(self.dropped), "first": dict(self.first)}
+                "truncated_responses": self.truncated_responses, "dropped": dict(self.dropped),
+                "first": dict(self.first)}
 
 
 def _show(value, limit: int = 40) -> str:
@@ -442,48 +446,71 @@ def truncate_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len:
     return last_ids[-max_prompt_tokens:]  # left cut at token level, keeping the end
 
 
-def _encode_response(text: str, tokenizer, max_response_tokens: int) -> list[int] | None:
+def _encode_response(text: str, tokenizer, max_response_tokens: int, cut: bool = False) -> list[int] | None:
+    """Response ids (T ≤ max_response_tokens, the stop token last); an over-long one is None (training drops it) or,
+    with cut, its first max_response_tokens − 1 tokens and the stop token (scoring keeps every pair)."""
     ids = response_ids(text, tokenizer)  # (T,)  EOS ends every response
-    return ids if len(ids) <= max_response_tokens else None
+    if len(ids) <= max_response_tokens:
+        return ids
+    return ids[:max_response_tokens - 1] + ids[-1:] if cut else None
 
 
 def encode_pair(pair: PreferencePair, tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                context_len: int | None = None, report: DataReport | None = None) -> dict | None:
+                context_len: int | None = None, report: DataReport | None = None, cut: bool = False) -> dict | None:
     """{"prompt_ids", "chosen_ids", "rejected_ids", "source"}, or None when a response (EOS included)
-    is longer than max_response_tokens: dropped and counted, never cut.
+    is longer than max_response_tokens: dropped and counted, never cut (training). With cut (scoring), over-long
+    responses are cut and counted instead, and a last turn longer than the context keeps its latest tokens.
     context_len defaults to max_prompt_tokens + max_response_tokens."""
     context_len = context_len if context_len is not None else max_prompt_tokens + max_response_tokens
-    chosen_ids = _encode_response(pair.chosen, tokenizer, max_response_tokens)  # (T_w,)
-    rejected_ids = _encode_response(pair.rejected, tokenizer, max_response_tokens)  # (T_l,)
+    chosen_ids = _encode_response(pair.chosen, tokenizer, max_response_tokens, cut)  # (T_w,)
+    rejected_ids = _encode_response(pair.rejected, tokenizer, max_response_tokens, cut)  # (T_l,)
     if chosen_ids is None or rejected_ids is None:
         if report is not None:
             report.drop("response_too_long", pair.source)
         return None
+    if cut and report is not None:
+        report.truncated_responses += sum(len(response_ids(t, tokenizer)) > max_response_tokens
+                                          for t in (pair.chosen, pair.rejected))
+    context_len = None if cut else context_len
     prompt_ids = truncate_prompt(pair.prompt, tokenizer, max_prompt_tokens, context_len, pair.source, report)  # (P,)
     return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "source": pair.source}
 
 
+def response_text(ids: list[int], tokenizer, max_response_tokens: int) -> str:
+    """The text of cut response ids (the stop token last, dropped here) that re-encodes, with its stop token, to at
+    most max_response_tokens tokens: a cut inside a UTF-8 character can re-encode longer, so drop one more."""
+    ids = list(ids[:-1])
+    while True:
+        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if len(response_ids(text, tokenizer)) <= max_response_tokens or not ids:
+            return text
+        ids = ids[:-1]
+
+
 def encode_text(prompt: str, response: str, tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                context_len: int | None = None, source: str = "", report: DataReport | None = None) -> dict | None:
-    """{"prompt_ids", "response_ids", "source"} for SFT / ptx, same rules as encode_pair."""
-    context_len = context_len if context_len is not None else max_prompt_tokens + max_response_tokens
-    response_ids = _encode_response(response, tokenizer, max_response_tokens)  # (T,)
-    if response_ids is None:
+                context_len: int | None = None, source: str = "", report: DataReport | None = None,
+                cut: bool = False) -> dict | None:
+    """{"prompt_ids", "response_ids", "source"} for SFT / ptx, same rules as encode_pair (cut: as for scoring)."""
+    context_len = None if cut else context_len if context_len is not None else max_prompt_tokens + max_response_tokens
+    resp_ids = _encode_response(response, tokenizer, max_response_tokens, cut)  # (T,)
+    if resp_ids is None:
         if report is not None:
             report.drop("response_too_long", source)
         return None
+    if cut and report is not None and resp_ids != response_ids(response, tokenizer):
+        report.truncated_responses += 1
     prompt_ids = truncate_prompt(prompt, tokenizer, max_prompt_tokens, context_len, source, report) if prompt else []
-    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "source": source}
+    return {"prompt_ids": prompt_ids, "response_ids": resp_ids, "source": source}
 
 
 def encode_pairs(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
                  context_len: int | None = None, skip_bad: bool = False,
-                 report: DataReport | None = None) -> list[dict]:
+                 report: DataReport | None = None, cut: bool = False) -> list[dict]:
     """encode_pair over a list: dropped pairs left out; prompt_too_long raised, or skipped with skip_bad."""
     out = []
     for pair in pairs:
         try:
-            enc = encode_pair(pair, tokenizer, max_prompt_tokens, max_response_tokens, context_len, report)
+            enc = encode_pair(pair, tokenizer, max_prompt_tokens, max_response_tokens, context_len, report, cut)
         except DataError as err:
             if not skip_bad:
                 raise
@@ -496,18 +523,24 @@ def encode_pairs(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int,
 
 
 def pair_records(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                 skip_bad: bool, report: DataReport) -> list[dict]:
+                 skip_bad: bool, report: DataReport, cut: bool = False) -> list[dict]:
     """Preference pairs as the text records {"prompt", "chosen", "rejected", "source"} the stages read.
 
     encode_pairs applies the limits (latest turns kept, over-long responses dropped and counted, prompt_too_long
     raised or skipped); the kept prompt ids are decoded back to TEXT, so every stage re-encodes exactly those
     tokens: [BOS] + prompt + response + [EOS], L ≤ 1 + max_prompt_tokens + max_response_tokens.
     """
-    encoded = encode_pairs(pairs, tokenizer, max_prompt_tokens, max_response_tokens, skip_bad=skip_bad, report=report)
+    encoded = encode_pairs(pairs, tokenizer, max_prompt_tokens, max_response_tokens, skip_bad=skip_bad, report=report,
+                           cut=cut)
     by_source = {p.source: p for p in pairs}
-    return [{"prompt": prompt_text(e["prompt_ids"], tokenizer, max_prompt_tokens),
-             "chosen": by_source[e["source"]].chosen, "rejected": by_source[e["source"]].rejected,
-             "source": e["source"]} for e in encoded]
+
+    def text(e: dict, side: str) -> str:  # the response as written, or (cut) the text of its kept tokens
+        original = getattr(by_source[e["source"]], side)
+        kept = e[f"{side}_ids"]
+        return original if kept == response_ids(original, tokenizer) else response_text(kept, tokenizer,
+                                                                                         max_response_tokens)
+    return [{"prompt": prompt_text(e["prompt_ids"], tokenizer, max_prompt_tokens), "chosen": text(e, "chosen"),
+             "rejected": text(e, "rejected"), "source": e["source"]} for e in encoded]
 
 
 def prompt_text(prompt_ids: list[int], tokenizer, max_prompt_tokens: int) -> str:
@@ -688,6 +721,14 @@ def load_tokenizer(path):
 # ----------------------------------------------------------------------------------------------
 # Command lines
 # ----------------------------------------------------------------------------------------------
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose own errors (a value that is not a number, an unknown flag, a missing one) are one line and
+    exit 2, like every other user mistake here."""
+
+    def error(self, message: str) -> None:
+        fail(f"{message} ({self.prog} --help lists every flag)")
+
+
 def fail(message: str) -> None:
     """A user's mistake: one line on stderr, exit 2 (as data.cli_guard)."""
     print(f"error: {message}", file=sys.stderr)
@@ -720,7 +761,7 @@ def main(argv: list[str] | None = None) -> None:
     """Validate a data file: counts, mean lengths in characters, and lines skipped by reason."""
     import argparse
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap = OneLineParser(description=main.__doc__)
     ap.add_argument("file", help=".jsonl or .jsonl.gz")
     ap.add_argument("--kind", choices=["auto", "pairs", "prompts", "texts"], default="auto")
     ap.add_argument("--skip-bad", action="store_true", help="skip bad lines and count them by reason")

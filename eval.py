@@ -223,7 +223,7 @@ def margin_histogram(margins: list[float], path: str, title: str) -> None:
 def score(argv=None) -> dict:
     """Score every pair (or every prompt/response) of a data file with a saved reward model."""
     from reward_model import accuracy
-    p = argparse.ArgumentParser(prog="eval.py score", description=score.__doc__)
+    p = data.OneLineParser(prog="eval.py score", description=score.__doc__)
     p.add_argument("--reward-model", required=True, help="reward-model directory (with its tokenizer), from train.py")
     p.add_argument("--data", required=True, help="HH-RLHF / {prompt,chosen,rejected} pairs, or {prompt,response} / "
                                                  "{text} records; .jsonl or .jsonl.gz")
@@ -241,7 +241,7 @@ def score(argv=None) -> dict:
     out_rows, result = [], {"file": a.data, "reward_model": a.reward_model, "limits": {"P": P, "T": T}}
     if "chosen" in first or "rejected" in first or not first:
         pairs = data.load_pairs(a.data, a.skip_bad, report)
-        rows = data.pair_records(pairs, tokenizer, P, T, a.skip_bad, report)  # the truncation of training
+        rows = data.pair_records(pairs, tokenizer, P, T, a.skip_bad, report, cut=True)  # every pair, cut to fit
         if not rows:
             raise data.DataError(a.data, None, None, "all_skipped", f"no pair fits the limits P={P}, T={T} ({report.summary()})")
         s = score_texts(rm, tokenizer, [(r["prompt"], r["chosen"]) for r in rows]
@@ -260,14 +260,16 @@ def score(argv=None) -> dict:
         rows = []
         for prompt, response, source in data.load_texts(a.data, a.skip_bad, report, with_source=True):
             try:
-                enc = data.encode_text(prompt, response, tokenizer, P, T, source=source, report=report)
+                enc = data.encode_text(prompt, response, tokenizer, P, T, source=source, report=report, cut=True)
             except data.DataError as err:
                 if not a.skip_bad:
                     raise
                 report.skip(err)
                 continue
             if enc is not None:
-                rows.append((data.prompt_text(enc["prompt_ids"], tokenizer, P) if prompt else "", response, source))
+                cut = enc["response_ids"] != data.response_ids(response, tokenizer)
+                rows.append((data.prompt_text(enc["prompt_ids"], tokenizer, P) if prompt else "",
+                             data.response_text(enc["response_ids"], tokenizer, T) if cut else response, source))
         if not rows:
             raise data.DataError(a.data, None, None, "all_skipped", f"no record fits the limits P={P}, T={T} ({report.summary()})")
         s = score_texts(rm, tokenizer, [(x, y) for x, y, _ in rows], a.batch)
@@ -289,7 +291,7 @@ def main(argv=None) -> None:
         return cli_guard(score)(argv[1:])
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward_model import ScalarHeadModel
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = data.OneLineParser(prog="eval.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", help="a run directory written by train.py (reads paths from its summary.json)")
     p.add_argument("--policy", help="policy directory (Hugging Face)")
     p.add_argument("--sft", help="SFT directory (the baseline and the KL reference)")
@@ -301,6 +303,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     judge_name, judge_dir = "gold", None
     if a.run:
+        if not (Path(a.run) / "summary.json").is_file():
+            data.fail(f"--run {a.run}: no summary.json (not a finished train.py run directory)")
         summ = json.loads((Path(a.run) / "summary.json").read_text())
         judge_name = summ.get("judge", "gold")  # real data has no gold: a held-out reward model (or the RM) judges
         judge_dir = summ.get("judge_model")
@@ -310,7 +314,10 @@ def main(argv=None) -> None:
         a.reward_model = a.reward_model or (str(base / "reward_model") if base else models.get("reward"))
         a.prompts = a.prompts or (str(base / "data" / "prompts_heldout.jsonl") if base else None)
         if not a.prompts:
-            raise SystemExit(f"error: --run {a.run}: a run of a real --model keeps no held-out prompts; pass --prompts")
+            data.fail(f"--run {a.run}: a run of a real --model keeps no held-out prompts; pass --prompts")
+    for flag, path in (("--policy", a.policy), ("--sft", a.sft), ("--reward-model", a.reward_model)):
+        if not path or not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
+            data.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
     tok = AutoTokenizer.from_pretrained(a.policy)
     policy = AutoModelForCausalLM.from_pretrained(a.policy).eval()
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()

@@ -35,11 +35,13 @@ def peak_gib() -> float:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = data.OneLineParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/gpu_check", help="working directory of the check")
     p.add_argument("--tiny", action="store_true", help="a 0.1 M model: checks the script itself, on a CPU too")
     p.add_argument("--steps", type=int, default=4, help="PPO iterations")
     a = p.parse_args(argv)
+    if a.steps < 1:
+        data.fail(f"--steps {a.steps}: must be ≥ 1")
     out = Path(a.out)
     texts = [x + y for x, y in data.load_texts(HH, skip_bad=True)]
     size = dict(hidden=32, layers=2, heads=4, vocab_size=500) if a.tiny else dict(hidden=2048, layers=16, heads=16,

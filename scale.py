@@ -623,7 +623,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         plan = plan_from_args(args.model, args, args.reward_model)
     except (ModelNotFound, ValueError) as e:
-        raise SystemExit(f"scale.py: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
     print(format_plan(plan))
     if args.ds_config:
         print(json.dumps(deepspeed_config(zero_stage=args.zero_stage, bf16=not args.fp32,

@@ -90,7 +90,7 @@ def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 
 
 def main(argv: list[str] | None = None) -> None:
     import data
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = data.OneLineParser(prog="tiny_model.py", description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture and its tokenizer's conventions")
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--data", default="data/hh-rlhf/harmless-base-test.dev.jsonl.gz",
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     for flag, v in (("--hidden", a.hidden), ("--layers", a.layers), ("--heads", a.heads), ("--vocab-size", a.vocab_size)):
         if v < 1:
-            raise data.DataError(flag, None, None, "bad_flag", f"must be ≥ 1, got {v}")
+            data.fail(f"{flag} {v}: must be ≥ 1")
     if a.hidden % a.heads:
-        raise data.DataError("--hidden", None, None, "bad_flag", f"{a.hidden} is not divisible by --heads {a.heads}")
+        data.fail(f"--hidden {a.hidden}: must be divisible by --heads {a.heads}")
     texts = [p + r for p, r in data.load_texts(a.data, skip_bad=True)]
     out = build_model(a.arch, texts, a.out, a.hidden, a.layers, a.heads, a.vocab_size)
     from transformers import AutoModelForCausalLM

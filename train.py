@@ -143,6 +143,11 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
         path = getattr(run, name)
         if path and not Path(path).is_file():
             fail(f"--{name.replace('_', '-')} {path}: no such file")
+    if run.deepspeed_config:
+        try:
+            json.loads(Path(run.deepspeed_config).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            fail(f"--deepspeed_config {run.deepspeed_config}: not valid JSON ({str(e).splitlines()[0]})")
     if run.resume and not Path(run.resume).exists():
         fail(f"--resume {run.resume}: no such run or checkpoint directory")
     if cfg.minibatch > cfg.rollout_batch:
@@ -156,15 +161,9 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
         fail(f"--out {run.out}: exists and is not a directory")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's own errors (a value that is not a number, an unknown flag) as one line and exit 2, like ours."""
-
-    def error(self, message: str) -> None:
-        fail(f"{message} (python train.py --help lists every flag)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = data.OneLineParser(prog="train.py", description=__doc__.split("\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig)]:
         g = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
@@ -283,6 +282,11 @@ def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.
     run's recorded ones (RUN_RECORD) plus those given now, which may only change SAFE_ON_RESUME."""
     run = parse_configs(argv)[0]
     if run.resume:
+        try:  # before anything is built: a resume with nothing intact to resume from stops now
+            if checkpoint.find_intact(run.resume, log=lambda line: None) is None:
+                fail(f"--resume {run.resume}: no intact checkpoint there")
+        except ValueError as e:
+            fail(str(e))
         argv = resumed_argv(argv, run)
     return (argv, *resolve(argv))
 
@@ -324,6 +328,24 @@ def resolve(argv):
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
     return run, sft_cfg, rm_cfg, cfg, world_cfg
+
+
+def write_record(out: Path, argv: list[str], *configs) -> None:
+    """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
+    flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
+    write_json(out / RUN_RECORD, {"argv": flags, "configs": {name: dataclasses.asdict(c) for name, c in
+                                                             zip(("run", "sft", "rm", "ppo", "world"), configs)}})
+
+
+def check_data_files(run: RunConfig) -> None:
+    """Read every data file once now, so a bad line stops the run (one line naming file and line, exit 2) before any
+    stage; the stages read them again, which costs well under a second for files of this size."""
+    if run.data:
+        data.load_pairs(run.data, skip_bad=run.skip_bad)
+    if run.sft_data:
+        data.load_texts(run.sft_data, skip_bad=run.skip_bad)
+    if run.prompts:
+        data.load_prompts(run.prompts, skip_bad=run.skip_bad)
 
 
 def make_out_dir(run: RunConfig) -> Path:
@@ -622,13 +644,11 @@ def main(argv=None) -> dict | None:
         return None
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
+    check_data_files(run)
     out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
     if rank == 0:  # --resume DIR alone continues from this record
-        flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
-        write_json(out / RUN_RECORD, {"argv": flags, "configs": {
-            name: dataclasses.asdict(c) for name, c in zip(("run", "sft", "rm", "ppo", "world"),
-                                                           (run, sft_cfg, rm_cfg, cfg, world_cfg))}})
+        write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg)
     print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
     t_start = time.time()
 

@@ -190,3 +190,29 @@ def test_eval_score_writes_scores_and_histogram(real_run, tmp_path):
     res = evaluation.score(["--reward-model", str(base / "reward_model"), "--data", str(recs),
                             "--out", str(tmp_path / "r.jsonl")])
     assert res["responses"] == 2 and len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_eval_score_scores_every_pair_cutting_long_ones(real_run, tmp_path):
+    """Pairs whose responses (or prompts) exceed the reward model's limits are cut as they would be fed to it, and
+    counted; none is dropped. A cut pair scores as its kept tokens do."""
+    d, _, summary = real_run
+    base = Path(summary["base"])
+    base = base if base.is_absolute() else d / base
+    long = " and then keep going" * 30   # far beyond the 40-token response limit
+    rows = hh_pairs(6, seed=1)
+    rows[1]["chosen"] += long
+    rows[2]["rejected"] += long
+    rows[3] = {k: "\n\nHuman: hi" * 60 + v for k, v in rows[3].items()}  # a prompt far beyond 48 tokens
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    res = evaluation.score(["--reward-model", str(base / "reward_model"), "--data", str(path),
+                            "--out", str(tmp_path / "s.jsonl")])
+    assert res["pairs"] == 6 and not res["data_report"]["dropped"]
+    assert res["data_report"]["truncated_responses"] == 2 and res["data_report"]["truncated"] == 1
+    # the cut pair's score equals the score of the text that was kept, encoded as in training
+    rm, tok, limits = evaluation.load_scorer(str(base / "reward_model"))
+    (rec,) = data.pair_records(data.load_pairs(path)[1:2], tok, 48, 40, False, data.DataReport(), cut=True)
+    assert len(data.response_ids(rec["chosen"], tok)) <= 40 and rec["chosen"] != rows[1]["chosen"]
+    kept = evaluation.score_texts(rm, tok, [(rec["prompt"], rec["chosen"])])[0]
+    scored = [json.loads(l) for l in (tmp_path / "s.jsonl").read_text().splitlines()][1]["chosen"]
+    assert abs(kept - scored) < 1e-4

@@ -1,0 +1,53 @@
+"""No user mistake ends in a traceback: every entry point, given a wrong path, a bad flag, a bad file or a damaged
+checkpoint, prints one line `error: …` naming what is wrong and exits with status 2, before doing any work."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MISTAKES = {  # name: (argv after `python`, what the one line must mention)
+    "train_bad_int": (["train.py", "--steps", "x"], "--steps"),
+    "train_unknown_flag": (["train.py", "--stepz", "3"], "--stepz"),
+    "train_out_of_range": (["train.py", "--clip-eps", "-1"], "--clip-eps"),
+    "train_missing_data": (["train.py", "--data", "nowhere.jsonl"], "nowhere.jsonl"),
+    "train_bad_data": (["train.py", "--data", "bad.jsonl"], "bad.jsonl:1"),
+    "train_resume_nothing": (["train.py", "--resume", "empty"], "no intact checkpoint"),
+    "train_missing_model": (["train.py", "--model", "nowhere"], "--model nowhere"),
+    "train_wrong_deepspeed_json": (["train.py", "--deepspeed", "--deepspeed_config", "bad.jsonl"], "bad.jsonl"),
+    "eval_no_run": (["eval.py", "--run", "nowhere"], "--run nowhere"),
+    "eval_no_model": (["eval.py", "--policy", "nowhere", "--sft", "nowhere", "--reward-model", "nowhere",
+                       "--prompts", "bad.jsonl"], "--policy nowhere"),
+    "eval_score_no_model": (["eval.py", "score", "--reward-model", "nowhere", "--data", "bad.jsonl"], "nowhere"),
+    "eval_unknown_command": (["eval.py", "plots"], "plots"),
+    "monitor_not_a_run": (["monitor.py", "replay", "empty"], "empty"),
+    "data_bad_file": (["data.py", "bad.jsonl"], "bad.jsonl:1"),
+    "data_missing_file": (["data.py", "nowhere.jsonl"], "nowhere.jsonl"),
+    "bench_bad_flag": (["bench.py", "--iters", "0"], "--iters"),
+    "bench_bad_config": (["bench.py", "--configs", "huge"], "huge"),
+    "scale_missing_model": (["scale.py", "--model", "nowhere"], "nowhere"),
+    "tiny_model_bad_arch": (["tiny_model.py", "--arch", "bert", "--out", "m"], "bert"),
+    "gpu_check_bad_flag": (["gpu_check.py", "--steps", "0"], "--steps"),
+}
+
+
+@pytest.fixture(scope="module")
+def cwd(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mistakes")
+    (d / "bad.jsonl").write_text("{not json\n")
+    (d / "empty").mkdir()
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_a_mistake_is_one_line_and_exit_2(name, cwd):
+    argv, needle = MISTAKES[name]
+    proc = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                            "HOME": str(cwd), "HF_HOME": str(cwd / "hf")})
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("[")]  # '[' : DeepSpeed's log
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-1500:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not (cwd / "runs").exists() or name.startswith("train_resume"), "a mistake must not leave work behind"
