@@ -7,15 +7,17 @@ Implements: no equation; the monitoring metrics of §5.2 and the win rate of Fig
                   or by the reward model (real data, where no gold judge exists: rm_judge())
   score()         r(x, y) of every pair or response of a data file with a saved reward model: pairwise accuracy
                   (Eq. 1; Fig. 3) and the histogram of r(x, y_w) − r(x, y_l) (Fig. 2)
+  plot()          §5.2's panels of any runs, one line per run: reward-model score, gold or judge reward, KL to the
+                  reference, perplexity, response length, and the win rate where checkpoints were evaluated
 Run:
   python eval.py --policy runs/ppo-max-seed0/policy --sft runs/_base/<...>/sft --reward-model runs/_base/<...>/reward_model
   python eval.py --run runs/ppo-max-seed0          # the same, with every path read from that run's summary.json
   python eval.py score --reward-model runs/_base/real-<...>/reward_model --data pairs.jsonl.gz --out scores.jsonl
-Definitions of every metric: README, "Metrics".
+  python eval.py plot runs/ppo-max-seed0 runs/vanilla-seed0 --out curves.png
+Definitions of every metric: docs/metrics.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -283,12 +285,78 @@ def score(argv=None) -> dict:
     return result
 
 
+# the panels of `eval.py plot`, in §5.2's order: (metrics.jsonl key or keys, the panel's title)
+PANELS = [(("reward/score",), "reward-model score (raw)"), (("reward/gold", "reward/judge"), "gold reward / judge"),
+          (("kl/ref",), "KL to the reference (nats/token)"), (("policy/perplexity",), "perplexity on own samples"),
+          (("response/length",), "response length (tokens)"), (None, "win rate vs SFT (win + ½ tie, held out)")]
+
+
+def plot(argv=None) -> dict:
+    """§5.2's panels of one or more train.py runs, one line per run, as one PNG."""
+    p = data.OneLineParser(prog="eval.py plot", description=plot.__doc__)
+    p.add_argument("runs", nargs="+", help="run directories (each with its metrics.jsonl)")
+    p.add_argument("--out", default="curves.png", help="the PNG to write")
+    p.add_argument("--labels", default="", help="comma-separated labels (default: the directories' names)")
+    a = p.parse_args(argv)
+    labels = [x.strip() for x in a.labels.split(",")] if a.labels else [Path(r).name for r in a.runs]
+    if len(labels) != len(a.runs):
+        data.fail(f"--labels: {len(labels)} labels for {len(a.runs)} runs")
+    runs = []
+    for run in a.runs:
+        f = Path(run) / "metrics.jsonl"
+        if not f.is_file():
+            data.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
+        rows = data.read_records(f)
+        if not rows:
+            data.fail(f"{f}: no steps yet")
+        wins = Path(run) / "checkpoint_eval.json"  # the figure notebooks' per-checkpoint evaluation, if any
+        wins = json.loads(wins.read_text()) if wins.is_file() else []
+        summary = Path(run) / "summary.json"       # and the final held-out evaluation of a finished run
+        if summary.is_file() and json.loads(summary.read_text()).get("win_rate_vs_sft"):
+            s = json.loads(summary.read_text())
+            wins = [w for w in wins if w["step"] != s["steps"]] + [{"step": s["steps"], **s["win_rate_vs_sft"]}]
+        runs.append((rows, wins))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)
+    drawn = []
+    for ax, (keys, title) in zip(axes.flat, PANELS):
+        for (rows, wins), label in zip(runs, labels):
+            if keys is None:  # the win rate (win + ½ tie) of each evaluated checkpoint against SFT
+                if wins:
+                    ax.plot([w["step"] for w in wins], [w["win"] + 0.5 * w["tie"] for w in wins], marker="o",
+                            label=label)
+                continue
+            key = next((k for k in keys if any(r.get(k) is not None for r in rows)), None)
+            if key:
+                pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+                ax.plot(*zip(*pts), label=label if len(keys) == 1 else f"{label} ({key.split('/')[1]})")
+        has_lines = bool(ax.lines)
+        if keys is None and has_lines:
+            ax.axhline(0.5, color="gray", linestyle="--", linewidth=0.8)  # as good as SFT
+        drawn.append(title if has_lines else f"{title}: none")
+        ax.set_title(title if has_lines else f"{title}\n(not in these runs)", fontsize=9)
+        if has_lines:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("PPO step")
+    fig.suptitle("§5.2 monitoring: " + ", ".join(labels), fontsize=10)
+    fig.tight_layout()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(a.out, dpi=110)
+    plt.close(fig)
+    print(f"{a.out}: {len(runs)} run(s); panels: " + "; ".join(drawn))
+    return {"out": a.out, "panels": drawn}
+
+
 def main(argv=None) -> None:
     import sys
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["score"]:  # `python eval.py score ...`; everything else is the policy-vs-SFT comparison
+    if argv[:1] in (["score"], ["plot"]):  # `python eval.py score|plot ...`; else the policy-vs-SFT comparison
         from data import cli_guard
-        return cli_guard(score)(argv[1:])
+        return cli_guard(score if argv[0] == "score" else plot)(argv[1:])
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward_model import ScalarHeadModel
     p = data.OneLineParser(prog="eval.py", description=__doc__.split("\n")[0])

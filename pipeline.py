@@ -85,6 +85,7 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
             t0 = time.time()
             train_judge(tmp / "sft", tokenizer, records, rm_cfg, run.seed, tmp / "judge_model")
             timings["judge_model"] = time.time() - t0
+            print(f"[2b. judge] {timings['judge_model']:.1f} s")
         if run.data:
             write_json(tmp / "reward_model" / "data_limits.json", key["limits"])
             print(f"[base] reward model held-out accuracy "
@@ -168,6 +169,7 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
     sft_losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg, seed,
                            out_dir=tmp / "sft")
     timings["sft"] = time.time() - t0
+    print(f"[1. SFT] {timings['sft']:.1f} s")
     # 2. reward model, initialised from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
     t0 = time.time()
     checkpoint.seed_everything(seed)
@@ -176,6 +178,7 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
                                 out_dir=tmp / "reward_model")
     rc, rr = score_pairs(rm, tokenizer, records["pairs_heldout"])
     timings["reward_model"] = time.time() - t0
+    print(f"[2. reward model] {timings['reward_model']:.1f} s")
     write_json(tmp / "sft_log.json", {"loss": sft_losses})
     write_json(tmp / "rm_log.json", rm_log)                                                      # Fig. 3
     write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
@@ -269,6 +272,7 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
         t0 = time.time()
         dirs["sft"] = stage_dir(out / "sft", build_sft, f"stage 1, SFT of {run.model}", run.rebuild_base, rank)
         timings["sft"] = time.time() - t0
+        print(f"[1. SFT] {timings['sft']:.1f} s")
     dirs["sft"] = dirs["sft"] or dirs["model"]
     if dirs["reward"] is None and "rm" in stages:
         def build_rm(tmp: Path) -> None:
@@ -290,6 +294,7 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
         dirs["reward"] = stage_dir(out / "reward_model", build_rm, f"stage 2, the reward model from {dirs['sft']}",
                                    run.rebuild_base, rank)
         timings["reward_model"] = time.time() - t0
+        print(f"[2. reward model] {timings['reward_model']:.1f} s")
     dirs["judge"] = None
     if "rm" in stages and records.get("pairs_judge"):
         t0 = time.time()
@@ -298,6 +303,7 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
             bf16, device, run.grad_ckpt), "the judge, a second reward model on pairs the proxy never saw",
             run.rebuild_base, rank)
         timings["judge_model"] = time.time() - t0
+        print(f"[2b. judge] {timings['judge_model']:.1f} s")
     if dirs["reward"]:
         same_tokenizer(dirs["sft"], dirs["reward"])
     dirs["critic"] = dirs["critic"] or (dirs["reward"] if cfg.critic_init == "rm" else dirs["sft"])

@@ -632,6 +632,7 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     write_json(out / "summary.json", summary)
     print(evaluation.format_table(summary))
     print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    print(f"curves: python eval.py plot {out} --out {out / 'curves.png'}")
     if run.data and inp.base:
         print(f"[data] {run.data}: {summary['data']['summary']}")
     return summary
@@ -690,6 +691,7 @@ def main(argv=None) -> dict | None:
                                              lambda: batches.prompts(cfg.rollout_batch), cfg,
                                              data.stop_id(inp.tokenizer), inp.tokenizer.pad_token_id, state.kl_ctl.value)
         timings["critic_pretrain"] = time.time() - t0
+        print(f"[3. critic pre-training] {timings['critic_pretrain']:.1f} s")
         if rank == 0:
             write_json(out / "critic_pretrain.json", critic_log)
         if last_stage(run) == "critic":  # --stages ...,critic: the pre-trained critic is the result

@@ -21,6 +21,7 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
                        "--prompts", "bad.jsonl"], "--policy nowhere"),
     "eval_score_no_model": (["eval.py", "score", "--reward-model", "nowhere", "--data", "bad.jsonl"], "nowhere"),
     "eval_unknown_command": (["eval.py", "plots"], "plots"),
+    "eval_plot_not_a_run": (["eval.py", "plot", "empty"], "empty"),
     "monitor_not_a_run": (["monitor.py", "replay", "empty"], "empty"),
     "data_bad_file": (["data.py", "bad.jsonl"], "bad.jsonl:1"),
     "data_missing_file": (["data.py", "nowhere.jsonl"], "nowhere.jsonl"),

@@ -216,3 +216,13 @@ def test_eval_score_scores_every_pair_cutting_long_ones(real_run, tmp_path):
     kept = evaluation.score_texts(rm, tok, [(rec["prompt"], rec["chosen"])])[0]
     scored = [json.loads(l) for l in (tmp_path / "s.jsonl").read_text().splitlines()][1]["chosen"]
     assert abs(kept - scored) < 1e-4
+
+
+@pytest.mark.slow
+def test_eval_plot_draws_the_panels_of_a_run(real_run, tmp_path):
+    d, _, _ = real_run
+    res = evaluation.plot([str(d / "run"), "--out", str(tmp_path / "curves.png"), "--labels", "hh"])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = [p for p in res["panels"] if not p.endswith(": none")]
+    # real data: the judge's reward instead of gold, and the final win rate of summary.json as its one point
+    assert len(res["panels"]) == 6 and len(drawn) == 6, res["panels"]
