@@ -330,6 +330,27 @@ def resolve(argv):
     return run, sft_cfg, rm_cfg, cfg, world_cfg
 
 
+def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, out: Path) -> tuple[int, list[dict]]:
+    """The newest intact checkpoint restored into the models, optimizers, RNG streams and `state`: (its step, the
+    metrics of the steps before it)."""
+    try:
+        ckpt, saved = ckpts.resume(run.resume)
+    except ValueError as e:
+        fail(str(e))
+    state.load_state_dict(saved["extra_state"])
+    print(f"[resume] {ckpt}: continuing at step {saved['step']}")
+    return saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
+
+
+def save_critic(m: Models, inp: Inputs, run: RunConfig, out: Path, rank: int) -> dict:
+    """--stages ...,critic: the pre-trained critic, as a Hugging Face directory, is the run's result."""
+    if rank == 0:
+        engine.unwrap(m.critic).save_pretrained(out / "critic")
+        inp.tokenizer.save_pretrained(out / "critic")
+        print(f"[stages] {run.stages}: the pre-trained critic is in {out / 'critic'}")
+    return {"stages": run.stages, "critic": str(out / "critic")}
+
+
 def write_record(out: Path, argv: list[str], *configs) -> None:
     """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
     flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
@@ -677,13 +698,7 @@ def main(argv=None) -> dict | None:
                                       inp.tokenizer, run.keep_last, rank, engine.barrier)
     timings, start, history = dict(inp.timings), 0, []
     if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
-        try:
-            ckpt, saved = ckpts.resume(run.resume)
-        except ValueError as e:
-            fail(str(e))
-        start, history = saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
-        state.load_state_dict(saved["extra_state"])
-        print(f"[resume] {ckpt}: continuing at step {start}")
+        start, history = resume(run, ckpts, state, out)
     elif "critic" in run.stages.split(","):
         # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
         t0 = time.time()
@@ -695,11 +710,7 @@ def main(argv=None) -> dict | None:
         if rank == 0:
             write_json(out / "critic_pretrain.json", critic_log)
         if last_stage(run) == "critic":  # --stages ...,critic: the pre-trained critic is the result
-            if rank == 0:
-                engine.unwrap(m.critic).save_pretrained(out / "critic")
-                inp.tokenizer.save_pretrained(out / "critic")
-                print(f"[stages] {run.stages}: the pre-trained critic is in {out / 'critic'}")
-            return {"stages": run.stages, "critic": str(out / "critic")}
+            return save_critic(m, inp, run, out, rank)
 
     # 4. PPO
     t0 = time.time()
