@@ -7,7 +7,7 @@ on 8 GPUs):
                                                 has it), or the model and its AdamW as they are
     backward_step(model, opt, loss, clip, ..) → backward, global gradient clip, optimizer step; a non-finite loss
                                                 or gradient skips the step (a DeepSpeed engine does this itself)
-    set_lr(opt, lr)                           → the learning rate of every parameter group
+    set_lr(opt, lr), cosine_lr(step, total, α) → the learning rate of every parameter group; the cosine schedule
     gather_batch / gather_list / all_mean / any_rank / barrier
                                               → data parallelism: rank r of W holds rows r, r + W, … of the global
                                                 batch; without torch.distributed every one is the identity
@@ -20,6 +20,7 @@ References: DeepSpeed's `deepspeed.initialize` and ZeRO (Rajbhandari et al. 2020
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -115,6 +116,13 @@ def unwrap(model):
 def set_lr(optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
+
+
+def cosine_lr(step: int, total: int, base: float, warmup: int = 0) -> float:
+    """α_step = α · ½(1 + cos(π · step / total)) after a linear warm-up (the SFT and reward-model schedules)."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return base * 0.5 * (1 + math.cos(math.pi * min(step - warmup, total) / max(total, 1)))
 
 
 def backward_step(model, optimizer, loss: Tensor, grad_clip: float, name: str, nonfinite: list[str]) -> Tensor:

@@ -335,7 +335,6 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     global gradient clip 1.0; held-out pairwise accuracy every cfg.rm_eval_every steps and at the end (Fig. 3).
     Returns the log [{"step", "heldout_accuracy", "train": [stats per step]}]; `rm` is trained in place and saved
     with its tokenizer at `out_dir` when one is given."""
-    from sft import cosine_lr
     rng = random.Random(seed)
     steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
     disable_dropout(rm)  # chosen and rejected scored by one deterministic network (as in PPO)
@@ -363,7 +362,7 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
         scores = values.gather(1, last_token_index(attn)[:, None]).squeeze(1)        # (2B,)  r at the last real token
         loss, stats = reward_model_loss(scores[:B], scores[B:], logits[:B], ids[:B], resp[:B],
                                         lam=1.0, beta_rm=cfg.rm_lm_coef)             # Eq. 2
-        engine.set_lr(opt, cosine_lr(step, steps, cfg.rm_lr))
+        engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.rm_lr))
         engine.backward_step(trained, opt, loss, 1.0, "rm", [])
         log[-1].setdefault("train", []).append(engine.all_mean({k: float(v) for k, v in stats.items()}, device))
     rm.eval()

@@ -18,7 +18,6 @@ References: Ouyang et al. 2022 (InstructGPT), §3.5 "Supervised fine-tuning"; Zh
 """
 from __future__ import annotations
 
-import math
 import random
 import shutil
 from dataclasses import dataclass, replace
@@ -60,13 +59,6 @@ def tiny_llama(vocab_size: int, cfg: SFTConfig):
     return LlamaForCausalLM(tiny_llama_config(vocab_size, cfg))
 
 
-def cosine_lr(step: int, total: int, base: float, warmup: int = 0) -> float:
-    """α_step = α · ½(1 + cos(π · step / total)) after a linear warm-up."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    return base * 0.5 * (1 + math.cos(math.pi * min(step - warmup, total) / max(total, 1)))
-
-
 def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, seed: int, desc: str = "1. SFT",
               ds: dict | None = None, out_dir: str | Path | None = None) -> list[float]:
     """Stage 1 on (prompt, response) rows: cfg.sft_epochs epochs of batches of cfg.sft_batch, the NLL of the
@@ -89,7 +81,7 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
         ids, attn, resp_mask = (t.to(device) for t in data.lm_batch([rows[i] for i in idx[rank::world]], tokenizer))
         logits = trained(input_ids=ids, attention_mask=attn).logits                    # (B, L, V)
         loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens
-        engine.set_lr(opt, cosine_lr(step, steps, cfg.sft_lr))
+        engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.sft_lr))
         engine.backward_step(trained, opt, loss, 1.0, "sft", [])
         losses.append(engine.all_mean({"loss": loss.item()}, device)["loss"])
         bar.set_postfix(loss=f"{loss.item():.3f}")

@@ -460,6 +460,7 @@ class Judge:
     name: str                                   # "gold" | "held-out reward model"
     key: str                                    # its metrics.jsonl key: "reward/gold" | "reward/judge"
     score: Callable[[str, str, bool], float]    # (prompt, response text, finished) → reward
+    model: object | None = None                 # the judge's reward model: scores the rollout's own ids in one batch
 
 
 def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device) -> Judge | None:
@@ -469,7 +470,7 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device) -
         return None
     rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
     rm = ppo_max.disable_dropout(rm).eval().requires_grad_(False).to(device)
-    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer))
+    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer), rm)
 
 
 @dataclass
@@ -537,7 +538,11 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse
                 continue
             # (7) log: the judge (gold: the synthetic human) is never seen by training; lists are the global batch
             texts = [tokenizer.decode(r[k.bool()], skip_special_tokens=True) for r, k in zip(response, response_mask)]
-            judged = [judge.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if judge else None
+            if judge and judge.model is not None:  # a reward model reads the very ids the proxy scored, in one batch
+                judged = judge.model.score(torch.cat([query, response], 1),
+                                           torch.cat([query_mask, response_mask], 1)).float().tolist()
+            else:
+                judged = [judge.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if judge else None
             prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
             judged = engine.gather_list(judged) if judge else None
             gold = judged if judge and judge.key == "reward/gold" else None
