@@ -257,10 +257,10 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
     tokenizer = data.load_tokenizer(dirs["sft"] or dirs["model"])
     records = real_records(run, tokenizer) if run.data or run.sft_data else {}
     bf16 = use_bf16(run, device)
+    for name, n in (("sft_batch", sft_cfg.sft_batch), ("rm_batch", rm_cfg.rm_batch)):
+        if n % world:  # each rank takes an equal slice of every batch
+            fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world})")
     if dirs["sft"] is None and "sft" in stages and records.get("sft"):  # without SFT data: --model is the SFT model
-        for name, n in (("sft_batch", sft_cfg.sft_batch), ("rm_batch", rm_cfg.rm_batch)):
-            if n % world:
-                fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world})")
 
         def build_sft(tmp: Path) -> None:
             checkpoint.seed_everything(run.seed)
@@ -406,8 +406,7 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
                   records, base, json.loads((base / "timings.json").read_text()),
-                  judge=base / "judge_model" if (base / "judge_model" / "DONE").exists() or
-                  (base / "judge_model" / "value_head.safetensors").exists() else None)
+                  judge=base / "judge_model" if (base / "judge_model" / "value_head.safetensors").exists() else None)
 
 
 def stop_after_stages(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
