@@ -13,6 +13,7 @@ Implements (section and figure numbers of Zheng et al. 2023, arXiv 2307.04964; n
     sweep(runs, grid, **thresholds)    → caught in time / late / missed / false alarms for each setting of a grid
     RunLog(out, monitor, history, ...) → the PPO loop's step (7): metrics.jsonl and samples.jsonl, the progress bar,
                                          a printed line every 10 steps, and the alarm on every step
+    Tracker(kind, out, name)           → the same metrics to TensorBoard or W&B (--log-with)
 
 Run: python monitor.py        (a synthetic drifting run; prints the alarm the tests expect)
      python monitor.py replay runs/vanilla-seed0 runs/ppo-max-seed0 [--kl-max 0.05 --patience 1 ...]
@@ -347,15 +348,46 @@ def sweep(runs: list[dict], grid: dict[str, list], **fixed) -> list[dict]:
     return out
 
 
+class Tracker:
+    """Every metric also to TensorBoard (<out>/tensorboard) or Weights & Biases (offline with WANDB_MODE=offline),
+    under the same names as in metrics.jsonl, which stays the source of truth; "none" does nothing."""
+
+    def __init__(self, kind: str, out, name: str, config: dict | None = None):
+        self.kind, self.writer = kind, None
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            from pathlib import Path
+            self.writer = SummaryWriter(str(Path(out) / "tensorboard"))
+        elif kind == "wandb":
+            import wandb  # optional: train.py has checked that it is installed
+            self.writer = wandb.init(project="ppo-max", name=name, dir=str(out), config=config or {})
+
+    def log(self, metrics: dict, step: int) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.kind == "tensorboard":
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        elif self.kind == "wandb":
+            self.writer.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.kind == "tensorboard":
+            self.writer.close()
+        elif self.kind == "wandb":
+            self.writer.finish()
+
+
 class RunLog:
     """What the PPO loop writes and prints, behind one call per step (record). metrics.jsonl holds exactly the
     completed steps: a resumed run rewrites it from `history` (the steps before the checkpoint) and appends; only
     rank 0 writes (the other ranks write to os.devnull)."""
 
-    def __init__(self, out, monitor: CollapseMonitor, history: list[dict], resumed: bool, main_rank: bool = True):
+    def __init__(self, out, monitor: CollapseMonitor, history: list[dict], resumed: bool, main_rank: bool = True,
+                 tracker: Tracker | None = None):
         from pathlib import Path
         out = Path(out)
         self.monitor, self.history, self.main_rank = monitor, history, main_rank
+        self.tracker = tracker if main_rank and tracker is not None else Tracker("none", out, "")
         self.alarm_info: dict | None = None
         if main_rank:
             (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
@@ -383,6 +415,7 @@ class RunLog:
         self.history.append(m)
         self.metrics_f.write(json.dumps(m) + "\n")
         self.metrics_f.flush()
+        self.tracker.log(m, step)
         gold = judged if judge_key == "reward/gold" else None
         self.samples_f.write(json.dumps({"step": step, "scores": scores, "gold": gold,
                                          **({} if gold is not None or judged is None else {"judge": judged}),
@@ -404,6 +437,7 @@ class RunLog:
     def close(self) -> None:
         self.metrics_f.close()
         self.samples_f.close()
+        self.tracker.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -88,6 +88,9 @@ class RunConfig:
     alarm_kl_max: float = arg(collapse.KL_MAX, "collapse alarm: KL to the reference (nats/token) that makes a step "
                                                "bad; higher is quieter and later (`python monitor.py sweep runs/*`)")
     alarm_patience: int = arg(collapse.PATIENCE, "collapse alarm: consecutive bad steps before it fires")
+    log_with: str = arg("none", "also log every metric (PPO steps, the SFT and reward-model stages) to 'tensorboard' "
+                                "(<out>/tensorboard) or 'wandb' (offline with WANDB_MODE=offline); metrics.jsonl is "
+                                "always written")
     # real preference data instead of the synthetic world (data.py reads and checks it)
     data: str = arg("", "HH-RLHF or {prompt,chosen,rejected} .jsonl[.gz]: train on real text with a from-scratch "
                         "model instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
@@ -124,7 +127,7 @@ class RunConfig:
 RUN_CHECKS = dict(seed=">=0", steps=">=1", eval_samples=">=1", threads=">=0", save_every=">=0", keep_last=">=0",
                   max_bad_steps=">=1", on_collapse="warn|stop", alarm_kl_max=">=0", alarm_patience=">=1",
                   heldout_frac="(0,1)", vocab_size=">=1", max_prompt_tokens=">=1", max_response_tokens=">=2",
-                  judge_frac="[0,1)", zero_stage="0|1|2")
+                  judge_frac="[0,1)", zero_stage="0|1|2", log_with="none|tensorboard|wandb")
 FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be existing files when given
 
 
@@ -157,6 +160,11 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
         fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
     if run.bf16 and run.fp32:
         fail("--bf16 and --fp32: choose one")
+    if run.log_with == "wandb":
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            fail("--log-with wandb: wandb is not installed here (pip install wandb; with WANDB_MODE=offline it needs "
+                 "no network); metrics.jsonl is written either way, and --log-with tensorboard needs nothing more")
     if Path(run.out).exists() and not Path(run.out).is_dir():
         fail(f"--out {run.out}: exists and is not a directory")
 
@@ -349,6 +357,25 @@ def save_critic(m: Models, inp: Inputs, run: RunConfig, out: Path, rank: int) ->
         inp.tokenizer.save_pretrained(out / "critic")
         print(f"[stages] {run.stages}: the pre-trained critic is in {out / 'critic'}")
     return {"stages": run.stages, "critic": str(out / "critic")}
+
+
+def tracker(run: RunConfig, inp: Inputs, out: Path, rank: int) -> collapse.Tracker:
+    """--log-with: the external log of this run, with stages 1-2's curves first (SFT loss per step; the reward
+    model's held-out accuracy and Eq. 2 terms), read from the logs those stages wrote."""
+    t = collapse.Tracker(run.log_with if rank == 0 else "none", out, out.name)
+    sft_log = (inp.base or Path(inp.ref)) / "sft_log.json"
+    rm_log = (inp.base or Path(inp.reward)) / "rm_log.json"
+    if sft_log.is_file():
+        for i, loss in enumerate(json.loads(sft_log.read_text())["loss"]):
+            t.log({"sft/loss": loss}, i)
+    if rm_log.is_file():
+        n = 0
+        for row in json.loads(rm_log.read_text()):
+            t.log({"rm/heldout_accuracy": row["heldout_accuracy"]}, row["step"])
+            for stats in row.get("train", []):
+                t.log({f"rm/{k}": v for k, v in stats.items()}, n)
+                n += 1
+    return t
 
 
 def write_record(out: Path, argv: list[str], *configs) -> None:
@@ -719,7 +746,8 @@ def main(argv=None) -> dict | None:
 
     # 4. PPO
     t0 = time.time()
-    log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0)
+    log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0,
+                          tracker=tracker(run, inp, out, rank))
     ended = ppo(m, batches, state, log, ckpts, cfg, run, start, inp.tokenizer, judge, device)
     log.close()
     timings["ppo"] = time.time() - t0

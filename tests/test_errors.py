@@ -15,6 +15,7 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_bad_data": (["train.py", "--data", "bad.jsonl"], "bad.jsonl:1"),
     "train_resume_nothing": (["train.py", "--resume", "empty"], "no intact checkpoint"),
     "train_missing_model": (["train.py", "--model", "nowhere"], "--model nowhere"),
+    "train_wandb_missing": (["train.py", "--log-with", "wandb"], "--log-with wandb"),
     "train_wrong_deepspeed_json": (["train.py", "--deepspeed", "--deepspeed_config", "bad.jsonl"], "bad.jsonl"),
     "eval_no_run": (["eval.py", "--run", "nowhere"], "--run nowhere"),
     "eval_no_model": (["eval.py", "--policy", "nowhere", "--sft", "nowhere", "--reward-model", "nowhere",

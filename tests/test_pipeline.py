@@ -186,3 +186,29 @@ def test_rebuild_base_trains_stages_1_2_again_with_the_same_result(base_dir, cap
     assert again == first and (again / "DONE").exists()
     assert (again / "sft" / "model.safetensors").stat().st_mtime_ns != stamp
     assert (again / "rm_log.json").read_text() == rm_log
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_every_metric_of_metrics_jsonl(base_dir):
+    """--log-with tensorboard: every numeric key of metrics.jsonl is a scalar under the same name with the same value
+    at each step (read back with TensorBoard's own reader), plus the SFT and reward-model stages' curves."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run(base_dir, "tb", "--log-with", "tensorboard")
+    rows = [json.loads(l) for l in (base_dir / "tb" / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(base_dir / "tb" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for row in rows:
+        for key, value in row.items():
+            if key == "step" or not isinstance(value, (int, float)):
+                continue
+            (event,) = [e for e in acc.Scalars(key) if e.step == row["step"]]
+            assert event.value == pytest.approx(float(value), rel=1e-6, abs=1e-6), key
+    assert {"sft/loss", "rm/heldout_accuracy", "rm/bt"} <= tags
+    sft_losses = json.loads((run_base(base_dir, "tb") / "sft_log.json").read_text())["loss"]
+    assert [e.value for e in acc.Scalars("sft/loss")] == pytest.approx(sft_losses)
+
+
+def run_base(base_dir, name) -> Path:
+    base = Path(json.loads((base_dir / name / "summary.json").read_text())["base"])
+    return base if base.is_absolute() else base_dir / base

@@ -62,8 +62,11 @@ def test_imported_modules_parse_as_expected():
     assert imported_modules(src) == {"os", "numpy", "torch", "tqdm"}
 
 
+OPTIONAL = {"wandb"}  # imported only behind --log-with wandb, after a check that says plainly when it is missing
+
+
 def test_every_third_party_import_is_in_requirements():
-    reqs, local = required(), local_modules()
+    reqs, local = required(), local_modules() | OPTIONAL
     dists = importlib.metadata.packages_distributions()  # import name -> the distributions that provide it
     missing = []
     for label, source in sources().items():
