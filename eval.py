@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import data
 import ppo_max
@@ -58,7 +59,7 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
     gen = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with gen:
         torch.manual_seed(seed)
-        for i in range(0, len(rows), batch):
+        for i in tqdm(range(0, len(rows), batch), desc="evaluation: sampling", leave=False):
             q, qm = data.pad([data.query_ids(p, tokenizer) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
             q, qm = q.to(device), qm.to(device)                                        # (B, P), on the model's device
             r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, data.stop_id(tokenizer), tokenizer.pad_token_id,
@@ -197,7 +198,7 @@ def score_texts(rm, tokenizer, rows: list[tuple[str, str]], batch: int = 64) -> 
     batched by length so that little is padding; returned in the order of `rows`."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
     scores = [0.0] * len(rows)
-    for i in range(0, len(order), batch):
+    for i in tqdm(range(0, len(order), batch), desc="scoring", leave=False):
         idx = order[i:i + batch]
         ids, attn, _ = data.lm_batch([rows[j] for j in idx], tokenizer)                 # (B, L), (B, L)
         for j, r in zip(idx, rm.score(ids, attn).tolist()):                          # (B,)

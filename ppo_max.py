@@ -469,8 +469,10 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
     """PPO-max §5.3.3: before any policy update, fit V_φ to the returns of the initial policy's rollouts
     (same rewards and GAE targets PPO will use), one fresh rollout batch per round, until the loss plateaus
     (mean of the last 3 rounds within 5% of the 3 before) or `critic_pretrain_steps` rounds."""
+    from tqdm import tqdm  # the stage's progress bar (rank 0)
     log: list[dict] = []
-    for it in range(cfg.critic_pretrain_steps):
+    for it in tqdm(range(cfg.critic_pretrain_steps), desc="3. critic pre-training", leave=False,
+                   disable=world_size() > 1 and torch.distributed.get_rank() != 0):
         _, query, query_mask = prompt_batch()
         response, response_mask, _ = rollout(policy, query, query_mask, cfg.max_new_tokens, eos_id, pad_id,
                                              cfg.temperature)
