@@ -239,7 +239,29 @@ def resolve_real_models(run, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
     for path in (run.data, run.sft_data, run.prompts):
         if path and not Path(path).is_file():
             raise data.DataError(path, None, None, "not_found", "no such file")
+    check_context(dirs["sft"] or dirs["model"], run, cfg)
     return dirs
+
+
+def check_context(model_dir, run, cfg) -> None:
+    """The longest sequence a stage builds must fit the model's positions: [BOS/template] + P + T for SFT and the
+    reward model, and + max_new_tokens for PPO's rollouts. One line naming the flags when it does not."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # resolve_model found a directory; transformers will say what is wrong with it
+    context = next((config[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length",
+                                        "seq_length") if isinstance(config.get(k), int)), None)
+    margin = 16  # BOS and a chat template's role markers
+    need = run.max_prompt_tokens + max(run.max_response_tokens, cfg.max_new_tokens) + margin
+    if context is None or need <= context:
+        return
+    what = (f"--max-prompt-tokens {run.max_prompt_tokens} + --max-response-tokens {run.max_response_tokens} / "
+            f"--max-new-tokens {cfg.max_new_tokens} (+ {margin} for BOS and a chat template) = {need} tokens, more "
+            f"than the model's {context} positions ({model_dir}/config.json)")
+    if "n_positions" in config or config.get("model_type") == "opt":  # a learned position table: a hard limit
+        fail(f"{what}; lower them")
+    print(f"[context] {what}: rotary positions run past it, but the model never saw them in training")
 
 
 def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int) -> Path:

@@ -144,3 +144,16 @@ def test_chat_template_ends_a_response_with_its_end_of_turn_token(tmp_path):
     assert data.response_ids(" Fine.", tok)[-1] == stop
     q = tok.decode(data.query_ids("\n\nHuman: hi\n\nAssistant:", tok))
     assert q == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_context_too_short_for_the_limits_fails_before_any_work(tmp_path, pairs, capsys):
+    """GPT-2's learned position table is a hard limit: P + T beyond it is one line naming the flags."""
+    model = tiny("gpt2", tmp_path, pairs)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "n_positions": 64}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(model), "--data", str(pairs), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--max-prompt-tokens 128" in err[0] and "64 positions" in err[0]
+    assert not (tmp_path / "run").exists()
