@@ -209,10 +209,103 @@ def _get_str(obj: dict, key: str, path, line_no: int, nonempty: bool = False, re
     return value
 
 
+FILE_SUFFIXES = (".jsonl", ".gz", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Records through the `datasets` library: a .json or .parquet file, a `Dataset.save_to_disk` folder, or a hub
+    dataset id already in the local Hugging Face cache (never downloaded), with its split and config. str() names it
+    in error messages as `<id or path>[<split>]`, and the row number follows it as a line number does a file."""
+    path: str
+    split: str = "train"
+    config: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}[{self.split}]"
+
+
+def source(path: str, split: str = "train", config: str | None = None):
+    """What --data names: a .jsonl[.gz] file as itself (read line by line here, with line numbers), anything else
+    (.json, .parquet, a save_to_disk folder, a hub id) as a Source read through `datasets`."""
+    p = Path(path)
+    if p.suffix in (".jsonl", ".gz") or (p.is_file() and p.suffix not in (".json", ".parquet")):
+        return path
+    return Source(str(path), split, config)
+
+
+def fingerprint(src) -> dict:
+    """What identifies the data a cached stage was built from: a file's path, size and mtime; a folder's files; a
+    hub id with its split and config (its cached revision does not change under us: nothing is downloaded)."""
+    path = Path(src.path if isinstance(src, Source) else src)
+    if path.is_file():
+        stat = path.stat()
+        info = {"path": str(path.resolve()), "size": stat.st_size, "mtime": stat.st_mtime}
+    elif path.is_dir():
+        info = {"path": str(path.resolve()), "files": {str(p.relative_to(path)): [p.stat().st_size, p.stat().st_mtime]
+                                                      for p in sorted(path.rglob("*")) if p.is_file()}}
+    else:
+        info = {"hub_id": str(path)}
+    if isinstance(src, Source):
+        info.update(split=src.split, config=src.config)
+    return info
+
+
+def looks_like_a_path(path: str) -> bool:
+    """A name that can only be a local file or folder (so it must exist), not a hub dataset id like org/name."""
+    return Path(path).suffix in FILE_SUFFIXES or str(path).startswith((".", "/", "~"))
+
+
+def _dataset_rows(src: Source) -> Iterator[tuple[int, dict]]:
+    """(row number from 1, row) of a Source; a missing or unreadable one is a DataError in one line."""
+    import datasets
+    import huggingface_hub.constants
+    datasets.config.HF_DATASETS_OFFLINE = True  # a hub id must already be on this machine: never a download
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    p = Path(src.path)
+    try:
+        if p.is_dir():
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict):
+                if src.split not in ds:
+                    raise DataError(src, None, None, "no_split", f"no split {src.split!r} (it has {', '.join(ds)}); "
+                                                                 f"pass --data-split")
+                ds = ds[src.split]
+        elif p.is_file():
+            ds = datasets.load_dataset("parquet" if p.suffix == ".parquet" else "json", data_files=str(p),
+                                       split="train")
+        elif looks_like_a_path(src.path):
+            raise DataError(src.path, None, None, "not_found", "no such file or folder")
+        else:
+            ds = datasets.load_dataset(src.path, name=src.config, split=src.split)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001  (datasets raises many kinds; each is the user's file or id)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        hint = "" if p.exists() else (f"; it is not a local file or folder, nor a dataset in the local Hugging Face "
+                                      f"cache: on a machine with network, run `python -c \"import datasets; "
+                                      f"datasets.load_dataset('{src.path}', split='{src.split}')\"` once, or pass a "
+                                      f"file")
+        raise DataError(src, None, None, "not_found" if not p.exists() else "unreadable",
+                        f"cannot read it ({first}){hint}") from None
+    if len(ds) == 0:
+        raise DataError(src, None, None, "empty_file", "no rows")
+    for i, row in enumerate(ds):
+        yield i + 1, dict(row)
+
+
+def records(path, skip_bad: bool = False, report: DataReport | None = None) -> Iterator[tuple[int, dict]]:
+    """(line or row number, object) of a .jsonl[.gz] file (read_jsonl) or of a Source (datasets)."""
+    src = source(path) if isinstance(path, (str, Path)) else path
+    return _dataset_rows(src) if isinstance(src, Source) else read_jsonl(src, skip_bad, report)
+
+
 def _load(path, parse: Callable, skip_bad: bool, report: DataReport | None) -> list:
     report = report if report is not None else DataReport()
     out = []
-    for line_no, obj in read_jsonl(path, skip_bad, report):
+    for line_no, obj in records(path, skip_bad, report):
         try:
             out.append(parse(obj, path, line_no))
         except DataError as err:
@@ -750,7 +843,7 @@ def cli_guard(fn: Callable) -> Callable:
 
 
 def _kind(path) -> str:
-    for _, obj in read_jsonl(path, skip_bad=True):
+    for _, obj in records(path, skip_bad=True):
         if "chosen" in obj or "rejected" in obj:
             return "pairs"
         return "texts" if "text" in obj or "response" in obj else "prompts"
@@ -759,13 +852,14 @@ def _kind(path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Validate a data file: counts, mean lengths in characters, and lines skipped by reason."""
-    import argparse
-
-    ap = OneLineParser(description=main.__doc__)
-    ap.add_argument("file", help=".jsonl or .jsonl.gz")
+    ap = OneLineParser(prog="data.py", description=main.__doc__)
+    ap.add_argument("file", help=".jsonl[.gz], .json, .parquet, a save_to_disk folder or a cached hub dataset id")
     ap.add_argument("--kind", choices=["auto", "pairs", "prompts", "texts"], default="auto")
     ap.add_argument("--skip-bad", action="store_true", help="skip bad lines and count them by reason")
+    ap.add_argument("--split", default="train", help="the split of a hub dataset or a folder of several")
+    ap.add_argument("--config", default=None, help="a hub dataset's configuration")
     args = ap.parse_args(argv)
+    args.file = source(args.file, args.split, args.config)
     kind = _kind(args.file) if args.kind == "auto" else args.kind
     report = DataReport()
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731

@@ -230,6 +230,8 @@ def score(argv=None) -> dict:
     p.add_argument("--reward-model", required=True, help="reward-model directory (with its tokenizer), from train.py")
     p.add_argument("--data", required=True, help="HH-RLHF / {prompt,chosen,rejected} pairs, or {prompt,response} / "
                                                  "{text} records; .jsonl or .jsonl.gz")
+    p.add_argument("--data-split", default="train", help="with --data as a hub id or a folder of several splits")
+    p.add_argument("--data-config", default=None, help="with --data as a hub id: its configuration")
     p.add_argument("--out", default="scores.jsonl", help="per-example scores (JSONL)")
     p.add_argument("--hist", default=None, help="PNG of the margin histogram (Fig. 2); default: --out with .png")
     p.add_argument("--skip-bad", action="store_true", help="skip bad lines, count them by reason (else exit 2)")
@@ -240,8 +242,9 @@ def score(argv=None) -> dict:
     rm, tokenizer, limits = load_scorer(a.reward_model)
     P, T = limits["max_prompt_tokens"], limits["max_response_tokens"]
     report = data.DataReport()
-    first = next((obj for _, obj in data.read_jsonl(a.data, skip_bad=True)), {})
-    out_rows, result = [], {"file": a.data, "reward_model": a.reward_model, "limits": {"P": P, "T": T}}
+    a.data = data.source(a.data, a.data_split, a.data_config)
+    first = next((obj for _, obj in data.records(a.data, skip_bad=True)), {})
+    out_rows, result = [], {"file": str(a.data), "reward_model": a.reward_model, "limits": {"P": P, "T": T}}
     if "chosen" in first or "rejected" in first or not first:
         pairs = data.load_pairs(a.data, a.skip_bad, report)
         rows = data.pair_records(pairs, tokenizer, P, T, a.skip_bad, report, cut=True)  # every pair, cut to fit
@@ -255,7 +258,7 @@ def score(argv=None) -> dict:
                     for r, c, j in zip(rows, r_chosen.tolist(), r_rejected.tolist())]
         result.update(pairs=len(rows), accuracy=accuracy(r_chosen, r_rejected), mean_margin=margins.mean().item())
         result["hist"] = a.hist or str(Path(a.out).with_suffix(".png"))
-        margin_histogram(margins.tolist(), result["hist"], f"{Path(a.data).name}: {len(rows)} pairs, accuracy "
+        margin_histogram(margins.tolist(), result["hist"], f"{Path(str(a.data)).name}: {len(rows)} pairs, accuracy "
                          f"{result['accuracy']:.3f}, mean margin {result['mean_margin']:+.3f}")
         print(f"{len(rows)} pairs: pairwise accuracy {result['accuracy']:.3f}, mean margin r(chosen) − r(rejected) "
               f"{result['mean_margin']:+.3f}; histogram {result['hist']}")

@@ -50,13 +50,9 @@ def base_key(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
     if not run.data:
         key = [dataclasses.asdict(c) for c in (world_cfg, sft_cfg, rm_cfg)]
         return f"seed{run.seed}-{checkpoint.config_hash(key)}", key
-    path = Path(run.data)
-    if not path.is_file():
-        raise data.DataError(path, None, None, "not_found", "no such file")
-    stat = path.stat()
     limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
               "bos": True, "note": "ids = [BOS] + prompt (latest turns kept) + response + [EOS]"}
-    key = {"data": {"path": str(path.resolve()), "size": stat.st_size, "mtime": stat.st_mtime},
+    key = {"data": data.fingerprint(data_source(run, run.data)),
            "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
            "judge_frac": run.judge_frac,
            "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg)}
@@ -112,10 +108,15 @@ def world_data(tmp: Path, world_cfg: toy_world.WorldConfig):
     return AutoTokenizer.from_pretrained(tmp / "tokenizer"), records, None
 
 
+def data_source(run, path: str):
+    """--data / --sft-data / --prompts as data.py reads them (a .jsonl file, or a Source with --data-split/-config)."""
+    return data.source(path, run.data_split, run.data_config or None) if path else path
+
+
 def split_pairs(run, report: data.DataReport) -> dict[str, list]:
     """--data's pairs in three disjoint parts: held out (RM accuracy, evaluation prompts), the proxy reward model's
     training pairs, and (--judge-frac > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022)."""
-    pairs = data.load_pairs(run.data, skip_bad=run.skip_bad, report=report)  # DataError: one line, exit 2
+    pairs = data.load_pairs(data_source(run, run.data), skip_bad=run.skip_bad, report=report)  # DataError: exit 2
     train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
     proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1) if run.judge_frac else (
         train_pairs, [])
@@ -237,7 +238,7 @@ def resolve_real_models(run, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
     if last_stage(run) in ("critic", "ppo") and not (run.prompts or run.data):
         fail(f"--model {run.model}: no prompts; pass --prompts FILE.jsonl ({{\"prompt\": ...}} lines) or --data PAIRS")
     for path in (run.data, run.sft_data, run.prompts):
-        if path and not Path(path).is_file():
+        if path and not Path(path).exists() and data.looks_like_a_path(path):
             raise data.DataError(path, None, None, "not_found", "no such file")
     check_context(dirs["sft"] or dirs["model"], run, cfg)
     return dirs
@@ -339,7 +340,7 @@ def real_records(run, tokenizer) -> dict[str, list[dict]]:
     lim = (run.max_prompt_tokens, run.max_response_tokens)
     out = encode_splits(run, split_pairs(run, report), tokenizer, report) if run.data else {}
     if run.sft_data:
-        rows = data.load_texts(run.sft_data, skip_bad=run.skip_bad, report=report, with_source=True)
+        rows = data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad, report=report, with_source=True)
         enc = [(p, r, data.encode_text(p, r, tokenizer, *lim, source=src, report=report)) for p, r, src in rows]
         out["sft"] = [{"prompt": data.prompt_text(e["prompt_ids"], tokenizer, lim[0]) if p else "", "response": r}
                       for p, r, e in enc if e is not None]
@@ -410,7 +411,8 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     from transformers import AutoTokenizer
     if dirs:
         tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
-        records = data.prompt_records(run.prompts or run.data, run.sft_data or run.data, tokenizer,
+        records = data.prompt_records(data_source(run, run.prompts or run.data), data_source(run, run.sft_data or run.data),
+                                      tokenizer,
                                       run.max_prompt_tokens, run.heldout_frac, run.seed, run.skip_bad)
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
                       judge=dirs.get("judge"))

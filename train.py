@@ -92,8 +92,11 @@ class RunConfig:
                                 "(<out>/tensorboard) or 'wandb' (offline with WANDB_MODE=offline); metrics.jsonl is "
                                 "always written")
     # real preference data instead of the synthetic world (data.py reads and checks it)
-    data: str = arg("", "HH-RLHF or {prompt,chosen,rejected} .jsonl[.gz]: train on real text with a from-scratch "
-                        "model instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
+    data: str = arg("", "preference pairs (HH-RLHF, {prompt,chosen,rejected} or chat messages) as .jsonl[.gz], .json, "
+                        ".parquet, a Dataset.save_to_disk folder or a hub dataset id in the local cache: real text "
+                        "instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
+    data_split: str = arg("train", "with --data as a hub id or a folder of several splits: the split to read")
+    data_config: str = arg("", "with --data as a hub id: its configuration (name), if it has several")
     skip_bad: bool = arg(False, "with --data: skip bad lines, count them by reason, report at the end (else exit 2)")
     heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts")
     vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only")
@@ -142,9 +145,9 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
             problem = ppo_max.check_value(value, spec)
             if problem:
                 fail(f"--{prefix}{name.replace('_', '-')} {value!r}: {problem}")
-    for name in FILE_FLAGS:
+    for name in FILE_FLAGS:  # a data flag may also name a save_to_disk folder or a hub dataset id (data.source)
         path = getattr(run, name)
-        if path and not Path(path).is_file():
+        if path and not Path(path).exists() and (name == "deepspeed_config" or data.looks_like_a_path(path)):
             fail(f"--{name.replace('_', '-')} {path}: no such file")
     if run.deepspeed_config:
         try:
@@ -388,12 +391,13 @@ def write_record(out: Path, argv: list[str], *configs) -> None:
 def check_data_files(run: RunConfig) -> None:
     """Read every data file once now, so a bad line stops the run (one line naming file and line, exit 2) before any
     stage; the stages read them again, which costs well under a second for files of this size."""
+    from pipeline import data_source
     if run.data:
-        data.load_pairs(run.data, skip_bad=run.skip_bad)
+        data.load_pairs(data_source(run, run.data), skip_bad=run.skip_bad)
     if run.sft_data:
-        data.load_texts(run.sft_data, skip_bad=run.skip_bad)
+        data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad)
     if run.prompts:
-        data.load_prompts(run.prompts, skip_bad=run.skip_bad)
+        data.load_prompts(data_source(run, run.prompts), skip_bad=run.skip_bad)
 
 
 def make_out_dir(run: RunConfig) -> Path:

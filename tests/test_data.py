@@ -350,3 +350,45 @@ def test_cli_bad_file_exits_2_one_line_no_traceback(tmp_path):
     ok = subprocess.run([sys.executable, str(ROOT / "data.py"), str(p), "--skip-bad"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "1 pairs" in ok.stdout and "identical 1" in ok.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources through the `datasets` library: .json, .parquet, save_to_disk folders, hub ids in the local cache
+# ----------------------------------------------------------------------------------------------
+def test_every_source_gives_the_same_pairs_and_names_bad_rows(tmp_path):
+    import datasets
+    rows = [{"prompt": f"Q{i}?", "chosen": f" yes {i}.", "rejected": f" no {i}."} for i in range(5)]
+    bad = rows[:2] + [{"prompt": "Q?", "chosen": " same.", "rejected": " same."}] + rows[2:]
+    ds = datasets.Dataset.from_list(rows)
+    write(tmp_path / "p.jsonl", rows)
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.save_to_disk(str(tmp_path / "folder"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0, 1])}).save_to_disk(str(tmp_path / "splits"))
+    want = [(p.prompt, p.chosen, p.rejected) for p in data.load_pairs(tmp_path / "p.jsonl")]
+    for src in [tmp_path / "p.json", tmp_path / "p.parquet", tmp_path / "folder", tmp_path / "splits"]:
+        got = data.load_pairs(data.source(str(src)))
+        assert [(p.prompt, p.chosen, p.rejected) for p in got] == want, src
+    test = data.load_pairs(data.source(str(tmp_path / "splits"), split="test"))
+    assert len(test) == 2 and test[0].source == f"{tmp_path / 'splits'}[test]:1"
+    with pytest.raises(DataError, match="no split 'dev'"):
+        data.load_pairs(data.source(str(tmp_path / "splits"), split="dev"))
+    datasets.Dataset.from_list(bad).to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(DataError) as info:  # the file and the row, as for a .jsonl line
+        data.load_pairs(data.source(str(tmp_path / "bad.parquet")))
+    assert (info.value.reason, info.value.line) == ("identical", 3)
+    assert str(info.value).startswith(f"{tmp_path / 'bad.parquet'}[train]:3: ")
+    report = DataReport()
+    assert len(data.load_pairs(data.source(str(tmp_path / "bad.parquet")), skip_bad=True, report=report)) == 5
+    assert report.skipped == {"identical": 1}
+
+
+def test_a_hub_dataset_not_on_this_machine_is_one_line_without_a_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(DataError) as info:
+        data.load_pairs(data.source("someone/not-cached", split="test"))
+    msg = str(info.value)
+    assert info.value.reason == "not_found" and "\n" not in msg and msg.startswith("someone/not-cached[test]: ")
+    assert "load_dataset('someone/not-cached', split='test')" in msg
+    with pytest.raises(DataError, match="no such file"):  # a path-like name is never taken for a hub id
+        data.load_pairs(data.source("./missing.parquet"))

@@ -226,3 +226,19 @@ def test_eval_plot_draws_the_panels_of_a_run(real_run, tmp_path):
     drawn = [p for p in res["panels"] if not p.endswith(": none")]
     # real data: the judge's reward instead of gold, and the final win rate of summary.json as its one point
     assert len(res["panels"]) == 6 and len(drawn) == 6, res["panels"]
+
+
+@pytest.mark.slow
+def test_train_data_as_a_parquet_file_and_a_saved_dataset(tmp_path, monkeypatch):
+    """--data through `datasets`: the same pairs as a .parquet file and as a save_to_disk folder give the same
+    stages 1-2 (the same held-out accuracy), with the split and the row in every message."""
+    import datasets
+    monkeypatch.chdir(tmp_path)
+    ds = datasets.Dataset.from_list(hh_pairs(120))
+    ds.to_parquet(str(tmp_path / "pairs.parquet"))
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "saved"))
+    a = train.main(TINY + ["--data", "pairs.parquet", "--stages", "sft,rm", "--out", "a"])
+    b = train.main(TINY + ["--data", "saved", "--data-split", "test", "--stages", "sft,rm", "--out", "b"])
+    assert a["rm_heldout_accuracy"] == b["rm_heldout_accuracy"]
+    with pytest.raises(data.DataError, match=r"saved\[dev\]: no split 'dev' \(it has test\)"):  # exit 2 on the CLI
+        train.main(TINY + ["--data", "saved", "--data-split", "dev", "--out", "c"])
