@@ -186,22 +186,32 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
     return rm
 
 
-def train_judge(sft_dir, tokenizer, records: dict, rm_cfg: RMConfig, seed: int, out_dir: Path, ds: dict | None = None,
-                bf16: bool = False, device: torch.device = torch.device("cpu"), grad_ckpt: bool = False) -> list[dict]:
-    """The judge: stage 2's recipe (Eq. 2 from the SFT model, a fresh head) on records["pairs_judge"], disjoint
-    from the proxy's pairs, so the win rate it gives was never the target of PPO (Gao et al. 2022's gold RM)."""
-    checkpoint.seed_everything(seed + 1)
-    judge = ScalarHeadModel.from_pretrained(sft_dir, seed=seed + 1, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
-    judge = judge.to(device)
+def reward_model_dir(sft_dir, tokenizer, pairs: list[dict], heldout: list[dict], rm_cfg: RMConfig, seed: int,
+                     head_seed: int, out_dir: Path, name: str, ds: dict | None = None, bf16: bool = False,
+                     device: torch.device = torch.device("cpu"), grad_ckpt: bool = False) -> list[dict]:
+    """Stage 2 into its own directory: from the SFT model with a fresh head (drawn with head_seed), Eq. 2 on `pairs`,
+    held-out accuracy on `heldout`; rm_log.json (Fig. 3) and rm_heldout_scores.json (Fig. 2) beside the weights.
+    Serves a real model's reward model and every judge."""
+    checkpoint.seed_everything(seed)
+    rm = ScalarHeadModel.from_pretrained(sft_dir, seed=head_seed, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
+    rm = rm.to(device)
     if grad_ckpt:
-        judge.gradient_checkpointing_enable()
-    log = train_reward_model(judge, tokenizer, records["pairs_judge"], records["pairs_heldout"], rm_cfg, seed + 1,
-                             ds=ds, out_dir=out_dir)
+        rm.gradient_checkpointing_enable()
+    log = train_reward_model(rm, tokenizer, pairs, heldout, rm_cfg, seed, ds=ds, out_dir=out_dir)
+    rc, rr = score_pairs(rm, tokenizer, heldout)
     if engine.rank() == 0:
-        write_json(out_dir / "rm_log.json", log)
-    print(f"[judge] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(records['pairs_heldout'])} pairs "
-          f"(trained on {len(records['pairs_judge'])} pairs the proxy never saw)")
+        write_json(out_dir / "rm_log.json", log)                                                          # Fig. 3
+        write_json(out_dir / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
+    print(f"[{name}] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(heldout)} pairs (trained on "
+          f"{len(pairs)} pairs)")
     return log
+
+
+def train_judge(sft_dir, tokenizer, records: dict, rm_cfg: RMConfig, seed: int, out_dir: Path, **kw) -> list[dict]:
+    """The judge: stage 2's recipe on records["pairs_judge"], disjoint from the proxy's pairs, so the win rate it
+    gives was never the target of PPO (Gao et al. 2022's gold RM)."""
+    return reward_model_dir(sft_dir, tokenizer, records["pairs_judge"], records["pairs_heldout"], rm_cfg, seed + 1,
+                            seed + 1, out_dir, "judge", **kw)
 
 
 def write_json(path: Path, obj) -> None:
@@ -299,18 +309,10 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
     dirs["sft"] = dirs["sft"] or dirs["model"]
     if dirs["reward"] is None and "rm" in stages:
         def build_rm(tmp: Path) -> None:
-            checkpoint.seed_everything(run.seed)
-            rm = ScalarHeadModel.from_pretrained(dirs["sft"], **({"torch_dtype": torch.bfloat16} if bf16 else {}))
-            rm = rm.to(device)
-            if run.grad_ckpt:
-                rm.gradient_checkpointing_enable()
-            log = train_reward_model(rm, tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg, run.seed,
-                                     ds=stage_ds(run, rm_cfg.rm_batch // world, device), out_dir=tmp)
-            rc, rr = score_pairs(rm, tokenizer, records["pairs_heldout"])
-            print(f"[rm] held-out accuracy {log[-1]['heldout_accuracy']:.3f} on {len(records['pairs_heldout'])} pairs")
+            reward_model_dir(dirs["sft"], tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg,
+                             run.seed, 0, tmp, "rm", stage_ds(run, rm_cfg.rm_batch // world, device), bf16, device,
+                             run.grad_ckpt)
             if rank == 0:
-                write_json(tmp / "rm_log.json", log)                                                          # Fig. 3
-                write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
                 write_json(tmp / "data_limits.json", {"max_prompt_tokens": run.max_prompt_tokens,
                                                       "max_response_tokens": run.max_response_tokens})
         t0 = time.time()
@@ -322,9 +324,9 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
     if "rm" in stages and records.get("pairs_judge"):
         t0 = time.time()
         dirs["judge"] = stage_dir(out / "judge_model", lambda tmp: train_judge(
-            dirs["sft"], tokenizer, records, rm_cfg, run.seed, tmp, stage_ds(run, rm_cfg.rm_batch // world, device),
-            bf16, device, run.grad_ckpt), "the judge, a second reward model on pairs the proxy never saw",
-            run.rebuild_base, rank)
+            dirs["sft"], tokenizer, records, rm_cfg, run.seed, tmp, ds=stage_ds(run, rm_cfg.rm_batch // world, device),
+            bf16=bf16, device=device, grad_ckpt=run.grad_ckpt),
+            "the judge, a second reward model on pairs the proxy never saw", run.rebuild_base, rank)
         timings["judge_model"] = time.time() - t0
         print(f"[2b. judge] {timings['judge_model']:.1f} s")
     if dirs["reward"]:
@@ -411,9 +413,9 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     from transformers import AutoTokenizer
     if dirs:
         tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
-        records = data.prompt_records(data_source(run, run.prompts or run.data), data_source(run, run.sft_data or run.data),
-                                      tokenizer,
-                                      run.max_prompt_tokens, run.heldout_frac, run.seed, run.skip_bad)
+        records = data.prompt_records(data_source(run, run.prompts or run.data),
+                                      data_source(run, run.sft_data or run.data), tokenizer, run.max_prompt_tokens,
+                                      run.heldout_frac, run.seed, run.skip_bad)
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
                       judge=dirs.get("judge"))
     if not main_rank:
