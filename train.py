@@ -493,6 +493,14 @@ class Judge:
     score: Callable[[str, str, bool], float]    # (prompt, response text, finished) → reward
     model: object | None = None                 # the judge's reward model: scores the rollout's own ids in one batch
 
+    @torch.no_grad()
+    def rewards(self, prompts: list[str], texts: list[str], finished, ids, mask) -> list[float]:
+        """The judge's reward of each response of a batch: a reward model reads the very ids (B, L) the proxy
+        scored, in one batch; gold reads the text."""
+        if self.model is not None:
+            return self.model.score(ids, mask).float().tolist()
+        return [self.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
+
 
 def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device) -> Judge | None:
     if synthetic:
@@ -569,11 +577,8 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse
                 continue
             # (7) log: the judge (gold: the synthetic human) is never seen by training; lists are the global batch
             texts = [tokenizer.decode(r[k.bool()], skip_special_tokens=True) for r, k in zip(response, response_mask)]
-            if judge and judge.model is not None:  # a reward model reads the very ids the proxy scored, in one batch
-                judged = judge.model.score(torch.cat([query, response], 1),
-                                           torch.cat([query_mask, response_mask], 1)).float().tolist()
-            else:
-                judged = [judge.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)] if judge else None
+            judged = judge.rewards(prompts, texts, finished, torch.cat([query, response], 1),
+                                   torch.cat([query_mask, response_mask], 1)) if judge else None
             prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
             judged = engine.gather_list(judged) if judge else None
             gold = judged if judge and judge.key == "reward/gold" else None
