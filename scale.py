@@ -162,6 +162,16 @@ def llama_config_numbers(name_or_path: str | Mapping[str, Any] | Any) -> dict[st
     )
 
 
+def hf_config(name_or_path: str | Path):
+    """A transformers config for an alias (its LlamaConfig numbers, no download), a model directory or a hub id in
+    the local cache: what a meta-device copy of the architecture needs (lora.count_trainable). No weights."""
+    if str(name_or_path) in LLAMA_CONFIGS:
+        from transformers import LlamaConfig
+        return LlamaConfig(**LLAMA_CONFIGS[str(name_or_path)])
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(resolve_model(str(name_or_path)), trust_remote_code=False)
+
+
 def _layer_params(c: Mapping[str, Any]) -> int:
     """Parameters of one decoder layer (no biases, as in LLaMA: attention_bias = mlp_bias = False)."""
     h, i, a, k, d = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],

@@ -1,0 +1,349 @@
+"""LoRA on one GPU: low-rank adapters (through peft) instead of full weights, in every stage that trains a model.
+
+Implements (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", Eq. 3 there):
+    h = W₀x + (α/r)·B·A·x          W₀ (d_out, d_in) frozen; A (r, d_in), B (d_out, r) trained; B = 0 at the start,
+                                   so an adapted model starts as exactly its base model
+    target_modules(model, spec)    which Linear layers get adapters: 'auto' (peft's per-architecture default, e.g.
+                                   q_proj,v_proj for LLaMA, c_attn for GPT-2), 'all-linear', or a list of names
+    add_adapters(model, run)       a causal LM → peft.PeftModel; a ScalarHeadModel → its LM wrapped, its head trained
+    adapters_off(model) / AdaptersOff
+                                   the base model under the adapters, with no second copy in memory: the PPO
+                                   reference is the policy with its adapters off, the reward model is the critic's
+                                   backbone with the critic's adapters off (when the critic starts from it)
+    count_trainable(config, r, spec, heads)
+                                   the trainable parameters, Σ over adapted layers r·(d_in + d_out), counted on a
+                                   meta-device copy of the architecture (no weights); what --plan reports
+    save(model, out_dir, tokenizer, base)
+                                   a stage's result: the adapters in peft's format in out_dir/adapter/, and the
+                                   merged model in out_dir/ itself, a plain Hugging Face directory any tool loads
+    merge(adapter_dir, out_dir)    W = W₀ + (α/r)·B·A written out (also `python lora.py merge`)
+    load_base(path, run, ...)      the frozen base in bf16 / as saved, or 8-bit / 4-bit (bitsandbytes, CUDA only)
+
+Run: python train.py --lora-r 8                      (the synthetic world: stages 3-4 train adapters)
+     python train.py --model DIR --data PAIRS --lora-r 16     (a real model: every stage trains adapters)
+     python lora.py merge runs/x/policy/adapter --out policy-merged   (an adapter → a plain HF directory)
+
+In the synthetic world and with --data alone, stages 1-2 train a from-scratch tiny model, where adapters on random
+weights would learn nothing useful; there LoRA applies to the critic and the policy. On a real (pretrained) --model
+it applies to SFT, the reward model, the critic and the policy.
+
+Dropout: --lora-dropout acts on the adapters' input in SFT and reward-model training only; PPO switches it off
+with every other dropout (ppo_max.disable_dropout), since the ratio ρ must be exactly 1 on the first minibatch.
+
+References: Hu et al. 2021 (LoRA); Dettmers et al. 2023 (QLoRA: 4-bit NF4 frozen weights); peft's documentation
+(LoraConfig, PeftModel.disable_adapter, merge_and_unload); TRL's PPO with peft (reference = adapters off).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+# the valid range or choices of each LoRA flag (train.py checks them with every other flag)
+LORA_CHECKS = dict(lora_r=">=0", lora_alpha=">0", lora_dropout="[0,1)", lora_bits="4|8|16")
+ADAPTER_DIR = "adapter"           # a stage's adapters, in peft's format, inside the stage's directory
+HEAD_FILES = ("value_head.safetensors", "value_head.json")   # reward_model.ScalarHeadModel's head
+
+
+def enabled(run) -> bool:
+    return getattr(run, "lora_r", 0) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which layers get adapters
+# ---------------------------------------------------------------------------------------------------------
+def target_modules(model_type: str, spec: str) -> list[str] | str:
+    """--lora-targets as peft takes it: 'auto' is peft's own default for the architecture (the LoRA paper's
+    choice: the attention query and value projections), or 'all-linear' where peft has none; 'all-linear' is every
+    Linear layer but the output head; otherwise a comma-separated list of module names (matched as name suffixes)."""
+    if spec == "auto":
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+        return list(DEFAULTS[model_type]) if model_type in DEFAULTS else "all-linear"
+    if spec == "all-linear":
+        return "all-linear"
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"--lora-targets {spec!r}: expected 'auto', 'all-linear' or module names such as "
+                         f"q_proj,v_proj")
+    return names
+
+
+def lora_config(run, model_type: str, task: bool = True):
+    """peft.LoraConfig from the --lora-* flags. lora_B starts at zero (peft's default), so the adapted model's
+    first forward pass is its base model's, bit for bit."""
+    from peft import LoraConfig
+    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
+                      target_modules=target_modules(model_type, run.lora_targets), bias="none",
+                      task_type="CAUSAL_LM" if task else None)
+
+
+def _check_targets(model: torch.nn.Module, run, targets) -> None:
+    """A name in --lora-targets that matches no Linear layer is a typo: one line listing the names there are."""
+    if not isinstance(targets, list):
+        return
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
+    missing = [t for t in targets if t not in linear]
+    if missing:
+        from data import fail
+        fail(f"--lora-targets {run.lora_targets}: {', '.join(missing)} matches no linear layer of this "
+             f"{model.config.model_type} model (its layers: {', '.join(sorted(linear))})")
+
+
+def add_adapters(model, run):
+    """LoRA adapters on a causal LM (returns the peft.PeftModel) or on a ScalarHeadModel's LM (returns the same
+    ScalarHeadModel, its `lm` now a PeftModel, its head trainable). Only adapters and the head require grad.
+    lora_A is drawn from torch's global RNG (seed it first); lora_B is zero."""
+    from peft import get_peft_model
+    head_model = hasattr(model, "head") and hasattr(model, "lm")
+    lm = model.lm if head_model else model
+    targets = target_modules(lm.config.model_type, run.lora_targets)
+    _check_targets(lm, run, targets)
+    peft_lm = get_peft_model(lm, lora_config(run, lm.config.model_type))
+    if not head_model:
+        return peft_lm
+    model.lm = peft_lm
+    model.head.requires_grad_(True)     # the reward model's r(x, y) head, the critic's V(s) head: trained in full
+    return model
+
+
+def is_lora(model) -> bool:
+    from peft import PeftModel
+    model = getattr(model, "module", model)          # a DeepSpeed engine's module
+    return isinstance(getattr(model, "lm", model), PeftModel)
+
+
+def peft_model(model):
+    """The PeftModel inside a (DeepSpeed-wrapped) causal LM or ScalarHeadModel."""
+    model = getattr(model, "module", model)
+    return getattr(model, "lm", model)
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    """What an optimizer steps: every parameter for full fine-tuning, the adapters (and head) under LoRA."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The base model under the adapters: the reference, and the reward model beside the critic
+# ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def adapters_off(model):
+    """Inside: `model` computes W₀x, its base model's function (peft's disable_adapter: the LoRA branch is skipped,
+    not multiplied by zero, so the output is bit-identical to the base model's)."""
+    with peft_model(model).disable_adapter():
+        yield
+
+
+class AdaptersOff:
+    """A frozen model that is another model's base: calls, score() and generate() run `model` with its adapters
+    off. Not a torch module on purpose: eval(), train() and requires_grad_() on it must never reach the shared
+    weights of the model being trained (they belong to its trainer)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with torch.no_grad(), adapters_off(self.model):
+            return self.model(*args, **kwargs)
+
+    def score(self, *args, **kwargs):
+        with torch.no_grad(), adapters_off(self.model):
+            return self.model.score(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        with torch.no_grad(), adapters_off(self.model):
+            return self.model.generate(*args, **kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def eval(self) -> "AdaptersOff":
+        return self
+
+    def requires_grad_(self, flag: bool = True) -> "AdaptersOff":
+        return self
+
+
+def reward_beside_critic(critic, reward_head: torch.nn.Linear):
+    """The reward model r(x, y) as the critic's backbone with the critic's adapters off and the reward model's own
+    frozen head: the critic starts as a copy of the reward model (PPO-max), so under LoRA both share one backbone."""
+    from reward_model import ScalarHeadModel
+    head = reward_head.requires_grad_(False)
+    return AdaptersOff(ScalarHeadModel(critic.lm, head=head))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Counting, without weights (what --plan reports)
+# ---------------------------------------------------------------------------------------------------------
+def count_trainable(config, r: int, spec: str = "auto", heads: int = 0) -> dict:
+    """{"adapters", "heads", "base", "layers"}: parameters of the adapters, Σ over adapted layers r·(d_in + d_out),
+    counted on a meta-device copy of the architecture (shapes only: a 7B model costs no memory), matching names as
+    peft does (suffixes; 'all-linear' = every Linear / Conv1D but the output head); plus `heads` scalar heads of
+    hidden_size + 1 (the reward model's, the critic's); `base` = the architecture's own parameters."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    targets = target_modules(config.model_type, spec)
+    out_emb = model.get_output_embeddings()
+    adapters, layers = 0, 0
+    for name, module in model.named_modules():
+        conv1d = type(module).__name__ == "Conv1D"
+        if not (isinstance(module, torch.nn.Linear) or conv1d) or module is out_emb:
+            continue
+        if targets != "all-linear" and not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        d_in, d_out = (module.weight.shape if conv1d else module.weight.shape[::-1])  # Conv1D stores (in, out)
+        adapters += r * (d_in + d_out)                        # A (r, d_in) + B (d_out, r)
+        layers += 1
+    if not layers:
+        raise ValueError(f"--lora-targets {spec}: matches no linear layer of this {config.model_type} model")
+    base = sum(p.numel() for p in model.parameters())
+    return {"adapters": adapters, "heads": heads * (config.hidden_size + 1), "base": base, "layers": layers}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Saving, merging, loading
+# ---------------------------------------------------------------------------------------------------------
+def save_adapter(model, out_dir, base_dir) -> Path:
+    """The adapters in peft's format (adapter_config.json, adapter_model.safetensors) and, for a ScalarHeadModel,
+    its head (value_head.*), in out_dir; adapter_config.json names `base_dir` (absolute) as the base model."""
+    import safetensors.torch
+    out_dir = Path(out_dir)
+    pm = peft_model(model)
+    pm.peft_config["default"].base_model_name_or_path = str(Path(base_dir).resolve())
+    pm.save_pretrained(out_dir)
+    m = getattr(model, "module", model)
+    if hasattr(m, "head"):
+        state = {k: v.detach().contiguous().cpu() for k, v in m.head.state_dict().items()}
+        safetensors.torch.save_file(state, str(out_dir / HEAD_FILES[0]))
+        (out_dir / HEAD_FILES[1]).write_text(json.dumps({"hidden_size": m.config.hidden_size,
+                                                         "weights": HEAD_FILES[0]}) + "\n")
+    return out_dir
+
+
+def merge(adapter_dir, out_dir, base_dir=None) -> Path:
+    """W = W₀ + (α/r)·B·A: the base model (adapter_config.json's, or `base_dir`) loaded from disk as saved, the
+    adapters merged in, written to out_dir as a plain Hugging Face directory (with the head: a ScalarHeadModel
+    directory, as reward_model.py saves one), with the base's tokenizer."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    base_dir = Path(base_dir or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path)
+    lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False)
+    merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
+    if (adapter_dir / HEAD_FILES[0]).is_file():
+        import safetensors.torch
+
+        from reward_model import ScalarHeadModel
+        head = torch.nn.Linear(merged.config.hidden_size, 1)
+        head.load_state_dict(safetensors.torch.load_file(str(adapter_dir / HEAD_FILES[0])))
+        ScalarHeadModel(merged, head=head).save_pretrained(out_dir)
+    else:
+        merged.save_pretrained(out_dir, safe_serialization=True)
+    from transformers import AutoTokenizer
+    with contextlib.suppress(OSError, ValueError):
+        AutoTokenizer.from_pretrained(base_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def save(model, out_dir, tokenizer, base_dir) -> None:
+    """A trained stage's result in out_dir: without LoRA the model itself; with LoRA the adapters in
+    out_dir/adapter/ (peft's format) and the merged model in out_dir/, so that the next stage, eval.py and any other
+    tool read out_dir as one plain Hugging Face directory."""
+    out_dir = Path(out_dir)
+    m = getattr(model, "module", model)
+    if not is_lora(m):
+        m.save_pretrained(out_dir)
+    else:
+        save_adapter(m, out_dir / ADAPTER_DIR, base_dir)
+        merge(out_dir / ADAPTER_DIR, out_dir, base_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def check_bits(run, device_type: str) -> None:
+    """--lora-bits 8/4 loads the frozen weights through bitsandbytes, which needs a CUDA GPU (and the package): on
+    any other machine, one line saying so, before any work."""
+    if run.lora_bits == 16:
+        return
+    from data import fail
+    if not run.lora_r:
+        fail(f"--lora-bits {run.lora_bits}: quantized frozen weights are for LoRA; add --lora-r R (e.g. 16)")
+    if device_type != "cuda":
+        fail(f"--lora-bits {run.lora_bits}: {run.lora_bits}-bit frozen weights load through bitsandbytes, which needs "
+             f"a CUDA GPU, and this machine has none; drop the flag here (`train.py --plan --lora-r R --lora-bits "
+             f"{run.lora_bits}` shows what it saves on a GPU)")
+    import importlib.util
+    if importlib.util.find_spec("bitsandbytes") is None:
+        fail(f"--lora-bits {run.lora_bits}: bitsandbytes is not installed (pip install bitsandbytes)")
+
+
+def quantization(run) -> dict:
+    """from_pretrained's keyword for --lora-bits: {} at 16 bits; NF4 with bf16 compute at 4 (QLoRA), int8 at 8."""
+    if run.lora_bits == 16:
+        return {}
+    from transformers import BitsAndBytesConfig
+    if run.lora_bits == 4:
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=True)
+    else:
+        q = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": q, "device_map": {"": torch.cuda.current_device()}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line: merge an adapter directory; count a model's trainable parameters
+# ---------------------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    from data import OneLineParser, fail
+    p = OneLineParser(prog="lora.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="write an adapter directory merged into its base as a plain HF directory")
+    m.add_argument("adapter", help="a directory with adapter_config.json (e.g. runs/x/policy/adapter)")
+    m.add_argument("--out", required=True, help="where the merged model goes")
+    m.add_argument("--base", default="", help="the base model directory (default: the one adapter_config.json names)")
+    c = sub.add_parser("count", help="trainable parameters of LoRA on a model (config.json only, no weights)")
+    c.add_argument("model", help="a local Hugging Face directory or an alias of scale.py (llama-7b)")
+    c.add_argument("--lora-r", type=int, default=16)
+    c.add_argument("--lora-targets", default="auto")
+    args = p.parse_args(argv)
+    if args.cmd == "merge":
+        adapter = Path(args.adapter)
+        if not (adapter / "adapter_config.json").is_file():
+            fail(f"{adapter}: no adapter_config.json there (a LoRA stage writes its adapters to <stage>/adapter/)")
+        base = Path(args.base or json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
+        if not (base / "config.json").is_file():
+            fail(f"{base}: the base model is not there (no config.json); pass --base DIR")
+        if Path(args.out).resolve() == base.resolve():
+            fail(f"--out {args.out}: that is the base model's directory; choose another")
+        tmp = Path(args.out + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        merge(adapter, tmp, base)
+        shutil.rmtree(args.out, ignore_errors=True)
+        tmp.rename(args.out)
+        print(f"merged {adapter} into {base}: {args.out} (load it with AutoModelForCausalLM.from_pretrained)")
+    else:
+        import scale
+        if args.lora_r < 1:
+            fail(f"--lora-r {args.lora_r}: must be ≥ 1")
+        try:
+            config = scale.hf_config(args.model)
+            n = count_trainable(config, args.lora_r, args.lora_targets)
+        except (scale.ModelNotFound, ValueError) as e:
+            fail(str(e))
+        print(json.dumps(n))
+
+
+if __name__ == "__main__":
+    from data import cli_guard
+    cli_guard(main)()
+    sys.exit(0)
