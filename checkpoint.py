@@ -380,7 +380,15 @@ def _read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_module_in_place(module: torch.nn.Module, d: Path) -> None:
-    """Copy the weights saved in `d` into `module`'s existing tensors (so optimizers keep pointing at them)."""
+    """Copy the weights saved in `d` into `module`'s existing tensors (so optimizers keep pointing at them). A LoRA
+    model's checkpoint holds its adapters only (peft's format); its frozen weights are the stage directory's."""
+    if (d / "adapter_config.json").is_file():
+        from peft import set_peft_model_state_dict
+        result = set_peft_model_state_dict(module, safetensors.torch.load_file(str(d / "adapter_model.safetensors")))
+        if result.unexpected_keys:
+            raise KeyError(f"checkpoint.py: {str(d)!r} holds adapters this model does not have: "
+                           f"{result.unexpected_keys[:5]}")
+        return
     state = _read_safetensors_dir(d)
     own = module.state_dict()
     unexpected = sorted(set(state) - set(own))
@@ -611,6 +619,11 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
     return path
 
 
+def _frozen(model) -> bool:
+    """Whether a model has frozen parameters (LoRA's base weights): a checkpoint then saves only what trains."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
 class RunCheckpoints:
     """save(n_done, extra_state) and resume(path) for the PPO loop, whether the models are plain modules or
     DeepSpeed engines.
@@ -633,8 +646,8 @@ class RunCheckpoints:
     def save(self, n_done: int, extra_state: dict) -> Path | None:
         tag = f"step-{n_done:06d}"
         if self.engines:  # every rank: its ZeRO shards and its RNG streams
-            for name, engine in self.models.items():
-                engine.save_checkpoint(str(self.ds_dir / name), tag=tag)
+            for name, engine in self.models.items():  # frozen weights (LoRA's base) come from the stage dirs
+                engine.save_checkpoint(str(self.ds_dir / name), tag=tag, exclude_frozen_parameters=_frozen(engine))
             (self.ds_dir / "rng").mkdir(parents=True, exist_ok=True)
             torch.save(rng_state(self.rngs), self.ds_dir / "rng" / f"{tag}-rank{self.rank}.pt")
             self.barrier()
@@ -667,7 +680,8 @@ class RunCheckpoints:
                                 optimizers={} if self.engines else self.optimizers, rngs=self.rngs)
         if self.engines:
             for name, engine in self.models.items():
-                engine.load_checkpoint(str(ds_src / name), tag=ckpt.name, load_lr_scheduler_states=False)
+                engine.load_checkpoint(str(ds_src / name), tag=ckpt.name, load_lr_scheduler_states=False,
+                                       load_module_strict=not _frozen(engine))
             set_rng_state(torch.load(ds_src / "rng" / f"{ckpt.name}-rank{self.rank}.pt", weights_only=True), self.rngs)
         return ckpt, state
 

@@ -95,7 +95,8 @@ def wrap(model, optimizer, ds: dict | None, lr: float):
     if "optimizer" in ds:
         block = ds["optimizer"]
         ds = {**ds, "optimizer": {**block, "params": {**block.get("params", {}), "lr": lr}}}
-        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (and a head) only
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds)
     else:
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return engine, opt

@@ -40,6 +40,7 @@ import contextlib
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,13 +74,13 @@ def target_modules(model_type: str, spec: str) -> list[str] | str:
     return names
 
 
-def lora_config(run, model_type: str, task: bool = True):
+def lora_config(run, model_type: str, dropout: float | None = None):
     """peft.LoraConfig from the --lora-* flags. lora_B starts at zero (peft's default), so the adapted model's
     first forward pass is its base model's, bit for bit."""
     from peft import LoraConfig
-    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha, lora_dropout=run.lora_dropout,
-                      target_modules=target_modules(model_type, run.lora_targets), bias="none",
-                      task_type="CAUSAL_LM" if task else None)
+    return LoraConfig(r=run.lora_r, lora_alpha=run.lora_alpha,
+                      lora_dropout=run.lora_dropout if dropout is None else dropout,
+                      target_modules=target_modules(model_type, run.lora_targets), bias="none", task_type="CAUSAL_LM")
 
 
 def _check_targets(model: torch.nn.Module, run, targets) -> None:
@@ -95,16 +96,22 @@ def _check_targets(model: torch.nn.Module, run, targets) -> None:
              f"{model.config.model_type} model (its layers: {', '.join(sorted(linear))})")
 
 
-def add_adapters(model, run):
+def add_adapters(model, run, seed: int, dropout: float | None = None):
     """LoRA adapters on a causal LM (returns the peft.PeftModel) or on a ScalarHeadModel's LM (returns the same
     ScalarHeadModel, its `lm` now a PeftModel, its head trainable). Only adapters and the head require grad.
-    lora_A is drawn from torch's global RNG (seed it first); lora_B is zero."""
-    from peft import get_peft_model
+    lora_A is drawn with `seed` (the same on every rank, and torch's own stream is left where it was); lora_B = 0.
+    `dropout` overrides --lora-dropout (PPO: 0)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
     head_model = hasattr(model, "head") and hasattr(model, "lm")
     lm = model.lm if head_model else model
     targets = target_modules(lm.config.model_type, run.lora_targets)
     _check_targets(lm, run, targets)
-    peft_lm = get_peft_model(lm, lora_config(run, lm.config.model_type))
+    if run.lora_bits != 16:  # QLoRA: norms in fp32, inputs that carry gradients into checkpointed layers
+        lm = prepare_model_for_kbit_training(lm, use_gradient_checkpointing=lm.is_gradient_checkpointing)
+    with torch.random.fork_rng(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' renamed is_gradient_checkpointing
+        torch.manual_seed(seed)
+        peft_lm = get_peft_model(lm, lora_config(run, lm.config.model_type, dropout))
     if not head_model:
         return peft_lm
     model.lm = peft_lm
@@ -177,9 +184,10 @@ class AdaptersOff:
 def reward_beside_critic(critic, reward_head: torch.nn.Linear):
     """The reward model r(x, y) as the critic's backbone with the critic's adapters off and the reward model's own
     frozen head: the critic starts as a copy of the reward model (PPO-max), so under LoRA both share one backbone."""
-    from reward_model import ScalarHeadModel
     head = reward_head.requires_grad_(False)
-    return AdaptersOff(ScalarHeadModel(critic.lm, head=head))
+    reward_model = type(critic)(critic.lm, head=head)  # a ScalarHeadModel (reward_model.py) on the shared LM
+    reward_model._has_logits_to_keep = critic._has_logits_to_keep  # (PeftModel's own signature hides it)
+    return AdaptersOff(reward_model)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,20 +222,18 @@ def count_trainable(config, r: int, spec: str = "auto", heads: int = 0) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Saving, merging, loading
 # ---------------------------------------------------------------------------------------------------------
-def save_adapter(model, out_dir, base_dir) -> Path:
+def save_adapter(model, out_dir, base_dir=None) -> Path:
     """The adapters in peft's format (adapter_config.json, adapter_model.safetensors) and, for a ScalarHeadModel,
-    its head (value_head.*), in out_dir; adapter_config.json names `base_dir` (absolute) as the base model."""
-    import safetensors.torch
+    its head (value_head.*), in out_dir; adapter_config.json names `base_dir` (default: the directory the model was
+    loaded from), made absolute, as the base model."""
     out_dir = Path(out_dir)
     pm = peft_model(model)
-    pm.peft_config["default"].base_model_name_or_path = str(Path(base_dir).resolve())
+    config = pm.peft_config["default"]
+    config.base_model_name_or_path = str(Path(base_dir or config.base_model_name_or_path).resolve())
     pm.save_pretrained(out_dir)
     m = getattr(model, "module", model)
-    if hasattr(m, "head"):
-        state = {k: v.detach().contiguous().cpu() for k, v in m.head.state_dict().items()}
-        safetensors.torch.save_file(state, str(out_dir / HEAD_FILES[0]))
-        (out_dir / HEAD_FILES[1]).write_text(json.dumps({"hidden_size": m.config.hidden_size,
-                                                         "weights": HEAD_FILES[0]}) + "\n")
+    if hasattr(m, "save_head"):  # a ScalarHeadModel: its trained head beside the adapters
+        m.save_head(out_dir)
     return out_dir
 
 
@@ -239,24 +245,21 @@ def merge(adapter_dir, out_dir, base_dir=None) -> Path:
     from transformers import AutoModelForCausalLM
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     base_dir = Path(base_dir or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path)
-    lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False)
-    merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()
-    if (adapter_dir / HEAD_FILES[0]).is_file():
-        import safetensors.torch
-
-        from reward_model import ScalarHeadModel
-        head = torch.nn.Linear(merged.config.hidden_size, 1)
-        head.load_state_dict(safetensors.torch.load_file(str(adapter_dir / HEAD_FILES[0])))
-        ScalarHeadModel(merged, head=head).save_pretrained(out_dir)
-    else:
-        merged.save_pretrained(out_dir, safe_serialization=True)
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False)
+    merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()   # W₀ + (α/r)·B·A, layer by layer
+    merged.save_pretrained(out_dir, safe_serialization=True)
+    for name in HEAD_FILES:  # a reward model's or critic's head is not an adapter: it is copied as it is
+        if (adapter_dir / name).is_file():
+            shutil.copyfile(adapter_dir / name, out_dir / name)
     with contextlib.suppress(OSError, ValueError):
         AutoTokenizer.from_pretrained(base_dir).save_pretrained(out_dir)
     return out_dir
 
 
-def save(model, out_dir, tokenizer, base_dir) -> None:
+def save(model, out_dir, tokenizer, base_dir=None) -> None:
     """A trained stage's result in out_dir: without LoRA the model itself; with LoRA the adapters in
     out_dir/adapter/ (peft's format) and the merged model in out_dir/, so that the next stage, eval.py and any other
     tool read out_dir as one plain Hugging Face directory."""
@@ -268,6 +271,11 @@ def save(model, out_dir, tokenizer, base_dir) -> None:
         save_adapter(m, out_dir / ADAPTER_DIR, base_dir)
         merge(out_dir / ADAPTER_DIR, out_dir, base_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def load_kwargs(run, bf16: bool) -> dict:
+    """from_pretrained's keywords for a model whose base stays frozen: its dtype, and --lora-bits' quantization."""
+    return {**({"dtype": torch.bfloat16} if bf16 else {}), **quantization(run)}
 
 
 def check_bits(run, device_type: str) -> None:

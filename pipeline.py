@@ -29,6 +29,7 @@ import checkpoint
 import data
 import engine
 import eval as evaluation
+import lora
 import ppo_max
 import scale
 import toy_world
@@ -188,15 +189,19 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
 
 def reward_model_dir(sft_dir, tokenizer, pairs: list[dict], heldout: list[dict], rm_cfg: RMConfig, seed: int,
                      head_seed: int, out_dir: Path, name: str, ds: dict | None = None, bf16: bool = False,
-                     device: torch.device = torch.device("cpu"), grad_ckpt: bool = False) -> list[dict]:
+                     device: torch.device = torch.device("cpu"), grad_ckpt: bool = False, run=None) -> list[dict]:
     """Stage 2 into its own directory: from the SFT model with a fresh head (drawn with head_seed), Eq. 2 on `pairs`,
     held-out accuracy on `heldout`; rm_log.json (Fig. 3) and rm_heldout_scores.json (Fig. 2) beside the weights.
-    Serves a real model's reward model and every judge."""
+    Serves a real model's reward model and every judge. With `run` and its --lora-r: adapters and the head train."""
     checkpoint.seed_everything(seed)
-    rm = ScalarHeadModel.from_pretrained(sft_dir, seed=head_seed, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
-    rm = rm.to(device)
+    adapters = run is not None and lora.enabled(run)
+    rm = ScalarHeadModel.from_pretrained(sft_dir, seed=head_seed, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
+                                         quantization=lora.quantization(run) if adapters else None)
+    rm = rm if adapters and run.lora_bits != 16 else rm.to(device)
     if grad_ckpt:
         rm.gradient_checkpointing_enable()
+    if adapters:
+        rm = lora.add_adapters(rm, run, seed=seed)
     log = train_reward_model(rm, tokenizer, pairs, heldout, rm_cfg, seed, ds=ds, out_dir=out_dir)
     rc, rr = score_pairs(rm, tokenizer, heldout)
     if engine.rank() == 0:
@@ -297,7 +302,7 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
 
         def build_sft(tmp: Path) -> None:
             checkpoint.seed_everything(run.seed)
-            model = load_lm(dirs["model"], bf16, device, run.grad_ckpt)
+            model = load_lm(dirs["model"], bf16, device, run.grad_ckpt, run)
             losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg,
                                run.seed, ds=stage_ds(run, sft_cfg.sft_batch // world, device), out_dir=tmp)
             if rank == 0:
@@ -311,7 +316,7 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
         def build_rm(tmp: Path) -> None:
             reward_model_dir(dirs["sft"], tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg,
                              run.seed, 0, tmp, "rm", stage_ds(run, rm_cfg.rm_batch // world, device), bf16, device,
-                             run.grad_ckpt)
+                             run.grad_ckpt, run)
             if rank == 0:
                 write_json(tmp / "data_limits.json", {"max_prompt_tokens": run.max_prompt_tokens,
                                                       "max_response_tokens": run.max_response_tokens})
@@ -325,7 +330,7 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
         t0 = time.time()
         dirs["judge"] = stage_dir(out / "judge_model", lambda tmp: train_judge(
             dirs["sft"], tokenizer, records, rm_cfg, run.seed, tmp, ds=stage_ds(run, rm_cfg.rm_batch // world, device),
-            bf16=bf16, device=device, grad_ckpt=run.grad_ckpt),
+            bf16=bf16, device=device, grad_ckpt=run.grad_ckpt, run=run),
             "the judge, a second reward model on pairs the proxy never saw", run.rebuild_base, rank)
         timings["judge_model"] = time.time() - t0
         print(f"[2b. judge] {timings['judge_model']:.1f} s")
@@ -354,14 +359,17 @@ def real_records(run, tokenizer) -> dict[str, list[dict]]:
     return out
 
 
-def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool):
-    """A causal LM from a local directory (never remote code), in bf16 if asked, on `device`."""
+def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
+    """A causal LM from a local directory (never remote code), in bf16 if asked, on `device`; with --lora-r, its
+    weights frozen (quantized with --lora-bits) under fresh adapters (lora.add_adapters)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False,
-                                                 **({"dtype": torch.bfloat16} if bf16 else {})).to(device)
+    adapters = run is not None and lora.enabled(run)
+    kw = lora.load_kwargs(run, bf16) if adapters else ({"dtype": torch.bfloat16} if bf16 else {})
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kw)
+    model = model if "quantization_config" in kw else model.to(device)
     if grad_ckpt:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    return model
+    return lora.add_adapters(model, run, seed=run.seed) if adapters else model
 
 
 def same_tokenizer(policy_dir, reward_dir) -> None:

@@ -294,12 +294,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
-def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+def disable_dropout(model: torch.nn.Module, keep: str | None = None) -> torch.nn.Module:
     """Dropout off for good, in train() mode too (which gradient checkpointing needs): every nn.Dropout gets p = 0,
     and so does every float attribute or config field named like a dropout probability. The ratio ρ compares the
     same network at the same weights, so with dropout on it is not 1 on the first minibatch (GPT-2's default 0.1:
-    about 1.02), and the log-probs of rollout, experience and update would each see another random network."""
-    for module in model.modules():
+    about 1.02), and the log-probs of rollout, experience and update would each see another random network.
+    `keep`: modules whose name contains it keep their dropout (SFT and the reward model keep --lora-dropout)."""
+    for name, module in model.named_modules():
+        if keep and keep in name:
+            continue
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for name, value in list(vars(module).items()):

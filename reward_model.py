@@ -131,6 +131,7 @@ from transformers import AutoModelForCausalLM
 
 import data
 import engine
+import lora
 from ppo_max import arg, disable_dropout
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
@@ -234,6 +235,11 @@ class ScalarHeadModel(torch.nn.Module):
         plus value_head.safetensors (the head's weight and bias) and value_head.json."""
         out_dir = Path(out_dir)
         self.lm.save_pretrained(out_dir, safe_serialization=True)
+        self.save_head(out_dir)
+
+    def save_head(self, out_dir: str | os.PathLike) -> None:
+        """The head alone: value_head.safetensors (weight and bias) and value_head.json (also beside LoRA adapters)."""
+        out_dir = Path(out_dir)
         state = {k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}
         safetensors.torch.save_file(state, str(out_dir / VALUE_HEAD_WEIGHTS))
         meta = {"hidden_size": self.lm.config.hidden_size, "dtype": str(self.head.weight.dtype).removeprefix("torch."),
@@ -243,7 +249,8 @@ class ScalarHeadModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, torch_dtype: torch.dtype | None = None,
-                        seed: int | None = 0, require_head: bool = False) -> "ScalarHeadModel":
+                        seed: int | None = 0, require_head: bool = False,
+                        quantization: dict | None = None) -> "ScalarHeadModel":
         """Load from a local Hugging Face directory: the LM, and the head from value_head.safetensors.
 
         A reward model saved by other libraries as AutoModelForSequenceClassification (num_labels = 1) loads with its
@@ -251,7 +258,8 @@ class ScalarHeadModel(torch.nn.Module):
         hidden state, so the scores are the same. Without either head (a reward model or critic initialised from an
         SFT directory) the head is fresh: N(0, 1/(H+1)) weights, zero bias, drawn with `seed` (None: torch's global
         RNG); with require_head=True (a --reward-model) that is a ValueError instead, never a random head.
-        `torch_dtype` is passed to transformers as `dtype`; the head takes the LM's dtype and device.
+        `torch_dtype` is passed to transformers as `dtype`, `quantization` (lora.quantization: 8-/4-bit frozen
+        weights) as it is; the head takes the LM's dtype and device.
         Only local directories are accepted (no Hub download, no remote code).
         """
         path = Path(path)
@@ -261,7 +269,7 @@ class ScalarHeadModel(torch.nn.Module):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"ScalarHeadModel.from_pretrained: no config.json in {str(path)!r}; expected a "
                                     f"directory written by save_pretrained()")
-        kwargs = {} if torch_dtype is None else {"dtype": torch_dtype}
+        kwargs = {**({} if torch_dtype is None else {"dtype": torch_dtype}), **(quantization or {})}
         head_file = path / VALUE_HEAD_WEIGHTS
         kind = reward_model_kind(path)
         if kind == "sequence-classification":
@@ -337,8 +345,8 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     with its tokenizer at `out_dir` when one is given."""
     rng = random.Random(seed)
     steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
-    disable_dropout(rm)  # chosen and rejected scored by one deterministic network (as in PPO)
-    opt = torch.optim.AdamW(rm.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
+    disable_dropout(rm, keep="lora_dropout")  # chosen and rejected scored by one deterministic network (as in PPO)
+    opt = torch.optim.AdamW(lora.trainable(rm), lr=cfg.rm_lr, weight_decay=0.0)  # LoRA: adapters and head only
     trained, opt = engine.wrap(rm, opt, ds, cfg.rm_lr)
     device = next(rm.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
@@ -366,9 +374,8 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
         engine.backward_step(trained, opt, loss, 1.0, "rm", [])
         log[-1].setdefault("train", []).append(engine.all_mean({k: float(v) for k, v in stats.items()}, device))
     rm.eval()
-    if out_dir is not None and rank == 0:
-        rm.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+    if out_dir is not None and rank == 0:  # LoRA: out_dir/adapter/ (adapters and head) and the merged model
+        lora.save(rm, out_dir, tokenizer)
     return log
 
 

@@ -211,6 +211,7 @@ PAPER_PRESET: dict[str, Any] = dict(num_gpus=8, gpu_mem_gb=80, zero_stage=2, dty
 class Row:
     model: str                # policy | critic | reference | reward
     component: str            # weights | gradients | optimizer | activations | logits | kv_cache | gathered
+                              # (LoRA: frozen | adapters | optimizer | activations | logits | kv_cache)
     bytes: int
     device: str               # gpu | cpu
     phases: tuple[str, ...]   # () = held for the whole run; else held only while one of these phases runs
@@ -243,6 +244,8 @@ class MemoryPlan:
     fits: bool
     cpu_bytes: int            # host RAM per GPU process (offloaded optimizer / frozen weights)
     suggestions: list[Suggestion] = field(default_factory=list)
+    lora: dict | None = None  # with --lora-r R > 0: r, targets, modules, bits, trainable {"policy", "critic"}
+    one_gpu: list[dict] = field(default_factory=list)  # one_gpu_table's cells (LoRA on one GPU)
 
     def get(self, model: str, component: str, device: str = "gpu") -> int:
         """Bytes of one row (0 when the plan has no such row)."""
@@ -259,12 +262,88 @@ def _layer_working_set(c: Mapping[str, Any], b: int, s: int, beta: int, flash: b
     return n * beta // 2, "34·b·L·h" + ("" if flash else " + 5·a·L²·b") + ("" if beta == 2 else f" ×{beta}/2")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# LoRA (lora.py): a frozen backbone and its adapters
+# ---------------------------------------------------------------------------------------------------------
+LORA_BITS = (16, 8, 4)
+ADAPTER_BYTES = 16  # per trainable parameter: weight + gradient + Adam m, v (peft keeps adapters in fp32: 4+4+8)
+_TARGETS: dict[tuple, dict] = {}  # _lora_targets' counts, per architecture and --lora-targets
+
+
+def check_lora(lora_r: int, lora_targets: str, lora_bits: int) -> None:
+    """The LoRA flags' ranges, one line naming the flag (the names in --lora-targets: by _lora_targets)."""
+    if lora_r < 0:
+        raise ValueError(f"--lora-r {lora_r}: must be ≥ 0 (0 = full fine-tuning, R > 0 = adapters of rank R)")
+    if lora_bits not in LORA_BITS:
+        raise ValueError(f"--lora-bits {lora_bits}: must be 16, 8 or 4 (frozen weights in bf16, int8 or 4-bit NF4)")
+    if lora_bits != 16 and lora_r == 0:
+        raise ValueError(f"--lora-bits {lora_bits}: quantized frozen weights are for LoRA; add --lora-r R (e.g. 16)")
+
+
+def _lora_targets(cfg, spec: str) -> dict:
+    """{"per_rank": Σ over adapted layers (d_in + d_out), "layers", "modules", "model_type", "hidden_size"} for
+    --lora-targets on cfg's architecture (alias, directory, dict of LlamaConfig numbers or a transformers config),
+    counted by lora.count_trainable on a meta-device copy (no weights), once per architecture and spec. Each name
+    of a comma-separated spec must match a linear layer, as training requires."""
+    import lora
+
+    if isinstance(cfg, Mapping):
+        key: tuple = ("numbers", json.dumps(llama_config_numbers(cfg), sort_keys=True), spec)
+    elif isinstance(cfg, (str, Path)):
+        key = ("name", str(cfg), spec)
+    else:
+        key = ("config", cfg.to_json_string(use_diff=False), spec)
+    if key not in _TARGETS:
+        if isinstance(cfg, Mapping):
+            from transformers import LlamaConfig
+            config = LlamaConfig(**llama_config_numbers(cfg))
+        else:
+            config = hf_config(cfg) if isinstance(cfg, (str, Path)) else cfg
+        modules = lora.target_modules(config.model_type, spec)
+        for name in modules if isinstance(modules, list) else ():
+            try:
+                lora.count_trainable(config, 1, name)
+            except ValueError:
+                raise ValueError(f"--lora-targets {spec}: {name} matches no linear layer of this "
+                                 f"{config.model_type} model") from None
+        n = lora.count_trainable(config, 1, spec)  # at r = 1: Σ (d_in + d_out)
+        _TARGETS[key] = dict(per_rank=n["adapters"], layers=n["layers"], model_type=config.model_type,
+                             modules=modules if isinstance(modules, str) else ",".join(modules),
+                             hidden_size=config.hidden_size)
+    return _TARGETS[key]
+
+
+def lora_trainable(cfg, r: int, spec: str = "auto", heads: int = 0) -> int:
+    """n, the trainable parameters of LoRA rank r on cfg: the adapters A (r, d_in) and B (d_out, r) of every adapted
+    layer, n = r·Σ(d_in + d_out), plus `heads` scalar heads of h + 1 (the reward model's, the critic's), trained in
+    full. What the plan counts 16 bytes each for, and what peft's get_nb_trainable_parameters() reports."""
+    t = _lora_targets(cfg, spec)
+    return r * t["per_rank"] + heads * (t["hidden_size"] + 1)
+
+
+def frozen_bytes(c: Mapping[str, Any], bits: int, beta: int) -> tuple[int, str]:
+    """Bytes of one frozen causal LM under LoRA (N = llama_param_count(c)), and the formula.
+
+    16 bits: β·N. At 8 and 4 bits bitsandbytes quantizes only the decoder layers' Linear weights,
+    Q = ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i); the embeddings, the RMSNorms and lm_head stay at β bytes: β·(N − Q).
+    8 bits (LLM.int8): Q bytes (its fp32 scale per output row, < 0.1 %, is not counted).
+    4 bits (NF4 with double quantization, Dettmers et al. 2023): 4 bits + an 8-bit absmax per block of 64 + an fp32
+    constant per 256 blocks = 4 + 8/64 + 32/16384 = 4.127 bits per weight, Q/2 + Q/64 + Q/4096 bytes."""
+    N = llama_param_count(c)
+    if bits == 16:
+        return beta * N, f"{beta}·N"
+    Q = c["num_hidden_layers"] * (_layer_params(c) - 2 * c["hidden_size"])  # each layer but its two norm weights
+    q = Q if bits == 8 else Q // 2 + Q // 64 + Q // 4096
+    return q + beta * (N - Q), ("Q" if bits == 8 else "4.127/8·Q") + f" + {beta}·(N − Q)"
+
+
 def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: float = 80, zero_stage: int = 2,
                 dtype_bytes: int = 2, micro_batch: int = 4, rollout_batch_per_gpu: int = 16,
                 generate_batch_per_gpu: int = 4, prompt_len: int = 1024, response_len: int = 1024,
                 grad_ckpt: bool = True, offload_optimizer: bool = False, ref_reward_offload: bool = False,
                 flash_attention: bool = True, overhead_gb: float = 2.0,
-                reward_cfg: Mapping[str, Any] | str | None = None, suggest: bool = True) -> MemoryPlan:
+                reward_cfg: Mapping[str, Any] | str | None = None, suggest: bool = True,
+                lora_r: int = 0, lora_targets: str = "auto", lora_bits: int = 16) -> MemoryPlan:
     """Per-GPU memory of PPO's four models: policy and critic (trained), reference and reward model (frozen).
 
     cfg: the policy's (= reference's) config: alias, path, dict or LlamaConfig; reward_cfg: the reward model's
@@ -293,12 +372,17 @@ def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: 
     Plus overhead_gb (CUDA context, NCCL and ZeRO bucket buffers, allocator fragmentation: a stated guess,
     2 GiB). The experience buffer (ids, log-probs, values, advantages: ~36 bytes per token, ~1 MB here) is
     ignored. total = resident + max over phases + overhead; fits = total ≤ gpu_mem_gb GiB.
+
+    lora_r = R > 0 (lora.py): the rows of _lora_rows instead: two frozen backbones (policy = reference, critic =
+    reward model), adapters, the same activations, logits and KV cache; with one GPU also plan.one_gpu.
     """
     settings = dict(num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, zero_stage=zero_stage, dtype_bytes=dtype_bytes,
                     micro_batch=micro_batch, rollout_batch_per_gpu=rollout_batch_per_gpu,
                     generate_batch_per_gpu=generate_batch_per_gpu, prompt_len=prompt_len,
                     response_len=response_len, grad_ckpt=grad_ckpt, offload_optimizer=offload_optimizer,
-                    ref_reward_offload=ref_reward_offload, flash_attention=flash_attention, overhead_gb=overhead_gb)
+                    ref_reward_offload=ref_reward_offload, flash_attention=flash_attention, overhead_gb=overhead_gb,
+                    lora_r=lora_r, lora_targets=lora_targets, lora_bits=lora_bits)
+    check_lora(lora_r, lora_targets, lora_bits)
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"plan_memory: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if dtype_bytes not in (2, 4):
@@ -315,50 +399,54 @@ def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: 
     n_params = {"policy": llama_param_count(c), "critic": llama_param_count(rc, value_head=True),
                 "reference": llama_param_count(c), "reward": llama_param_count(rc, value_head=True)}
     rows: list[Row] = []
+    lora_info = None
 
     def add(model: str, comp: str, n: int, formula: str, phases: tuple[str, ...] = (), device: str = "gpu"):
         rows.append(Row(model, comp, int(n), device, phases, formula))
 
-    for model in ("policy", "critic", "reference", "reward"):
-        mc = c if model in ("policy", "reference") else rc
-        N = n_params[model]
-        h, n_layers, V = mc["hidden_size"], mc["num_hidden_layers"], mc["vocab_size"]
-        trained = model in ("policy", "critic")
-        train_phase = f"{model} train" if trained else f"{model} fwd"
-        my_phases = ("generate", "policy train") if model == "policy" else (train_phase,)
-        # weights
-        if not trained and ref_reward_offload:
-            add(model, "weights", beta * N // G, f"{beta}·N/{G} (ZeRO-3 offload)", device="cpu")
-        elif zero_stage == 3:
-            add(model, "weights", beta * N // G, f"{beta}·N/{G}")
-        else:
-            add(model, "weights", beta * N, f"{beta}·N")
-        sharded = zero_stage == 3 or (not trained and ref_reward_offload)
-        if sharded:
-            block = max(_layer_params(mc), V * h)
-            add(model, "gathered", 2 * block * beta, f"2·{beta}·max(layer, V·h)", my_phases)
-        if trained:
-            # gradients and optimizer states
-            gd = G if zero_stage >= 2 else 1
-            add(model, "gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
-            od = G if zero_stage >= 1 else 1
-            add(model, "optimizer", opt_per_param * N // od, f"{opt_per_param}·N" + (f"/{od}" if od > 1 else ""),
-                device="cpu" if offload_optimizer else "gpu")
-            # activations for training
-            ws, ws_formula = _layer_working_set(mc, b, L, beta, flash_attention)
-            if grad_ckpt:
-                add(model, "activations", n_layers * b * L * h * beta + ws,
-                    f"ℓ·b·L·h·{beta} + {ws_formula}", (train_phase,))
+    if lora_r:
+        rows, n_params, lora_info = _lora_rows(cfg, reward_cfg, c, rc, settings)
+    else:
+        for model in ("policy", "critic", "reference", "reward"):
+            mc = c if model in ("policy", "reference") else rc
+            N = n_params[model]
+            h, n_layers, V = mc["hidden_size"], mc["num_hidden_layers"], mc["vocab_size"]
+            trained = model in ("policy", "critic")
+            train_phase = f"{model} train" if trained else f"{model} fwd"
+            my_phases = ("generate", "policy train") if model == "policy" else (train_phase,)
+            # weights
+            if not trained and ref_reward_offload:
+                add(model, "weights", beta * N // G, f"{beta}·N/{G} (ZeRO-3 offload)", device="cpu")
+            elif zero_stage == 3:
+                add(model, "weights", beta * N // G, f"{beta}·N/{G}")
             else:
-                add(model, "activations", n_layers * ws, f"ℓ·({ws_formula})", (train_phase,))
-        else:
-            ws, ws_formula = _layer_working_set(mc, b, L, beta, flash_attention)
-            add(model, "activations", ws, ws_formula + " (no grad)", (train_phase,))
-        if model in ("policy", "reference"):
-            add(model, "logits", b * L * V * 4, "b·L·V·4", (train_phase,))
-        if model == "policy":
-            k, d = mc["num_key_value_heads"], mc["head_dim"]
-            add(model, "kv_cache", 2 * n_layers * g * L * k * d * beta, f"2·ℓ·g·L·k·d·{beta}", ("generate",))
+                add(model, "weights", beta * N, f"{beta}·N")
+            sharded = zero_stage == 3 or (not trained and ref_reward_offload)
+            if sharded:
+                block = max(_layer_params(mc), V * h)
+                add(model, "gathered", 2 * block * beta, f"2·{beta}·max(layer, V·h)", my_phases)
+            if trained:
+                # gradients and optimizer states
+                gd = G if zero_stage >= 2 else 1
+                add(model, "gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
+                od = G if zero_stage >= 1 else 1
+                add(model, "optimizer", opt_per_param * N // od, f"{opt_per_param}·N" + (f"/{od}" if od > 1 else ""),
+                    device="cpu" if offload_optimizer else "gpu")
+                # activations for training
+                ws, ws_formula = _layer_working_set(mc, b, L, beta, flash_attention)
+                if grad_ckpt:
+                    add(model, "activations", n_layers * b * L * h * beta + ws,
+                        f"ℓ·b·L·h·{beta} + {ws_formula}", (train_phase,))
+                else:
+                    add(model, "activations", n_layers * ws, f"ℓ·({ws_formula})", (train_phase,))
+            else:
+                ws, ws_formula = _layer_working_set(mc, b, L, beta, flash_attention)
+                add(model, "activations", ws, ws_formula + " (no grad)", (train_phase,))
+            if model in ("policy", "reference"):
+                add(model, "logits", b * L * V * 4, "b·L·V·4", (train_phase,))
+            if model == "policy":
+                k, d = mc["num_key_value_heads"], mc["head_dim"]
+                add(model, "kv_cache", 2 * n_layers * g * L * k * d * beta, f"2·ℓ·g·L·k·d·{beta}", ("generate",))
 
     resident = sum(r.bytes for r in rows if r.device == "gpu" and not r.phases)
     phase_bytes = {p: sum(r.bytes for r in rows if r.device == "gpu" and p in r.phases) for p in PHASES}
@@ -369,10 +457,65 @@ def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: 
     plan = MemoryPlan(name=name, cfg=c, reward_cfg=rc, settings=settings, n_params=n_params, rows=rows,
                       resident_bytes=resident, phase_bytes=phase_bytes, peak_phase=peak_phase,
                       overhead_bytes=overhead, total_bytes=total, capacity_bytes=capacity, fits=total <= capacity,
-                      cpu_bytes=sum(r.bytes for r in rows if r.device == "cpu"))
+                      cpu_bytes=sum(r.bytes for r in rows if r.device == "cpu"), lora=lora_info)
     if suggest and not plan.fits:
-        plan.suggestions = _suggestions(cfg, reward_cfg, settings, total, capacity)
+        plan.suggestions = _suggestions(lambda s: plan_memory(cfg, reward_cfg=reward_cfg, suggest=False, **s).total_bytes,
+                                        settings, total, capacity)
+    if suggest and lora_r and num_gpus == 1:
+        plan.one_gpu = one_gpu_table(cfg, reward_cfg=reward_cfg, **settings)
     return plan
+
+
+def _lora_rows(cfg, reward_cfg, c: dict, rc: dict, s: dict) -> tuple[list[Row], dict[str, int], dict]:
+    """PPO's rows under LoRA, per GPU (every GPU holds all of it: data parallel, nothing sharded).
+
+    Two frozen backbones, not four: the policy's (SFT weights; the reference is the policy with its adapters off)
+    and the critic's (the reward model's weights and its frozen h → 1 head; the reward model is the critic with its
+    adapters off). Both keep lm_head (reward_model.ScalarHeadModel wraps the causal LM): N = llama_param_count.
+        frozen       frozen_bytes(N, bits): β·N, or quantized at 8 / 4 bits; no gradient, no optimizer state
+        adapters     8·n   fp32 weight + gradient of the n = lora_trainable(...) trainable parameters
+        optimizer    8·n   Adam m and v in fp32 (16 bytes per trainable parameter in all)
+    The phases are plan_memory's: activations with gradient checkpointing ℓ·b·L·h·β + one layer's working set
+    (the frozen layers still pass gradients to the adapters below them), logits b·L·V·4, KV cache 2·ℓ·g·L·k·d·β."""
+    beta, b, g, L = s["dtype_bytes"], s["micro_batch"], s["generate_batch_per_gpu"], s["prompt_len"] + s["response_len"]
+    r, spec, bits = s["lora_r"], s["lora_targets"], s["lora_bits"]
+    rcfg = cfg if reward_cfg is None else reward_cfg
+    n = {"policy": lora_trainable(cfg, r, spec), "critic": lora_trainable(rcfg, r, spec, heads=1)}
+    n_params = {"policy": llama_param_count(c), "critic": llama_param_count(rc) + rc["hidden_size"] + 1}
+    n_params.update(reference=n_params["policy"], reward=n_params["critic"])  # the same weights, held once
+    rows: list[Row] = []
+
+    def add(model: str, comp: str, nbytes: int, formula: str, phases: tuple[str, ...] = ()):
+        rows.append(Row(model, comp, int(nbytes), "gpu", phases, formula))
+
+    for model, mc in (("policy", c), ("critic", rc)):
+        h, n_layers, V = mc["hidden_size"], mc["num_hidden_layers"], mc["vocab_size"]
+        fb, formula = frozen_bytes(mc, bits, beta)
+        if model == "policy":
+            add(model, "frozen", fb, formula + "   (= the reference: adapters off)")
+        else:
+            add(model, "frozen", fb + beta * (h + 1), formula + f" + {beta}·(h+1)   (= the reward model + its head)")
+        add(model, "adapters", 8 * n[model], f"8·n   (n = {n[model]:,}: fp32 weight + gradient)")
+        add(model, "optimizer", 8 * n[model], "8·n   (Adam m, v)")
+        ws, ws_formula = _layer_working_set(mc, b, L, beta, s["flash_attention"])
+        train, fwd = f"{model} train", "reference fwd" if model == "policy" else "reward fwd"
+        if s["grad_ckpt"]:
+            add(model, "activations", n_layers * b * L * h * beta + ws, f"ℓ·b·L·h·{beta} + {ws_formula}", (train,))
+        else:
+            add(model, "activations", n_layers * ws, f"ℓ·({ws_formula})", (train,))
+        ref = "reference" if model == "policy" else "reward"
+        add(ref, "activations", ws, ws_formula + " (no grad)", (fwd,))
+        if model == "policy":
+            add(model, "logits", b * L * V * 4, "b·L·V·4", (train,))
+            add(ref, "logits", b * L * V * 4, "b·L·V·4", (fwd,))
+            k, d = mc["num_key_value_heads"], mc["head_dim"]
+            add(model, "kv_cache", 2 * n_layers * g * L * k * d * beta, f"2·ℓ·g·L·k·d·{beta}", ("generate",))
+    order = {m: i for i, m in enumerate(("policy", "critic", "reference", "reward"))}
+    rows.sort(key=lambda row: order[row.model])
+    t = _lora_targets(cfg, spec)
+    info = dict(r=r, targets=spec, modules=t["modules"] + (" (auto)" if spec == "auto" else ""), bits=bits,
+                trainable=n, layers=t["layers"])
+    return rows, n_params, info
 
 
 def plan_stage_memory(cfg: Mapping[str, Any] | str, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float = 80,

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import data
 import engine
+import lora
 from checkpoint import seed_everything
 from ppo_loss import ptx_loss
 from ppo_max import arg, disable_dropout
@@ -64,11 +65,13 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     """Stage 1 on (prompt, response) rows: cfg.sft_epochs epochs of batches of cfg.sft_batch, the NLL of the
     response tokens only (prompt tokens are context, not targets). Returns the per-step losses; the model is
     trained in place (under DeepSpeed: through an engine whose module is `model`), left in eval mode, and saved
-    with its tokenizer as a Hugging Face directory at `out_dir` when one is given."""
+    with its tokenizer as a Hugging Face directory at `out_dir` when one is given. A model with LoRA adapters
+    (lora.add_adapters) trains only them, and out_dir gets them in adapter/ and the merged model beside."""
     rng = random.Random(seed)
     steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.sft_batch))
-    disable_dropout(model)  # every stage trains a deterministic network: the same batch gives the same loss anywhere
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    disable_dropout(model, keep="lora_dropout")  # a deterministic network (but --lora-dropout): the same batch gives
+    # the same loss anywhere. Under LoRA only the adapters train (lora.add_adapters); the base stays frozen.
+    opt = torch.optim.AdamW(lora.trainable(model), lr=cfg.sft_lr, weight_decay=0.0)
     trained, opt = engine.wrap(model, opt, ds, cfg.sft_lr)
     device = next(model.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
@@ -86,9 +89,8 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
         losses.append(engine.all_mean({"loss": loss.item()}, device)["loss"])
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
-    if out_dir is not None and rank == 0:
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+    if out_dir is not None and rank == 0:  # LoRA: out_dir/adapter/ and the merged model in out_dir
+        lora.save(model, out_dir, tokenizer)
     return losses
 
 

@@ -32,6 +32,7 @@ References: Ouyang et al. 2022 (InstructGPT); Ziegler et al. 2019; CleanRL ppo.p
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -50,6 +51,7 @@ import checkpoint
 import data
 import engine
 import eval as evaluation
+import lora
 import monitor as collapse
 import ppo_max
 import scale
@@ -123,6 +125,17 @@ class RunConfig:
     grad_ckpt: bool = arg(False, "gradient checkpointing in policy and critic (on in the llama presets)")
     fp32: bool = arg(False, "fp32 where bf16 would be used (DeepSpeed on an accelerator with bf16; never the CPU)")
     bf16: bool = arg(False, "bf16 for every model even on the CPU (the accelerator's dtype path, testable here)")
+    # one GPU (lora.py): low-rank adapters through peft instead of full weights
+    lora_r: int = arg(0, "LoRA rank r: train adapters (peft) instead of full weights, in SFT, the reward model, the "
+                         "critic and the policy (the synthetic world: critic and policy); 0 = full fine-tuning")
+    lora_alpha: float = arg(16.0, "LoRA α: the update is (α/r)·B·A")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input in SFT and reward-model training (PPO switches it "
+                                   "off with every dropout: ρ = 1 on the first minibatch)")
+    lora_targets: str = arg("auto", "layers that get adapters: 'auto' (peft's default for the architecture: "
+                                    "q_proj,v_proj for LLaMA, c_attn for GPT-2), 'all-linear', or names, e.g. "
+                                    "q_proj,k_proj,v_proj,o_proj")
+    lora_bits: int = arg(16, "frozen base weights under LoRA: 16 (bf16 / as saved), 8 or 4 (bitsandbytes NF4, "
+                             "QLoRA; CUDA only, one process)")
 
 
 # The valid range or choices of every RunConfig flag; with PPO_CHECKS, SFT_CHECKS, RM_CHECKS and WORLD_CHECKS,
@@ -130,7 +143,7 @@ class RunConfig:
 RUN_CHECKS = dict(seed=">=0", steps=">=1", eval_samples=">=1", threads=">=0", save_every=">=0", keep_last=">=0",
                   max_bad_steps=">=1", on_collapse="warn|stop", alarm_kl_max=">=0", alarm_patience=">=1",
                   heldout_frac="(0,1)", vocab_size=">=1", max_prompt_tokens=">=1", max_response_tokens=">=2",
-                  judge_frac="[0,1)", zero_stage="0|1|2", log_with="none|tensorboard|wandb")
+                  judge_frac="[0,1)", zero_stage="0|1|2", log_with="none|tensorboard|wandb", **lora.LORA_CHECKS)
 FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be existing files when given
 
 
@@ -168,6 +181,13 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
         if importlib.util.find_spec("wandb") is None:
             fail("--log-with wandb: wandb is not installed here (pip install wandb; with WANDB_MODE=offline it needs "
                  "no network); metrics.jsonl is written either way, and --log-with tensorboard needs nothing more")
+    if run.lora_r:
+        try:
+            lora.target_modules("", run.lora_targets)
+        except ValueError as e:
+            fail(str(e))
+    if run.lora_bits != 16 and not run.lora_r:
+        fail(f"--lora-bits {run.lora_bits}: quantized frozen weights are for LoRA; add --lora-r R (e.g. 16)")
     if Path(run.out).exists() and not Path(run.out).is_dir():
         fail(f"--out {run.out}: exists and is not a directory")
 
@@ -356,8 +376,7 @@ def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, o
 def save_critic(m: Models, inp: Inputs, run: RunConfig, out: Path, rank: int) -> dict:
     """--stages ...,critic: the pre-trained critic, as a Hugging Face directory, is the run's result."""
     if rank == 0:
-        engine.unwrap(m.critic).save_pretrained(out / "critic")
-        inp.tokenizer.save_pretrained(out / "critic")
+        lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
         print(f"[stages] {run.stages}: the pre-trained critic is in {out / 'critic'}")
     return {"stages": run.stages, "critic": str(out / "critic")}
 
@@ -454,31 +473,52 @@ class Models:
 
 def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: torch.device, ds: dict | None) -> Models:
     """The four models from their directories, in bf16 when the DeepSpeed config (or --bf16) says so, else as
-    saved, with dropout off in every one of them (rollouts, experience and updates see one deterministic network)."""
+    saved, with dropout off in every one of them (rollouts, experience and updates see one deterministic network).
+    With --lora-r the policy and the critic train adapters on frozen weights, and the frozen models are those same
+    weights with the adapters off (lora.AdaptersOff): the reference is the policy's base when both start from one
+    directory (π_SFT), the reward model the critic's when the critic starts from it (PPO-max); no second copy."""
     from transformers import AutoModelForCausalLM
     bf16 = bool(ds.get("bf16", {}).get("enabled", False)) if ds else run.bf16
-    dtype = {"dtype": torch.bfloat16} if bf16 else {}
-    policy = AutoModelForCausalLM.from_pretrained(inp.policy, **dtype).to(device)
-    ref = AutoModelForCausalLM.from_pretrained(inp.ref, **dtype).eval().requires_grad_(False).to(device)
-    head_dtype = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    kw = lora.load_kwargs(run, bf16)  # dtype, and --lora-bits' quantization of frozen weights
+    place = (lambda m: m) if "quantization_config" in kw else (lambda m: m.to(device))  # quantized: placed on load
+    share_ref = lora.enabled(run) and Path(inp.ref) == Path(inp.policy)
+    share_rm = lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
+    policy = place(AutoModelForCausalLM.from_pretrained(inp.policy, **kw))
+    ref = None if share_ref else place(AutoModelForCausalLM.from_pretrained(inp.ref, **kw)).eval().requires_grad_(False)
+    head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
     try:  # a reward model without a trained head stops here: it never becomes a random one
-        reward_model = ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_dtype)
+        reward_model = None if share_rm else ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw)
+        critic = ScalarHeadModel.from_pretrained(inp.critic, require_head=share_rm, **head_kw,
+                                                 quantization=lora.quantization(run))
     except ValueError as e:
         fail(f"--reward-model {e}")
-    reward_model = reward_model.eval().requires_grad_(False).to(device)
-    critic = ScalarHeadModel.from_pretrained(inp.critic, **head_dtype).to(device)
-    for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
-        ppo_max.disable_dropout(model)
+    critic = place(critic)
+    if reward_model is not None:
+        reward_model = reward_model.eval().requires_grad_(False).to(device)
     if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
         for m in (policy, critic):
             (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.policy_lr, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+    if lora.enabled(run):  # adapters (B = 0: the models start as their directories), dropout 0 as everywhere in PPO
+        reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
+        policy = lora.add_adapters(policy, run, seed=run.seed, dropout=0.0)
+        critic = lora.add_adapters(critic, run, seed=run.seed + 1, dropout=0.0)
+        ref = ref or lora.AdaptersOff(policy)
+        reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
+    for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
+        if not isinstance(model, lora.AdaptersOff):  # (those are the policy's and the critic's own weights)
+            ppo_max.disable_dropout(model)
+    policy_opt = torch.optim.AdamW(lora.trainable(policy), lr=cfg.policy_lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(lora.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0)
     if ds is not None:
         print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, policy and critic engines: "
               f"{json.dumps(ds)}")
         print("[deepspeed] reference and reward model: inference only, replicated on every rank (if they do not fit: "
               "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
+    if lora.enabled(run):
+        print(f"[lora] r {run.lora_r}, α {run.lora_alpha:g}, targets {run.lora_targets}: policy "
+              f"{sum(p.numel() for p in lora.trainable(policy)):,} / critic {sum(p.numel() for p in lora.trainable(critic)):,} "
+              f"trainable parameters; reference = {'the policy with adapters off' if share_ref else inp.ref}, reward "
+              f"model = {'the critic with adapters off' if share_rm else inp.reward}")
     policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
     critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
     return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16)
@@ -679,9 +719,8 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     """Rank 0 at the end: the final policy and critic as Hugging Face directories, the held-out evaluation, and
     summary.json (printed as a table)."""
     out = Path(run.out)
-    engine.unwrap(m.policy).save_pretrained(out / "policy")
-    inp.tokenizer.save_pretrained(out / "policy")
-    engine.unwrap(m.critic).save_pretrained(out / "critic")
+    lora.save(m.policy, out / "policy", inp.tokenizer, inp.policy)  # LoRA: adapter/ and the merged model
+    lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
     t0 = time.time()
     report = evaluate(m, inp, run, cfg, log.history, judge, device)
     timings["eval"] = time.time() - t0
