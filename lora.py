@@ -110,6 +110,7 @@ def add_adapters(model, run, seed: int, dropout: float | None = None):
         lm = prepare_model_for_kbit_training(lm, use_gradient_checkpointing=lm.is_gradient_checkpointing)
     with torch.random.fork_rng(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' renamed is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "fan_in_fan_out")  # GPT-2's Conv1D stores W transposed: peft adapts itself
         torch.manual_seed(seed)
         peft_lm = get_peft_model(lm, lora_config(run, lm.config.model_type, dropout))
     if not head_model:

@@ -1,0 +1,222 @@
+"""LoRA (lora.py, --lora-r): only adapters and heads train; the reference is the policy with its adapters off and the
+reward model the critic's backbone with the critic's adapters off, equal to the saved SFT and reward models bit for
+bit; ρ = 1 on the first minibatch; a resumed LoRA run writes the uninterrupted run's metrics; the merged export loads
+with plain AutoModelForCausalLM and gives the adapter model's logits; in the synthetic world LoRA PPO-max beats SFT
+under the gold judge. The invariants run on every architecture tiny_model.py builds."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import lora
+import ppo_max
+import tiny_model
+import train
+from pipeline import Inputs
+from reward_model import ScalarHeadModel
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Human: how do I bake bread?\n\nAssistant:", "Human: what is a good name for a cat?\n\nAssistant:",
+           "Human: tell me a joke\n\nAssistant:", "Human: is the sea salty?\n\nAssistant:"]
+RESPONSES = [" Mix flour, water and yeast.", " Maybe Tom.", " A horse walks into a bar.", " Yes, quite."]
+
+
+def lora_run(**kw) -> train.RunConfig:
+    return train.RunConfig(lora_r=4, lora_alpha=8.0, seed=0, **kw)
+
+
+def build(arch: str, root: Path) -> tuple[Path, Path]:
+    """A tiny random-init SFT model of `arch` and a reward model from it (a random head with a non-zero bias)."""
+    texts = [p + r for p, r in zip(PROMPTS, RESPONSES)] * 8
+    sft = tiny_model.build_model(arch, texts, root / "sft", hidden=32, layers=2, heads=4, vocab_size=300)
+    torch.manual_seed(1)
+    rm = ScalarHeadModel.from_pretrained(sft, seed=3)
+    with torch.no_grad():
+        rm.head.bias.fill_(0.25)
+    rm.save_pretrained(root / "rm")
+    data.load_tokenizer(sft).save_pretrained(root / "rm")
+    return sft, root / "rm"
+
+
+def models(arch: str, root: Path, cfg: ppo_max.PPOConfig):
+    sft, rm = build(arch, root)
+    tokenizer = data.load_tokenizer(sft)
+    inp = Inputs(sft, sft, rm, rm, tokenizer, {})
+    m = train.load_models(inp, lora_run(), cfg, torch.device("cpu"), None)
+    batches = data.RolloutBatches(PROMPTS, list(zip(PROMPTS, RESPONSES)), tokenizer, seed=0)
+    return m, batches, tokenizer, sft, rm
+
+
+def ppo_step(m, batches, tokenizer, cfg, moments):
+    """One PPO iteration, as train.ppo runs it: rollout, experience, update. Returns (experience, update stats)."""
+    _, query, query_mask = batches.prompts(cfg.rollout_batch)
+    m.policy.eval()
+    response, response_mask, _ = ppo_max.rollout(m.policy, query, query_mask, cfg.max_new_tokens,
+                                                 data.stop_id(tokenizer), tokenizer.pad_token_id, cfg.temperature)
+    exp = ppo_max.make_experience(m.policy, m.ref, m.reward_model, m.critic, query, query_mask, response,
+                                  response_mask, moments, cfg, cfg.kl_coef)
+    m.policy.train(); m.critic.train()
+    upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg, lambda: batches.ptx(2))
+    return exp, upd
+
+
+CFG = ppo_max.PPOConfig(rollout_batch=4, minibatch=4, ppo_epochs=1, max_new_tokens=6, policy_lr=5e-2,
+                        critic_lr=5e-2, ptx_batch=2)
+
+
+@pytest.mark.parametrize("arch", tiny_model.ARCHS)
+def test_lora_only_adapters_and_heads_train_and_the_base_is_bit_identical(arch, tmp_path):
+    m, batches, tokenizer, _, _ = models(arch, tmp_path, CFG)
+    named = {f"policy.{n}": p for n, p in m.policy.named_parameters()}
+    named.update({f"critic.{n}": p for n, p in m.critic.named_parameters()})
+    before = {n: p.detach().clone() for n, p in named.items()}
+    reward_head = {k: v.clone() for k, v in m.reward_model.model.head.state_dict().items()}
+    trainable = {n for n, p in named.items() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("critic.head.") for n in trainable), sorted(trainable)
+    assert {"critic.head.weight", "critic.head.bias"} <= trainable
+    # the optimizers step exactly the trainable parameters
+    for opt, model in ((m.policy_opt, m.policy), (m.critic_opt, m.critic)):
+        assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()
+                                                                        if p.requires_grad}
+    for _ in range(2):
+        ppo_step(m, batches, tokenizer, CFG, ppo_max.RunningMoments())
+    changed = {n for n, p in named.items() if not torch.equal(p, before[n])}
+    frozen = set(named) - trainable
+    assert not changed & frozen, sorted(changed & frozen)[:5]                 # the base weights: bit-identical
+    assert all(named[n].grad is None for n in frozen)                          # and never received a gradient
+    assert any("policy." in n and "lora_B" in n for n in changed)              # the adapters did learn
+    assert any("critic." in n and "lora_B" in n for n in changed) and "critic.head.weight" in changed
+    for k, v in m.reward_model.model.head.state_dict().items():               # the reward model's own head: frozen
+        assert torch.equal(v, reward_head[k])
+
+
+@pytest.mark.parametrize("arch", tiny_model.ARCHS)
+def test_lora_reference_and_reward_model_are_the_saved_models_and_the_first_ratio_is_one(arch, tmp_path):
+    m, batches, tokenizer, sft_dir, rm_dir = models(arch, tmp_path, CFG)
+    ppo_step(m, batches, tokenizer, CFG, ppo_max.RunningMoments())  # the adapters move away from B = 0
+    from transformers import AutoModelForCausalLM
+    sft = ppo_max.disable_dropout(AutoModelForCausalLM.from_pretrained(sft_dir)).eval()
+    rm = ppo_max.disable_dropout(ScalarHeadModel.from_pretrained(rm_dir, require_head=True)).eval()
+    _, query, query_mask = batches.prompts(4)
+    response, response_mask, _ = ppo_max.rollout(m.policy, query, query_mask, 6, data.stop_id(tokenizer),
+                                                 tokenizer.pad_token_id)
+    args = (query, query_mask, response, response_mask, 0.7)
+    with torch.no_grad():
+        ref_logits = ppo_max.policy_logits(m.ref, *args)
+        assert torch.equal(ref_logits, ppo_max.policy_logits(sft, *args))          # π_ref = the saved π_SFT, exactly
+        assert not torch.equal(ppo_max.policy_logits(m.policy, *args), ref_logits)  # while the policy has moved
+        ids, mask = torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1)
+        assert torch.equal(m.reward_model.score(ids, mask), rm.score(ids, mask))    # r(x, y) = the saved RM's
+        assert not torch.equal(m.critic(ids, mask), rm(ids, mask))                  # while the critic has moved
+    # a new rollout batch, one epoch of one minibatch: the update's ratio is exactly 1 (train mode, dropout off)
+    _, upd = ppo_step(m, batches, tokenizer, CFG, ppo_max.RunningMoments())
+    assert upd["ppo/ratio"] == pytest.approx(1.0, abs=1e-6) and upd["ppo/clipfrac"] == 0.0
+
+
+def test_lora_dropout_acts_in_sft_and_is_off_in_ppo(tmp_path):
+    sft, rm = build("gpt2", tmp_path)  # GPT-2 also has its own dropout of 0.1, which every stage turns off
+    run = train.RunConfig(lora_r=4, lora_dropout=0.3)
+    from pipeline import load_lm
+    from sft import SFTConfig, train_sft
+    model = load_lm(sft, False, torch.device("cpu"), False, run)
+    tokenizer = data.load_tokenizer(sft)
+    train_sft(model, tokenizer, list(zip(PROMPTS, RESPONSES)), SFTConfig(sft_epochs=1.0, sft_batch=4), 0)
+    ps = {n: mod.p for n, mod in model.named_modules() if isinstance(mod, torch.nn.Dropout)}
+    assert ps and all(p == 0.3 for n, p in ps.items() if "lora_dropout" in n)
+    assert all(p == 0.0 for n, p in ps.items() if "lora_dropout" not in n)
+    m = train.load_models(Inputs(sft, sft, rm, rm, tokenizer, {}), run, CFG, torch.device("cpu"), None)
+    for model in (m.policy, m.critic):
+        assert all(mod.p == 0.0 for mod in model.modules() if isinstance(mod, torch.nn.Dropout))
+
+
+def test_lora_counts_match_peft(tmp_path):
+    """lora.count_trainable (a meta-device copy, no weights) against peft's own count of the loaded model."""
+    for arch in ("llama", "gpt2", "gpt_neox"):
+        sft, _ = build(arch, tmp_path / arch)
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.from_pretrained(sft)
+        for r, spec in ((1, "auto"), (4, "all-linear"), (8, "auto")):
+            model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(sft),
+                                      train.RunConfig(lora_r=r, lora_targets=spec), seed=0)
+            assert lora.count_trainable(config, r, spec)["adapters"] == model.get_nb_trainable_parameters()[0]
+
+
+# ------------------------------------------------------------------------------------------- the synthetic world
+TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
+        "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8", "--critic-pretrain-steps", "4",
+        "--eval-samples", "1", "--threads", "1", "--save-every", "3", "--lora-r", "4"]
+
+
+def metrics(path):
+    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
+            for l in Path(path, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    old = os.getcwd()
+    os.chdir(d)
+    train.main(TINY + ["--steps", "6", "--out", "full"])
+    yield d
+    os.chdir(old)
+
+
+@pytest.mark.slow
+def test_lora_resume_matches_uninterrupted(work):
+    train.main(TINY + ["--steps", "4", "--out", "part"])       # checkpoints at 3 and 4
+    ckpt = work / "part" / "checkpoints" / "step-000003" / "policy"
+    assert (ckpt / "adapter_config.json").is_file() and not (ckpt / "model.safetensors").exists()  # adapters only
+    train.main(["--resume", "part", "--steps", "6"])
+    assert metrics(work / "part") == metrics(work / "full")
+
+
+@pytest.mark.slow
+def test_lora_merged_export_loads_plainly_and_gives_the_adapter_models_logits(work):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    out = work / "full" / "policy"
+    assert not (out / "adapter_config.json").exists()        # a plain directory: no peft needed to read it
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    assert any(p.abs().max() > 0 for n, p in adapted.named_parameters() if "lora_B" in n)  # it learnt something
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not hasattr(merged, "peft_config")
+    ids = torch.randint(3, merged.config.vocab_size, (3, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+        plain_base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])  # (peft adapted `base`
+        assert not torch.allclose(plain_base(ids).logits, merged(ids).logits, atol=1e-4)      # in place)
+    # the critic's merged export: its value head included
+    critic_cfg = json.loads((work / "full" / "critic" / "adapter" / "adapter_config.json").read_text())
+    critic = ScalarHeadModel.from_pretrained(work / "full" / "critic", require_head=True).eval()
+    lm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(critic_cfg["base_model_name_or_path"]),
+                                   work / "full" / "critic" / "adapter")
+    adapted_critic = ScalarHeadModel.from_pretrained(work / "full" / "critic", require_head=True)
+    adapted_critic.lm = lm.eval()
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(critic(ids, mask), adapted_critic(ids, mask), atol=1e-5, rtol=1e-5)
+    # the command writes the same merged weights
+    proc = subprocess.run([sys.executable, str(ROOT / "lora.py"), "merge", str(out / "adapter"), "--out", "again"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    again = AutoModelForCausalLM.from_pretrained("again")
+    for (k, a), (_, b) in zip(sorted(merged.state_dict().items()), sorted(again.state_dict().items())):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.slow
+def test_lora_ppo_max_beats_sft_under_the_gold_judge(tmp_path, monkeypatch):
+    """The default world and PPO-max budget with adapters on the policy and critic (rank 8)."""
+    monkeypatch.chdir(tmp_path)
+    s = train.main(["--lora-r", "8", "--threads", "1"])
+    win = s["win_rate_vs_sft"]
+    assert s["judge"] == "gold" and win["win"] > win["lose"], win
+    assert s["final"]["gold_reward"] > s["sft"]["gold_reward"]
