@@ -89,11 +89,20 @@ def _check_targets(model: torch.nn.Module, run, targets) -> None:
         return
     linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
-    missing = [t for t in targets if t not in linear]
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in linear]
     if missing:
         from data import fail
         fail(f"--lora-targets {run.lora_targets}: {', '.join(missing)} matches no linear layer of this "
              f"{model.config.model_type} model (its layers: {', '.join(sorted(linear))})")
+
+
+def check_targets(config, run) -> None:
+    """--lora-targets against the architecture of `config` (a meta-device copy: no weights, no time), before any
+    stage runs."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _check_targets(model, run, target_modules(config.model_type, run.lora_targets))
 
 
 def add_adapters(model, run, seed: int, dropout: float | None = None):
@@ -250,7 +259,9 @@ def merge(adapter_dir, out_dir, base_dir=None) -> Path:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False)
-    merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()   # W₀ + (α/r)·B·A, layer by layer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' renamed is_gradient_checkpointing
+        merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()   # W₀ + (α/r)·B·A, layer by layer
     merged.save_pretrained(out_dir, safe_serialization=True)
     for name in HEAD_FILES:  # a reward model's or critic's head is not an adapter: it is copied as it is
         if (adapter_dir / name).is_file():

@@ -186,8 +186,11 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
             lora.target_modules("", run.lora_targets)
         except ValueError as e:
             fail(str(e))
-    if run.lora_bits != 16 and not run.lora_r:
-        fail(f"--lora-bits {run.lora_bits}: quantized frozen weights are for LoRA; add --lora-r R (e.g. 16)")
+    if run.lora_bits != 16:  # bitsandbytes: a CUDA GPU, one process
+        lora.check_bits(run, "cuda" if torch.cuda.is_available() else "cpu")
+        if run.deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            fail(f"--lora-bits {run.lora_bits}: quantized frozen weights run in one process here, not under DeepSpeed "
+                 f"engines; drop --deepspeed / the launcher, or use --lora-bits 16")
     if Path(run.out).exists() and not Path(run.out).is_dir():
         fail(f"--out {run.out}: exists and is not a directory")
 
@@ -417,6 +420,18 @@ def check_data_files(run: RunConfig) -> None:
         data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad)
     if run.prompts:
         data.load_prompts(data_source(run, run.prompts), skip_bad=run.skip_bad)
+
+
+def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
+    """--lora-targets must name layers of the model (the tiny LLaMA, or the real --model's architecture)."""
+    if not lora.enabled(run):
+        return
+    if dirs is None:
+        config = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+    else:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(dirs["sft"] or dirs["model"], trust_remote_code=False)
+    lora.check_targets(config, run)
 
 
 def make_out_dir(run: RunConfig) -> Path:
@@ -747,6 +762,7 @@ def main(argv=None) -> dict | None:
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     check_data_files(run)
+    check_lora(run, sft_cfg, dirs)
     out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
     if rank == 0:  # --resume DIR alone continues from this record

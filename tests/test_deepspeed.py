@@ -308,3 +308,31 @@ def test_real_model_every_stage_under_deepspeed_matches_one_process(arch, tmp_pa
         if stage == "sft":
             assert abs(a[0] - b[0]) < 1e-2, (a[0], b[0])
     assert len(metrics(tmp_path / "two")) == 2 and (tmp_path / "two" / "policy" / "config.json").exists()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_lora_under_deepspeed_resumes_exactly(tmp_path):
+    """--lora-r under `deepspeed --num_gpus 2`: every stage trains adapters through engines, a checkpoint's engine
+    state holds no frozen weights, and a resumed run writes the uninterrupted run's metrics."""
+    import tiny_model
+    from test_real_data import hh_pairs, write_jsonl
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", hh_pairs(96))
+    model = tiny_model.build_model("llama", [p + r for p, r in data.load_texts(pairs)], tmp_path / "model", hidden=32,
+                                   vocab_size=300)
+    args = ["--model", str(model), "--data", str(pairs), *REAL_BUDGET, "--lora-r", "4", "--save-every", "1"]
+    proc = run_deepspeed(tmp_path, *args, "--out", "full")
+    assert "2 process(es)" in proc.stdout and "reference = the policy with adapters off" in proc.stdout
+    full = tmp_path / "full"
+    assert (full / "sft" / "adapter" / "adapter_config.json").is_file() and (full / "policy" / "adapter").is_dir()
+    states = torch.load(full / "checkpoints" / "deepspeed" / "policy" / "step-000001" / "mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]
+    assert states and all("lora_" in k for k in states), sorted(states)[:5]   # adapters only, no frozen weights
+    part = tmp_path / "part"
+    shutil.copytree(full, part)       # as if killed after step 1: its checkpoint 2 and its metrics line 2 gone
+    for p in [part / "checkpoints" / "step-000002", *part.glob("checkpoints/deepspeed/*/step-000002*")]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    (part / "metrics.jsonl").write_text(lines[0] + "\n")
+    run_deepspeed(tmp_path, "--resume", "part")
+    assert metrics(part) == metrics(full) and len(metrics(full)) == 2

@@ -31,6 +31,12 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "scale_missing_model": (["scale.py", "--model", "nowhere"], "nowhere"),
     "tiny_model_bad_arch": (["tiny_model.py", "--arch", "bert", "--out", "m"], "bert"),
     "gpu_check_bad_flag": (["gpu_check.py", "--steps", "0"], "--steps"),
+    "train_lora_bad_rank": (["train.py", "--lora-r", "-1"], "--lora-r"),
+    "train_lora_no_such_layer": (["train.py", "--lora-r", "4", "--lora-targets", "q_proj,qkv"], "qkv"),
+    "train_lora_4bit_on_cpu": (["train.py", "--lora-r", "4", "--lora-bits", "4"], "--lora-bits 4"),
+    "train_lora_bits_without_lora": (["train.py", "--lora-bits", "8"], "--lora-r"),
+    "lora_merge_not_an_adapter": (["lora.py", "merge", "empty", "--out", "merged"], "empty"),
+    "lora_count_missing_model": (["lora.py", "count", "nowhere"], "nowhere"),
 }
 
 

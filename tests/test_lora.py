@@ -220,3 +220,32 @@ def test_lora_ppo_max_beats_sft_under_the_gold_judge(tmp_path, monkeypatch):
     win = s["win_rate_vs_sft"]
     assert s["judge"] == "gold" and win["win"] > win["lose"], win
     assert s["final"]["gold_reward"] > s["sft"]["gold_reward"]
+
+
+# ------------------------------------------------------------------------------------------- a real model, every stage
+@pytest.mark.slow
+def test_lora_runs_every_stage_of_a_real_model(tmp_path, monkeypatch):
+    """SFT, the reward model, the judge, the critic and the policy each write adapters (peft's format) and the merged
+    model; the --model directory itself is never written; the merged SFT model is what PPO's reference computes."""
+    from test_real_data import hh_pairs, write_jsonl
+    from test_real_models import BUDGET
+    monkeypatch.chdir(tmp_path)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", hh_pairs(96))
+    model = tiny_model.build_model("qwen2", [p + r for p, r in data.load_texts(pairs)], tmp_path / "model", hidden=32,
+                                   layers=2, heads=4, vocab_size=300)
+    before = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+    summary = train.main(["--model", str(model), "--data", str(pairs), "--out", "run", "--lora-r", "4",
+                          "--lora-targets", "all-linear", *BUDGET])
+    out = tmp_path / "run"
+    bases = {}
+    for stage in ("sft", "reward_model", "judge_model", "policy", "critic"):
+        adapter = out / stage / "adapter"
+        assert (adapter / "adapter_model.safetensors").is_file() and (out / stage / "config.json").is_file(), stage
+        bases[stage] = Path(json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
+        assert (adapter / "value_head.safetensors").is_file() == (stage in ("reward_model", "judge_model", "critic"))
+    assert bases == {"sft": model.resolve(), "reward_model": (out / "sft").resolve(), "judge_model": (out / "sft").resolve(),
+                     "policy": (out / "sft").resolve(), "critic": (out / "reward_model").resolve()}
+    assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before
+    (m,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert m["ppo/ratio"] == pytest.approx(1.0, abs=1e-6) and m["ppo/clipfrac"] == 0.0
+    assert summary["models"]["sft"] == str(Path("run") / "sft")

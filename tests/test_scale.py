@@ -1,13 +1,16 @@
 """Tests of scale.py: parameter counts against real transformers models, the memory plan against hand
-arithmetic, model resolution without network, and the DeepSpeed config against ds_config_zero2.json."""
+arithmetic, model resolution without network, the DeepSpeed config against ds_config_zero2.json, and the LoRA plan's
+trainable parameters against peft's own count."""
 import json
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 import scale
@@ -267,3 +270,213 @@ def test_stage_plans_sft_and_rm_against_a_hand_sum():
         assert p["rows"] == want and p["total_bytes"] == sum(want.values()) and p["fits"]
     with pytest.raises(ValueError):
         scale.plan_stage_memory("llama-7b", "ppo")
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+# Tiny random-init models of four architectures: peft's own count of the trainable parameters is the reference.
+LORA_ARCHS = {
+    "llama": lambda: transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "qwen2": lambda: transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                            bos_token_id=0, eos_token_id=0),
+}
+LORA_SPECS = {"llama": ["auto", "all-linear", "q_proj,k_proj,v_proj,o_proj"],
+              "qwen2": ["auto", "all-linear", "q_proj,k_proj,v_proj,o_proj"],
+              "gpt_neox": ["auto", "all-linear", "query_key_value,dense"],
+              "gpt2": ["auto", "all-linear", "c_attn,c_proj"]}
+LORA_RUN = dict(SMALL_RUN, num_gpus=1)
+
+
+def _peft_model(model, r: int, spec: str):
+    """peft's own wrapping: 'auto' = target_modules None (peft picks its default for the architecture)."""
+    import peft
+
+    targets = None if spec == "auto" else spec if spec == "all-linear" else spec.split(",")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2's Conv1D: peft's fan_in_fan_out notice
+        return peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=16, target_modules=targets))
+
+
+@pytest.mark.parametrize("r", [1, 4, 8])
+@pytest.mark.parametrize("arch, spec", [(a, s) for a in LORA_ARCHS for s in LORA_SPECS[a]])
+def test_lora_trainable_matches_peft(arch, spec, r):
+    config = LORA_ARCHS[arch]()
+    torch.manual_seed(0)
+    want = _peft_model(transformers.AutoModelForCausalLM.from_config(config), r, spec).get_nb_trainable_parameters()[0]
+    assert want > 0
+    assert scale.lora_trainable(config, r, spec) == want
+    if arch == "gpt2":  # no LLaMA-style numbers (no intermediate_size): the plan itself is for LLaMA-like models
+        return
+    plan = scale.plan_memory(config, lora_r=r, lora_targets=spec, **LORA_RUN)
+    assert plan.lora["trainable"]["policy"] == want
+    assert plan.get("policy", "adapters") + plan.get("policy", "optimizer") == 16 * want
+    assert f"policy adapters {want:,}" in scale.format_plan(plan)
+    assert scale.plan_stage_memory(config, "sft", lora_r=r, lora_targets=spec, **LORA_RUN)["trainable"] == want
+
+
+@pytest.mark.parametrize("spec", ["auto", "all-linear"])
+def test_lora_critic_and_reward_model_trainable_match_peft_with_head(spec):
+    """The critic (and the reward model in stage 2): a ScalarHeadModel whose LM carries the adapters and whose
+    h → 1 head trains in full."""
+    from reward_model import ScalarHeadModel
+
+    config = LORA_ARCHS["llama"]()
+    model = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(config))
+    model.lm = _peft_model(model.lm, 8, spec)
+    model.head.requires_grad_(True)
+    want = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert want == model.lm.get_nb_trainable_parameters()[0] + 32 + 1
+    plan = scale.plan_memory(config, lora_r=8, lora_targets=spec, **LORA_RUN)
+    assert plan.lora["trainable"]["critic"] == want
+    assert scale.plan_stage_memory(config, "rm", lora_r=8, lora_targets=spec, **LORA_RUN)["trainable"] == want
+
+
+def test_lora_kbit_training_keeps_the_unquantized_weights_in_fp32():
+    """Why frozen_bytes counts embeddings, norms and lm_head at 4 bytes under --lora-bits 8/4: lora.add_adapters
+    calls peft's prepare_model_for_kbit_training, which upcasts every bf16 weight that is not quantized."""
+    import peft
+
+    config = LORA_ARCHS["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert scale.KBIT_REST_BYTES == 4
+
+
+def test_lora_plan_llama7b_against_a_hand_sum():
+    """PPO with LoRA r = 16 on q_proj,v_proj, one GPU, the paper's lengths (b = 4, g = 4, L = 2048), from the config
+    alone: two frozen backbones (policy = reference, critic = reward model), 16 bytes per trainable parameter."""
+    N = 6_738_415_616                                   # llama-7b, with its lm_head
+    h, layers, V, i, L, b, g = 4096, 32, 32000, 11008, 2048, 4, 4
+    n_pol = 16 * layers * 2 * (h + h)                   # r·(d_in + d_out) on q_proj and v_proj of 32 layers
+    n_crit = n_pol + h + 1                              # + the critic's value head
+    assert n_pol == 8_388_608
+    run = {**scale.PAPER_PRESET, "num_gpus": 1, "gpu_mem_gb": 24, "lora_r": 16}
+    p = scale.plan_memory("llama-7b", **run)
+    act = layers * b * L * h * 2 + 34 * b * L * h       # checkpointed layer inputs + one layer's working set
+    logits = b * L * V * 4
+    assert p.get("policy", "frozen") == 2 * N
+    assert p.get("critic", "frozen") == 2 * N + 2 * (h + 1)       # + the reward model's frozen head
+    assert p.get("reference", "frozen") == p.get("reward", "frozen") == 0  # no second copy
+    assert p.get("policy", "adapters") == 8 * n_pol and p.get("policy", "optimizer") == 8 * n_pol
+    assert p.get("critic", "adapters") == 8 * n_crit and p.get("critic", "optimizer") == 8 * n_crit
+    assert p.get("policy", "activations") == p.get("critic", "activations") == act
+    assert p.get("policy", "kv_cache") == 2 * layers * g * L * h * 2
+    assert p.resident_bytes == 4 * N + 2 * (h + 1) + 16 * (n_pol + n_crit)
+    assert p.peak_phase == "policy train"
+    assert p.total_bytes == p.resident_bytes + act + logits + 2 * GiB
+    assert round(2 * N / GiB, 2) == 12.55               # one bf16 backbone
+    # 8 and 4 bits: only the decoder layers' Linear weights Q are quantized; embeddings, lm_head and norms stay
+    # unquantized (fp32 after prepare_model_for_kbit_training: 4 bytes)
+    rest = 2 * V * h + (2 * layers + 1) * h             # embed_tokens + lm_head + 65 RMSNorm weights
+    Q = N - rest
+    assert Q == layers * (4 * h * h + 3 * h * i)
+    q4 = Q // 2 + Q // 64 + Q // 4096                   # NF4 + 8-bit absmax per 64 + fp32 constant per 256 blocks
+    assert abs(8 * q4 / Q - 4.127) < 1e-3
+    for bits, q in ((8, Q), (4, q4)):
+        pb = scale.plan_memory("llama-7b", **{**run, "lora_bits": bits})
+        assert pb.get("policy", "frozen") == q + 4 * rest
+        assert pb.get("critic", "frozen") == q + 4 * rest + 2 * (h + 1)
+        assert pb.total_bytes == 2 * (q + 4 * rest) + 2 * (h + 1) + 16 * (n_pol + n_crit) + act + logits + 2 * GiB
+    # stages 1-2: one frozen backbone + adapters (+ the reward model's head), s = b or 2b sequences
+    for stage, s, n in (("sft", b, n_pol), ("rm", 2 * b, n_pol + h + 1)):
+        st = scale.plan_stage_memory("llama-7b", stage, **run)
+        want = {"frozen": 2 * N, "adapters": 8 * n, "optimizer": 8 * n,
+                "activations": layers * s * L * h * 2 + 34 * s * L * h, "logits": s * L * V * 2 + b * L * V * 4,
+                "overhead": 2 * GiB}
+        assert st["rows"] == want and st["total_bytes"] == sum(want.values()) and st["trainable"] == n
+    # all-linear: q, k, v, o (h → h) and gate, up (h → i), down (i → h) in every layer
+    assert scale.lora_trainable("llama-7b", 16, "all-linear") == 16 * layers * (4 * 2 * h + 3 * (h + i))
+
+
+def test_lora_llama7b_one_gpu_table():
+    """PPO-max with LoRA r = 16 on llama-7b: bf16 frozen weights do not fit 24 GiB but fit 80; 4-bit fits 24."""
+    run = {**scale.PAPER_PRESET, "lora_r": 16}
+    cells = scale.one_gpu_table("llama-7b", **run)
+    cell = {(x["gpu_mem_gb"], x["lora_bits"]): x for x in cells}
+    assert sorted(cell) == sorted((m, q) for m in (24, 48, 80) for q in (16, 8, 4))
+    assert not cell[24, 16]["fits"] and cell[24, 4]["fits"] and cell[80, 16]["fits"]
+    for x in cells:  # each cell is the largest of its stages, each recomputed on its own
+        s = {**run, "num_gpus": 1, "lora_bits": x["lora_bits"]}
+        stages = {"SFT": scale.plan_stage_memory("llama-7b", "sft", **s)["total_bytes"],
+                  "reward model": scale.plan_stage_memory("llama-7b", "rm", **s)["total_bytes"],
+                  "PPO": scale.plan_memory("llama-7b", **s).total_bytes}
+        assert x["stage_bytes"] == stages and x["total_bytes"] == max(stages.values())
+        assert x["fits"] == (x["total_bytes"] <= x["gpu_mem_gb"] * GiB)
+    # bf16: two 12.55 GiB backbones + activations: more than 24, less than 48; 4-bit: less than 16
+    assert 2 * 12.55 < cell[24, 16]["total_bytes"] / GiB < 48 and cell[24, 4]["total_bytes"] / GiB < 16
+    assert cell[24, 16]["total_bytes"] > cell[24, 8]["total_bytes"] > cell[24, 4]["total_bytes"]
+    text = scale.format_one_gpu_table(cells, run)
+    assert f"no ({cell[24, 16]['total_bytes'] / GiB:.2f} GiB)" in text
+    assert f"fits ({cell[24, 4]['total_bytes'] / GiB:.2f} GiB)" in text and "bitsandbytes" in text
+
+
+def test_lora_suggestions_are_recomputed():
+    run = {**scale.PAPER_PRESET, "num_gpus": 1, "gpu_mem_gb": 24, "lora_r": 16}
+    p = scale.plan_memory("llama-7b", **run)
+    assert not p.fits and p.one_gpu
+    changes = " | ".join(x.change for x in p.suggestions)
+    assert "--lora-bits 4" in changes and "--lora-bits 8" in changes and "--lora-r 8" in changes
+    assert "micro batch" in changes and "response_len" in changes and "CUDA GPU" in changes
+    assert "ZeRO" not in changes and "offload" not in changes  # nothing is sharded under LoRA
+    for x in p.suggestions:
+        again = scale.plan_memory("llama-7b", **{**run, **x.overrides})
+        assert again.total_bytes == x.total_bytes and x.saves_bytes == p.total_bytes - x.total_bytes > 0
+        assert x.fits == again.fits
+    assert next(x for x in p.suggestions if x.overrides == {"lora_bits": 4}).fits
+    rm = scale.plan_stage_memory("llama-7b", "rm", **{**run, "gpu_mem_gb": 16})
+    assert not rm["fits"] and rm["suggestions"]
+    for x in rm["suggestions"]:
+        again = scale.plan_stage_memory("llama-7b", "rm", **{**run, "gpu_mem_gb": 16, **x.overrides})
+        assert again["total_bytes"] == x.total_bytes
+
+
+def test_lora_r0_is_the_full_fine_tuning_plan():
+    full = scale.plan_memory(SMALL, **LORA_RUN)
+    same = scale.plan_memory(SMALL, lora_r=0, lora_targets="nosuchlayer", **LORA_RUN)  # targets unused at r = 0
+    assert same.rows == full.rows and same.total_bytes == full.total_bytes and same.lora is None
+    assert scale.format_plan(same) == scale.format_plan(full)
+    assert scale.plan_stage_memory(SMALL, "rm", lora_r=0) == scale.plan_stage_memory(SMALL, "rm")
+    cli = lambda *a: subprocess.run([sys.executable, str(ROOT / "scale.py"), *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=60, check=True).stdout
+    assert cli("--gpu-mem", "24") == cli("--gpu-mem", "24", "--lora-r", "0")
+
+
+def test_lora_cli_prints_the_one_gpu_table():
+    out = subprocess.run([sys.executable, str(ROOT / "scale.py"), "--model", "llama-7b", "--num-gpus", "1",
+                          "--gpu-mem", "24", "--lora-r", "16"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    run = {**scale.PAPER_PRESET, "lora_r": 16}
+    assert scale.format_one_gpu_table(scale.one_gpu_table("llama-7b", **run), run, "q_proj,v_proj (auto)") in out
+    assert "2. reward model" in out and "DOES NOT FIT" in out and "--lora-bits 4" in out
+
+
+def test_lora_docs_show_what_the_code_prints():
+    """docs/one-gpu.md pastes the table `train.py --plan --num-gpus 1 --lora-r 16` prints for llama-7b."""
+    run = {**scale.PAPER_PRESET, "lora_r": 16}
+    table = scale.format_one_gpu_table(scale.one_gpu_table("llama-7b", **run), run, "q_proj,v_proj (auto)")
+    doc = (ROOT / "docs" / "one-gpu.md").read_text()
+    assert "## What fits one GPU" in doc and table in doc
+    assert "python train.py --model llama-7b --plan --num-gpus 1 --gpu-mem 24 --lora-r 16" in doc
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["scale.py", "--lora-r", "-1"], "--lora-r -1"),
+    (["scale.py", "--lora-r", "16", "--lora-bits", "3"], "--lora-bits 3"),
+    (["scale.py", "--lora-bits", "4"], "--lora-bits 4"),             # quantized weights without adapters
+    (["scale.py", "--lora-r", "16", "--lora-targets", "nosuchlayer"], "--lora-targets nosuchlayer"),
+    (["scale.py", "--lora-r", "16", "--lora-targets", "q_proj,nosuchlayer"], "nosuchlayer"),
+    (["train.py", "--model", "llama-7b", "--plan", "--lora-r", "16", "--lora-bits", "3"], "--lora-bits 3"),
+])
+def test_lora_bad_flags_are_one_line_and_exit_2(argv, flag, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                                       "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")})
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], lines
+    assert proc.stdout == ""
