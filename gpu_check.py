@@ -1,9 +1,11 @@
 """The GPU check: all four stages of a ~1B random-init LLaMA in bf16 under DeepSpeed (ZeRO-2, gradient
-checkpointing), a few steps each, with tokens/s and peak GPU memory per stage. Never needed by the tests.
+checkpointing), a few steps each, with tokens/s and peak GPU memory per stage, once with full weights and once with
+LoRA adapters (--lora-r 16 on every linear layer). Never needed by the tests.
 
 Run (one GPU, under 10 minutes on an H100/H200-class card):
     python gpu_check.py                        # ~1.1 B parameters: h 2048, 16 layers, V = the BPE's size
     python gpu_check.py --tiny                 # the same stages on a 0.1 M model: a dry run that works on a CPU
+    python gpu_check.py --variants lora        # only the LoRA run
 
 Each stage is one `train.main` call in this process (`--deepspeed`: a DeepSpeed world of one), `--stages` growing by
 one stage each time, so finished stages are reused and each call's peak memory and wall time are its new stage's
@@ -34,14 +36,47 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
 
+def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pair_len: float) -> list[dict]:
+    """SFT, then the reward model, then critic + PPO: one train.main call each (finished stages reused), with
+    each call's wall time, tokens/s and peak GPU memory."""
+    results = []
+    for stages in ("sft", "sft,rm", "sft,rm,critic,ppo"):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        train.main(argv + ["--stages", stages])
+        seconds = time.time() - t0
+        stage = stages.split(",")[-1]
+        if stage == "sft":
+            steps = len(json.loads((run / "sft" / "sft_log.json").read_text())["loss"])
+            tokens = steps * 16 * sft_len
+        elif stage == "rm":
+            log = json.loads((run / "reward_model" / "rm_log.json").read_text())
+            tokens = sum(len(x.get("train", [])) for x in log) * 2 * 8 * pair_len
+        else:
+            summary = json.loads((run / "summary.json").read_text())
+            lengths = [json.loads(l)["response/length"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+            tokens = 32 * sum(P + n for n in lengths)
+            seconds = summary["timings"]["ppo"] + summary["timings"].get("critic_pretrain", 0.0)
+        results.append({"variant": variant, "stage": "critic+ppo" if stage == "ppo" else stage,
+                        "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
+                        "peak_gib": round(peak_gib(), 2)})
+        print(f"[gpu check] {results[-1]}", file=sys.stderr)
+    return results
+
+
 def main(argv=None) -> list[dict]:
     p = data.OneLineParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/gpu_check", help="working directory of the check")
     p.add_argument("--tiny", action="store_true", help="a 0.1 M model: checks the script itself, on a CPU too")
     p.add_argument("--steps", type=int, default=4, help="PPO iterations")
+    p.add_argument("--variants", default="full,lora", help="full (every weight trains), lora (--lora-r 16 adapters "
+                                                           "on every linear layer), or both")
     a = p.parse_args(argv)
     if a.steps < 1:
         data.fail(f"--steps {a.steps}: must be ≥ 1")
+    if not a.variants or any(v not in ("full", "lora") for v in a.variants.split(",")):
+        data.fail(f"--variants {a.variants}: expected full, lora or full,lora")
     out = Path(a.out)
     texts = [x + y for x, y in data.load_texts(HH, skip_bad=True)]
     size = dict(hidden=32, layers=2, heads=4, vocab_size=500) if a.tiny else dict(hidden=2048, layers=16, heads=16,
@@ -50,7 +85,7 @@ def main(argv=None) -> list[dict]:
     if not (model / "config.json").exists():
         tiny_model.build_model("llama", texts, model, **size)
     P, T = (48, 32) if a.tiny else (256, 128)
-    common = ["--model", str(model), "--data", str(HH), "--skip-bad", "--out", str(out / "run"), "--deepspeed",
+    common = ["--model", str(model), "--data", str(HH), "--skip-bad", "--deepspeed",
               "--grad-ckpt", "--max-prompt-tokens", str(P), "--max-response-tokens", str(T), "--threads", "0",
               "--sft-epochs", "0.05", "--sft-batch", "16", "--rm-epochs", "0.05", "--rm-batch", "8",
               "--rm-eval-every", "1000", "--steps", str(a.steps), "--rollout-batch", "32", "--minibatch", "8",
@@ -63,28 +98,10 @@ def main(argv=None) -> list[dict]:
     sft_len = sum(len(data.query_ids(r["prompt"], tok)) + len(data.response_ids(r["chosen"], tok))
                   for r in pairs) / len(pairs)
     results = []
-    for stages in ("sft", "sft,rm", "sft,rm,critic,ppo"):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.time()
-        train.main(common + ["--stages", stages])
-        seconds = time.time() - t0
-        stage = stages.split(",")[-1]
-        run = out / "run"
-        if stage == "sft":
-            steps = len(json.loads((run / "sft" / "sft_log.json").read_text())["loss"])
-            tokens = steps * 16 * sft_len
-        elif stage == "rm":
-            log = json.loads((run / "reward_model" / "rm_log.json").read_text())
-            tokens = sum(len(x.get("train", [])) for x in log) * 2 * 8 * pair_len
-        else:
-            summary = json.loads((run / "summary.json").read_text())
-            lengths = [json.loads(l)["response/length"] for l in (run / "metrics.jsonl").read_text().splitlines()]
-            tokens = 32 * sum(P + n for n in lengths)
-            seconds = summary["timings"]["ppo"] + summary["timings"].get("critic_pretrain", 0.0)
-        results.append({"stage": "critic+ppo" if stage == "ppo" else stage, "seconds": round(seconds, 1),
-                        "tokens_per_s": round(tokens / seconds, 1), "peak_gib": round(peak_gib(), 2)})
-        print(f"[gpu check] {results[-1]}", file=sys.stderr)
+    for variant in a.variants.split(","):  # full weights, then LoRA adapters (r 16) on the same model and data
+        extra = ["--lora-r", "16", "--lora-targets", "all-linear"] if variant == "lora" else []
+        results += stages(common + extra + ["--out", str(out / f"run-{variant}")], out / f"run-{variant}", variant,
+                          P, sft_len, pair_len)
     n = sum(x.numel() for x in pipeline.load_lm(model, False, torch.device("cpu"), False).parameters())
     print(json.dumps({"params": n, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "stages": results}, indent=2))

@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -321,7 +320,7 @@ def quantization(run) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line: merge an adapter directory; count a model's trainable parameters
+# Command line: merge an adapter directory (the trainable-parameter counts: `python scale.py --lora-r R`)
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     from data import OneLineParser, fail
@@ -331,12 +330,8 @@ def main(argv=None) -> None:
     m.add_argument("adapter", help="a directory with adapter_config.json (e.g. runs/x/policy/adapter)")
     m.add_argument("--out", required=True, help="where the merged model goes")
     m.add_argument("--base", default="", help="the base model directory (default: the one adapter_config.json names)")
-    c = sub.add_parser("count", help="trainable parameters of LoRA on a model (config.json only, no weights)")
-    c.add_argument("model", help="a local Hugging Face directory or an alias of scale.py (llama-7b)")
-    c.add_argument("--lora-r", type=int, default=16)
-    c.add_argument("--lora-targets", default="auto")
     args = p.parse_args(argv)
-    if args.cmd == "merge":
+    if args.cmd == "merge":  # the only command
         adapter = Path(args.adapter)
         if not (adapter / "adapter_config.json").is_file():
             fail(f"{adapter}: no adapter_config.json there (a LoRA stage writes its adapters to <stage>/adapter/)")
@@ -351,19 +346,8 @@ def main(argv=None) -> None:
         shutil.rmtree(args.out, ignore_errors=True)
         tmp.rename(args.out)
         print(f"merged {adapter} into {base}: {args.out} (load it with AutoModelForCausalLM.from_pretrained)")
-    else:
-        import scale
-        if args.lora_r < 1:
-            fail(f"--lora-r {args.lora_r}: must be ≥ 1")
-        try:
-            config = scale.hf_config(args.model)
-            n = count_trainable(config, args.lora_r, args.lora_targets)
-        except (scale.ModelNotFound, ValueError) as e:
-            fail(str(e))
-        print(json.dumps(n))
 
 
 if __name__ == "__main__":
     from data import cli_guard
     cli_guard(main)()
-    sys.exit(0)

@@ -8,11 +8,15 @@ ZeRO-2 and gradient checkpointing", section 5; this file turns that set-up into 
     plan_memory(cfg, ...)            per-GPU bytes of the four PPO models (policy, critic, reference, reward)
                                      under ZeRO-0/1/2/3, with suggestions, each recomputed, when it does not fit
     format_plan(plan)                the table `python train.py --model llama-7b --plan` prints
+    plan_memory(cfg, lora_r=R, ...)  with LoRA (lora.py): 2 frozen backbones (bf16, 8 or 4 bits) + adapters,
+                                     16 bytes per trainable parameter n = lora_trainable(cfg, R, targets)
+    one_gpu_table(cfg, ...)          LoRA on one GPU: 24 / 48 / 80 GiB × frozen 16 / 8 / 4 bits, the peak stage's bytes
     deepspeed_config(...)            DeepSpeed JSON of a trained engine (paper preset = ds_config_zero2.json)
     inference_deepspeed_config(...)  DeepSpeed JSON of a frozen engine (reference, reward model)
 
 Run: python scale.py --model llama-7b [--num-gpus 8 --gpu-mem 80 --zero-stage 2 --micro-batch 4 ...]
      (defaults = the paper preset; prints the plan; `--ds-config` also prints the DeepSpeed JSON)
+     python scale.py --model llama-7b --num-gpus 1 --gpu-mem 24 --lora-r 16 [--lora-bits 4]   (one GPU, LoRA)
 
 Symbols: N parameters, ℓ layers, h hidden size, i MLP size, a attention heads, k key/value heads (GQA),
 d = h/a head size, V vocabulary, G GPUs, β bytes per bf16 number (2), b micro batch,
@@ -25,6 +29,8 @@ References:
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
         (activations of one layer: s·b·h·(34 + 5·a·s/h) bytes at 16 bits).
     Dao et al. 2022, "FlashAttention" (the a·s² attention matrices are never stored).
+    Hu et al. 2021, "LoRA"; Dettmers et al. 2022, "LLM.int8()"; Dettmers et al. 2023, "QLoRA" (NF4, double
+        quantization: 4.127 bits per weight).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 GiB = 2**30
 
@@ -266,8 +272,14 @@ def _layer_working_set(c: Mapping[str, Any], b: int, s: int, beta: int, flash: b
 # LoRA (lora.py): a frozen backbone and its adapters
 # ---------------------------------------------------------------------------------------------------------
 LORA_BITS = (16, 8, 4)
+KBIT_REST_BYTES = 4  # at 8 / 4 bits, per unquantized frozen weight (embeddings, norms, lm_head): fp32, frozen_bytes
+_BITS_WORDS = {16: "bf16", 8: "8-bit (int8)", 4: "4-bit (NF4)"}  # 16: fp32 when planned with --fp32 (β = 4)
 ADAPTER_BYTES = 16  # per trainable parameter: weight + gradient + Adam m, v (peft keeps adapters in fp32: 4+4+8)
 _TARGETS: dict[tuple, dict] = {}  # _lora_targets' counts, per architecture and --lora-targets
+
+
+def _frozen_words(bits: int, beta: int) -> str:
+    return ("fp32" if beta == 4 else "bf16") if bits == 16 else _BITS_WORDS[bits]
 
 
 def check_lora(lora_r: int, lora_targets: str, lora_bits: int) -> None:
@@ -325,7 +337,9 @@ def frozen_bytes(c: Mapping[str, Any], bits: int, beta: int) -> tuple[int, str]:
     """Bytes of one frozen causal LM under LoRA (N = llama_param_count(c)), and the formula.
 
     16 bits: β·N. At 8 and 4 bits bitsandbytes quantizes only the decoder layers' Linear weights,
-    Q = ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i); the embeddings, the RMSNorms and lm_head stay at β bytes: β·(N − Q).
+    Q = ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i); it loads the rest, N − Q (embeddings, RMSNorms, lm_head), in bf16, and
+    lora.add_adapters' prepare_model_for_kbit_training (peft) then upcasts that rest to fp32 for stable training:
+    KBIT_REST_BYTES·(N − Q), 4 bytes each.
     8 bits (LLM.int8): Q bytes (its fp32 scale per output row, < 0.1 %, is not counted).
     4 bits (NF4 with double quantization, Dettmers et al. 2023): 4 bits + an 8-bit absmax per block of 64 + an fp32
     constant per 256 blocks = 4 + 8/64 + 32/16384 = 4.127 bits per weight, Q/2 + Q/64 + Q/4096 bytes."""
@@ -334,7 +348,7 @@ def frozen_bytes(c: Mapping[str, Any], bits: int, beta: int) -> tuple[int, str]:
         return beta * N, f"{beta}·N"
     Q = c["num_hidden_layers"] * (_layer_params(c) - 2 * c["hidden_size"])  # each layer but its two norm weights
     q = Q if bits == 8 else Q // 2 + Q // 64 + Q // 4096
-    return q + beta * (N - Q), ("Q" if bits == 8 else "4.127/8·Q") + f" + {beta}·(N − Q)"
+    return q + KBIT_REST_BYTES * (N - Q), ("Q" if bits == 8 else "4.127/8·Q") + f" + {KBIT_REST_BYTES}·(N − Q)"
 
 
 def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: float = 80, zero_stage: int = 2,
@@ -521,7 +535,8 @@ def _lora_rows(cfg, reward_cfg, c: dict, rc: dict, s: dict) -> tuple[list[Row], 
 def plan_stage_memory(cfg: Mapping[str, Any] | str, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float = 80,
                       zero_stage: int = 2, dtype_bytes: int = 2, micro_batch: int = 4, prompt_len: int = 1024,
                       response_len: int = 1024, grad_ckpt: bool = True, offload_optimizer: bool = False,
-                      flash_attention: bool = True, overhead_gb: float = 2.0, **_ignored) -> dict:
+                      flash_attention: bool = True, overhead_gb: float = 2.0, lora_r: int = 0,
+                      lora_targets: str = "auto", lora_bits: int = 16, suggest: bool = True, **_ignored) -> dict:
     """Per-GPU memory of stage 1 (stage="sft") or stage 2 ("rm"): one trained model and nothing beside it.
 
     Same terms as plan_memory's policy: weights β·N, gradients β·N (÷G with ZeRO ≥ 2), AdamW 12·N (÷G with ZeRO ≥ 1;
@@ -529,24 +544,48 @@ def plan_stage_memory(cfg: Mapping[str, Any] | str, stage: str, *, num_gpus: int
     of L = P + T tokens go through per step: s = b for SFT, s = 2b for the reward model (chosen and rejected of b
     pairs in one batch). Logits: SFT b·L·V·β plus the fp32 log-softmax b·L·V·4; the reward model computes them for
     all 2b sequences (2b·L·V·β) and upcasts the chosen half for Eq. 2's LM term (b·L·V·4). The reward model keeps
-    its LM head (Eq. 2 needs it): N = the causal LM's parameters + the h + 1 of the scalar head."""
+    its LM head (Eq. 2 needs it): N = the causal LM's parameters + the h + 1 of the scalar head.
+
+    lora_r = R > 0: the weights are frozen, frozen_bytes(N, bits) (bf16, or 8 / 4 bits), held once per GPU with no
+    gradient and no optimizer state; the n = lora_trainable(cfg, R, targets) adapters (+ the reward model's h + 1
+    head) cost 8·n for their fp32 weights and gradients and 8·n for Adam's m and v. Activations and logits as above.
+    Every GPU holds all of it (ZeRO and offload do not apply). With suggest, "suggestions" when it does not fit."""
     if stage not in ("sft", "rm"):
         raise ValueError(f"plan_stage_memory: stage must be 'sft' or 'rm', got {stage!r}")
+    check_lora(lora_r, lora_targets, lora_bits)
     c = llama_config_numbers(cfg)
     G, beta, b, L = num_gpus, dtype_bytes, micro_batch, prompt_len + response_len
     h, n_layers, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     N = llama_param_count(c) + (h + 1 if stage == "rm" else 0)
     s = b if stage == "sft" else 2 * b
     ws, _ = _layer_working_set(c, s, L, beta, flash_attention)
-    rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
-            "gradients": beta * N // (G if zero_stage >= 2 else 1),
-            "optimizer": 0 if offload_optimizer else (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1),
-            "activations": (n_layers * s * L * h * beta + ws) if grad_ckpt else n_layers * ws,
-            "logits": s * L * V * beta + b * L * V * 4,
-            "overhead": int(overhead_gb * GiB)}
+    activations = (n_layers * s * L * h * beta + ws) if grad_ckpt else n_layers * ws
+    logits = s * L * V * beta + b * L * V * 4
+    if not lora_r:
+        rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
+                "gradients": beta * N // (G if zero_stage >= 2 else 1),
+                "optimizer": 0 if offload_optimizer else (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1),
+                "activations": activations, "logits": logits, "overhead": int(overhead_gb * GiB)}
+        total = sum(rows.values())
+        return {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
+                "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB}
+    n = lora_trainable(cfg, lora_r, lora_targets, heads=1 if stage == "rm" else 0)
+    frozen, _ = frozen_bytes(c, lora_bits, beta)
+    rows = {"frozen": frozen, "adapters": 8 * n, "optimizer": 8 * n,  # 16 bytes per trainable parameter
+            "activations": activations, "logits": logits, "overhead": int(overhead_gb * GiB)}
     total = sum(rows.values())
-    return {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
-            "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB}
+    settings = dict(num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, zero_stage=zero_stage, dtype_bytes=dtype_bytes,
+                    micro_batch=micro_batch, prompt_len=prompt_len, response_len=response_len, grad_ckpt=grad_ckpt,
+                    offload_optimizer=offload_optimizer, flash_attention=flash_attention, overhead_gb=overhead_gb,
+                    lora_r=lora_r, lora_targets=lora_targets, lora_bits=lora_bits)
+    plan = {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
+            "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB, "trainable": n,
+            "lora": dict(r=lora_r, targets=lora_targets, bits=lora_bits, dtype_bytes=beta), "suggestions": []}
+    if suggest and not plan["fits"]:
+        plan["suggestions"] = _suggestions(
+            lambda x: plan_stage_memory(cfg, stage, suggest=False, **x)["total_bytes"], settings, total,
+            plan["capacity_bytes"])
+    return plan
 
 
 def format_stage_plans(plans: list[dict]) -> str:
@@ -555,15 +594,23 @@ def format_stage_plans(plans: list[dict]) -> str:
     for p in plans:
         parts = "  ".join(f"{k} {v / GiB:.2f}" for k, v in p["rows"].items())
         name = "1. SFT" if p["stage"] == "sft" else "2. reward model"
+        lora = (f"; LoRA r={p['lora']['r']}, {p['trainable']:,} trainable, frozen weights "
+                f"{_frozen_words(p['lora']['bits'], p['lora']['dtype_bytes'])}" if p.get("lora") else "")
         lines.append(f"  {name:16s} {p['total_bytes'] / GiB:8.2f} GiB of {p['capacity_bytes'] / GiB:.2f} → "
                      f"{'fits' if p['fits'] else 'DOES NOT FIT'}   ({p['sequences_per_step']} sequences per step; "
-                     f"{parts})")
+                     f"{parts}{lora})")
+        for x in p.get("suggestions", ()):
+            lines.append(f"    - {x.change}: saves {x.saves_bytes / GiB:.2f} GiB → {x.total_bytes / GiB:.2f} GiB"
+                         f" ({'fits' if x.fits else 'still too big'})")
     return "\n".join(lines)
 
 
 def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
-    """(change in words, overrides, changes the experiment?) for every single step that could save memory."""
+    """(change in words, overrides, changes the experiment?) for every single step that could save memory. Under
+    LoRA nothing is sharded or offloaded: the steps are the rank, the frozen weights' bits and the batch shapes."""
     out = []
+    if s.get("lora_r"):
+        return _lora_candidates(s) + _shape_candidates(s)
     if not s["offload_optimizer"]:
         out.append(("offload optimizer states to CPU (ZeRO-Offload, offload_optimizer)",
                     {"offload_optimizer": True}, False))
@@ -574,13 +621,18 @@ def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
     if not s["ref_reward_offload"]:
         out.append(("keep reference and reward model on CPU (ZeRO-3 parameter offload)",
                     {"ref_reward_offload": True}, False))
+    return out + _shape_candidates(s)
+
+
+def _shape_candidates(s: dict) -> list[tuple[str, dict, bool]]:
+    out = []
     if not s["grad_ckpt"]:
         out.append(("turn on gradient checkpointing", {"grad_ckpt": True}, False))
     if s["micro_batch"] > 1:
         m = s["micro_batch"]
         out.append((f"micro batch {m} → {m // 2} (double gradient accumulation: same minibatch)",
                     {"micro_batch": m // 2}, False))
-    if s["generate_batch_per_gpu"] > 1:
+    if s.get("generate_batch_per_gpu", 1) > 1:
         g = s["generate_batch_per_gpu"]
         out.append((f"generate in chunks of {g // 2} prompts per GPU instead of {g}",
                     {"generate_batch_per_gpu": g // 2}, False))
@@ -591,15 +643,26 @@ def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
     return out
 
 
-def _suggestions(cfg, reward_cfg, settings: dict, total: int, capacity: int) -> list[Suggestion]:
-    """Each single change, recomputed; then greedy combinations (largest saving first, changes that keep the
-    experiment before shorter rollouts) until the plan fits."""
-    def run(s: dict) -> MemoryPlan:
-        return plan_memory(cfg, reward_cfg=reward_cfg, suggest=False, **s)
+def _lora_candidates(s: dict) -> list[tuple[str, dict, bool]]:
+    out = []
+    if s["lora_r"] > 1:
+        r = s["lora_r"]
+        out.append((f"LoRA rank {r} → {r // 2} (--lora-r {r // 2}: half the adapter parameters)",
+                    {"lora_r": r // 2}, False))
+    for bits in (8, 4):
+        if bits < s["lora_bits"]:
+            out.append((f"{_BITS_WORDS[bits]} frozen weights (--lora-bits {bits}; needs bitsandbytes on a CUDA GPU)",
+                        {"lora_bits": bits}, False))
+    return out
 
+
+def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacity: int) -> list[Suggestion]:
+    """Each single change, recomputed by run(settings) → total bytes (plan_memory's or plan_stage_memory's); then
+    greedy combinations (largest saving first, changes that keep the experiment before shorter rollouts) until the
+    plan fits."""
     out = []
     for change, over, _ in _candidates(settings):
-        t = run({**settings, **over}).total_bytes
+        t = run({**settings, **over})
         if t < total:
             out.append(Suggestion(change, over, t, total - t, t <= capacity))
     out.sort(key=lambda x: -x.saves_bytes)
@@ -612,7 +675,7 @@ def _suggestions(cfg, reward_cfg, settings: dict, total: int, capacity: int) -> 
             for change, over, changes_experiment in _candidates(s):
                 if changes_experiment and not allow_experiment:
                     continue
-                t = run({**s, **over}).total_bytes
+                t = run({**s, **over})
                 if t < cur and (best is None or t < best[2]):
                     best = (change, over, t)
             if best is None:
@@ -631,10 +694,11 @@ def _suggestions(cfg, reward_cfg, settings: dict, total: int, capacity: int) -> 
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """The plan as a table (GiB per GPU), the total, fits yes/no, and the suggestions."""
+    """The plan as a table (GiB per GPU), the total, fits yes/no, and the suggestions (LoRA on one GPU: and the
+    one-GPU table)."""
     s, c = plan.settings, plan.cfg
     gib = lambda n: f"{n / GiB:8.2f}"  # noqa: E731
-    lines = [
+    lines = _lora_header(plan) if plan.lora else [
         f"Memory plan per GPU: {plan.name} (policy/reference {plan.n_params['policy'] / 1e9:.2f} B params, "
         f"critic/reward {plan.n_params['reward'] / 1e9:.2f} B; h={c['hidden_size']}, ℓ={c['num_hidden_layers']}, "
         f"a={c['num_attention_heads']}, k={c['num_key_value_heads']}, V={c['vocab_size']})",
@@ -644,8 +708,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{s['rollout_batch_per_gpu']} prompts/GPU generated g={s['generate_batch_per_gpu']} at a time, "
         f"L = {s['prompt_len']} + {s['response_len']}, optimizer offload {'on' if s['offload_optimizer'] else 'off'}"
         f", ref/reward offload {'on' if s['ref_reward_offload'] else 'off'}",
-        f"  {'model':10s} {'component':12s} {'GiB':>8s}  {'held':22s} formula",
     ]
+    lines.append(f"  {'model':10s} {'component':12s} {'GiB':>8s}  {'held':22s} formula")
     for r in plan.rows:
         if r.device == "gpu":
             held = "always" if not r.phases else ", ".join(r.phases)
@@ -667,6 +731,80 @@ def format_plan(plan: MemoryPlan) -> str:
         for x in plan.suggestions:
             lines.append(f"    - {x.change}: saves {x.saves_bytes / GiB:.2f} GiB → {x.total_bytes / GiB:.2f} GiB"
                          f" ({'fits' if x.fits else 'still too big'})")
+    if plan.one_gpu:
+        lines.append(format_one_gpu_table(plan.one_gpu, s, plan.lora["modules"]))
+    return "\n".join(lines)
+
+
+def _lora_header(plan: MemoryPlan) -> list[str]:
+    s, c, lo = plan.settings, plan.cfg, plan.lora
+    n = lo["trainable"]
+    h_rm = plan.reward_cfg["hidden_size"]
+    return [
+        f"Memory plan per GPU: {plan.name} with LoRA r={lo['r']} on {lo['modules']} ({lo['layers']} adapted "
+        f"layers), frozen weights {_frozen_words(lo['bits'], s['dtype_bytes'])} (policy = reference "
+        f"{plan.n_params['policy'] / 1e9:.2f} B params, critic = reward model {plan.n_params['critic'] / 1e9:.2f} B; "
+        f"h={c['hidden_size']}, ℓ={c['num_hidden_layers']}, a={c['num_attention_heads']}, "
+        f"k={c['num_key_value_heads']}, V={c['vocab_size']})",
+        f"  {s['num_gpus']} GPU{'s' if s['num_gpus'] > 1 else ''} × {s['gpu_mem_gb']} GiB, each holding every model "
+        f"(LoRA: ZeRO and offload flags do not apply), grad ckpt {'on' if s['grad_ckpt'] else 'off'}, "
+        f"flash attention {'on' if s['flash_attention'] else 'off'}, micro batch b={s['micro_batch']}, "
+        f"{s['rollout_batch_per_gpu']} prompts/GPU generated g={s['generate_batch_per_gpu']} at a time, "
+        f"L = {s['prompt_len']} + {s['response_len']}",
+        f"  trainable, {ADAPTER_BYTES} bytes each with Adam: policy adapters {n['policy']:,}; critic adapters "
+        f"{n['critic'] - h_rm - 1:,} + value head {h_rm + 1:,} = {n['critic']:,}. Two frozen backbones, not four: "
+        f"the reference is the policy with its adapters off, the reward model the critic's backbone with its adapters "
+        f"off and its own frozen head",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One GPU with LoRA: which GPU holds PPO-max, at which bits
+# ---------------------------------------------------------------------------------------------------------
+ONE_GPU_MEMS = (24, 48, 80)  # GiB: RTX 4090 / A10-class, A6000 / L40S, A100-80GB / H100
+
+
+def one_gpu_table(cfg, *, reward_cfg=None, gpu_mems: tuple = ONE_GPU_MEMS, bits: tuple = LORA_BITS,
+                  **settings) -> list[dict]:
+    """PPO-max with LoRA on one GPU: for each GPU memory M (GiB) and frozen-weight bits, the peak over its stages,
+    max(SFT, reward model, PPO) total bytes, at the settings' rank, targets, micro batch and lengths (plan_memory's
+    keywords; lora_r > 0). Critic pre-training holds PPO's models and trains only the critic: never above PPO.
+
+    Returns cells {"gpu_mem_gb", "lora_bits", "total_bytes", "peak_stage", "stage_bytes", "fits"}, row by row
+    (M ascending, bits descending); fits = total_bytes ≤ M GiB."""
+    s = {k: v for k, v in settings.items() if k not in ("lora_bits", "gpu_mem_gb", "num_gpus")}
+    if s.get("lora_r", 0) < 1:
+        raise ValueError(f"--lora-r {s.get('lora_r', 0)}: the one-GPU table is for LoRA; pass --lora-r R (e.g. 16)")
+    cells = []
+    for q in bits:
+        stage_bytes = {
+            "SFT": plan_stage_memory(cfg, "sft", num_gpus=1, lora_bits=q, suggest=False, **s)["total_bytes"],
+            "reward model": plan_stage_memory(cfg, "rm", num_gpus=1, lora_bits=q, suggest=False, **s)["total_bytes"],
+            "PPO": plan_memory(cfg, reward_cfg=reward_cfg, num_gpus=1, lora_bits=q, suggest=False, **s).total_bytes}
+        peak = max(stage_bytes, key=stage_bytes.get)
+        for m in gpu_mems:
+            cells.append(dict(gpu_mem_gb=m, lora_bits=q, total_bytes=stage_bytes[peak], peak_stage=peak,
+                              stage_bytes=stage_bytes, fits=stage_bytes[peak] <= m * GiB))
+    return sorted(cells, key=lambda x: (x["gpu_mem_gb"], -x["lora_bits"]))
+
+
+def format_one_gpu_table(cells: list[dict], settings: Mapping[str, Any], modules: str = "") -> str:
+    """one_gpu_table as rows of GPU memory × columns of frozen-weight bits, each cell "fits (X GiB)" or "no (X GiB)"."""
+    s = settings
+    bits = sorted({x["lora_bits"] for x in cells}, reverse=True)
+    mems = sorted({x["gpu_mem_gb"] for x in cells})
+    cell = {(x["gpu_mem_gb"], x["lora_bits"]): x for x in cells}
+    words = {q: "frozen " + _frozen_words(q, s.get("dtype_bytes", 2)).split(" ")[0] for q in bits}
+    lines = [f"One GPU, LoRA r={s['lora_r']}{' on ' + modules if modules else ''}, micro batch b={s['micro_batch']}, "
+             f"g={s.get('generate_batch_per_gpu', 1)}, L = {s['prompt_len']} + {s['response_len']}: PPO-max's peak "
+             f"stage (max of SFT, reward model, PPO), GiB",
+             (f"  {'GPU':8s}" + "".join(f"{words[q]:18s}" for q in bits)).rstrip()]
+    for m in mems:
+        row = [f"{'fits' if cell[m, q]['fits'] else 'no'} ({cell[m, q]['total_bytes'] / GiB:.2f} GiB)" for q in bits]
+        lines.append((f"  {f'{m} GiB':8s}" + "".join(f"{x:18s}" for x in row)).rstrip())
+    lines.append((f"  {'peak':8s}" + "".join(f"{cell[mems[0], q]['peak_stage']:18s}" for q in bits)).rstrip())
+    if any(q != 16 for q in bits):
+        lines.append("  (8-bit and 4-bit frozen weights load through bitsandbytes, which needs a CUDA GPU)")
     return "\n".join(lines)
 
 
@@ -745,7 +883,17 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--ref-reward-offload", action="store_true", help="reference and reward weights on the CPU")
     a("--no-flash-attention", action="store_true", help="count the a·L² attention scores")
     a("--overhead-gb", type=float, default=2.0, help="CUDA context, buffers, fragmentation (GiB)")
+    a("--lora-r", type=int, default=0, help="LoRA rank r: plan frozen weights + adapters (0 = full fine-tuning)")
+    a("--lora-targets", default="auto", help="layers with adapters: 'auto' (peft's default: q_proj,v_proj for "
+      "LLaMA), 'all-linear', or names such as q_proj,k_proj,v_proj,o_proj")
+    a("--lora-bits", type=int, default=16, help="frozen weights under LoRA: 16 (bf16), 8 or 4 (NF4, QLoRA); "
+      "8 and 4 need bitsandbytes on a CUDA GPU")
     return parser
+
+
+def _lora_args(args: argparse.Namespace) -> dict:
+    return dict(lora_r=getattr(args, "lora_r", 0), lora_targets=getattr(args, "lora_targets", "auto"),
+                lora_bits=getattr(args, "lora_bits", 16))
 
 
 def stage_plans_from_args(model: str, args: argparse.Namespace) -> list[dict]:
@@ -753,7 +901,8 @@ def stage_plans_from_args(model: str, args: argparse.Namespace) -> list[dict]:
                               zero_stage=args.zero_stage, dtype_bytes=4 if args.fp32 else 2,
                               micro_batch=args.micro_batch, prompt_len=args.prompt_len, response_len=args.response_len,
                               grad_ckpt=not args.no_grad_ckpt, offload_optimizer=args.offload_optimizer,
-                              flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb)
+                              flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb,
+                              **_lora_args(args))
             for stage in ("sft", "rm")]
 
 
@@ -764,7 +913,8 @@ def plan_from_args(model: str, args: argparse.Namespace, reward_model: str | Non
                        generate_batch_per_gpu=args.generate_batch_per_gpu, prompt_len=args.prompt_len,
                        response_len=args.response_len, grad_ckpt=not args.no_grad_ckpt,
                        offload_optimizer=args.offload_optimizer, ref_reward_offload=args.ref_reward_offload,
-                       flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb)
+                       flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb,
+                       **_lora_args(args))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -775,9 +925,12 @@ def main(argv: list[str] | None = None) -> None:
     args = add_plan_args(parser).parse_args(argv)
     try:
         plan = plan_from_args(args.model, args, args.reward_model)
+        stage_plans = stage_plans_from_args(args.model, args) if args.lora_r else []
     except (ModelNotFound, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    if stage_plans:  # LoRA: the reward model's 2b sequences per step can make stage 2 the peak
+        print(format_stage_plans(stage_plans))
     print(format_plan(plan))
     if args.ds_config:
         print(json.dumps(deepspeed_config(zero_stage=args.zero_stage, bf16=not args.fp32,
@@ -804,4 +957,7 @@ if __name__ == "__main__":
     #   peak per GPU               77.51  of 80.00 GiB → fits
     # With `--generate-batch-per-gpu 16` (all 16 prompts at once) the KV cache is 16 GiB and the peak 89.47 GiB:
     # does not fit. With `--gpu-mem 24`, ZeRO-3 + optimizer offload together bring it to 16.11 GiB.
+    # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, and
+    # 8,388,608 + 8,392,705 trainable adapter and head parameters at 16 bytes each (0.25 GiB), peak 31.39 GiB, so it
+    # does not fit; `--lora-bits 4` brings it to 14.47 GiB (tests/test_scale.py checks both; docs/one-gpu.md).
     main(sys.argv[1:])

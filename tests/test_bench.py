@@ -51,5 +51,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     import gpu_check
     monkeypatch.chdir(tmp_path)
     results = gpu_check.main(["--tiny", "--out", str(tmp_path / "check"), "--steps", "2"])
-    assert [r["stage"] for r in results] == ["sft", "rm", "critic+ppo"]
+    assert [(r["variant"], r["stage"]) for r in results] == [(v, s) for v in ("full", "lora")
+                                                             for s in ("sft", "rm", "critic+ppo")]
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)
+    assert (tmp_path / "check" / "run-lora" / "policy" / "adapter" / "adapter_config.json").is_file()

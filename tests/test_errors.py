@@ -36,7 +36,6 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_lora_4bit_on_cpu": (["train.py", "--lora-r", "4", "--lora-bits", "4"], "--lora-bits 4"),
     "train_lora_bits_without_lora": (["train.py", "--lora-bits", "8"], "--lora-r"),
     "lora_merge_not_an_adapter": (["lora.py", "merge", "empty", "--out", "merged"], "empty"),
-    "lora_count_missing_model": (["lora.py", "count", "nowhere"], "nowhere"),
 }
 
 

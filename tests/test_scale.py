@@ -410,6 +410,7 @@ def test_lora_llama7b_one_gpu_table():
     # bf16: two 12.55 GiB backbones + activations: more than 24, less than 48; 4-bit: less than 16
     assert 2 * 12.55 < cell[24, 16]["total_bytes"] / GiB < 48 and cell[24, 4]["total_bytes"] / GiB < 16
     assert cell[24, 16]["total_bytes"] > cell[24, 8]["total_bytes"] > cell[24, 4]["total_bytes"]
+    assert [round(cell[24, q]["total_bytes"] / GiB, 2) for q in (16, 4)] == [31.39, 14.47]  # scale.py's example
     text = scale.format_one_gpu_table(cells, run)
     assert f"no ({cell[24, 16]['total_bytes'] / GiB:.2f} GiB)" in text
     assert f"fits ({cell[24, 4]['total_bytes'] / GiB:.2f} GiB)" in text and "bitsandbytes" in text
