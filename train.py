@@ -427,6 +427,8 @@ def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
     if not lora.enabled(run):
         return
     if dirs is None:
+        print("[lora] stages 1-2 train the tiny model from scratch, in full (adapters on random weights learn nothing "
+              "useful); the critic and the policy train adapters")
         config = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
     else:
         from transformers import AutoConfig

@@ -193,6 +193,16 @@ def test_lora_merged_export_loads_plainly_and_gives_the_adapter_models_logits(wo
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
         plain_base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])  # (peft adapted `base`
         assert not torch.allclose(plain_base(ids).logits, merged(ids).logits, atol=1e-4)      # in place)
+    # the merge itself, by hand for every adapted layer: W = W₀ + (α/r)·B·A   (LoRA, Hu et al. 2021, Eq. 3)
+    from safetensors.torch import load_file
+    ab = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    w0, w = plain_base.state_dict(), merged.state_dict()
+    scale = config["lora_alpha"] / config["r"]
+    layers = [k.removeprefix("base_model.model.").removesuffix(".lora_A.weight") for k in ab if "lora_A" in k]
+    assert layers
+    for layer in layers:
+        A, B = ab[f"base_model.model.{layer}.lora_A.weight"], ab[f"base_model.model.{layer}.lora_B.weight"]
+        torch.testing.assert_close(w[f"{layer}.weight"], w0[f"{layer}.weight"] + scale * B @ A, atol=1e-6, rtol=0)
     # the critic's merged export: its value head included
     critic_cfg = json.loads((work / "full" / "critic" / "adapter" / "adapter_config.json").read_text())
     critic = ScalarHeadModel.from_pretrained(work / "full" / "critic", require_head=True).eval()

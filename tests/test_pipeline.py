@@ -149,7 +149,8 @@ def test_every_numeric_or_choice_flag_has_a_check():
     import dataclasses
     checked = {n for _, n, _ in ALL_CHECKS}
     free = {"out", "model", "resume", "data", "sft_data", "prompts", "deepspeed_config", "sft_model", "reward_model",
-            "critic_model", "preset", "stages", "seed", "data_split", "data_config"}  # names: checked where used
+            "critic_model", "preset", "stages", "seed", "data_split", "data_config",
+            "lora_targets"}  # names: checked where used (--lora-targets against the model's layers)
     for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig):
         for f in dataclasses.fields(cls):
             if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name == "seed"):
