@@ -300,8 +300,8 @@ def disable_dropout(model: torch.nn.Module, keep: str | None = None) -> torch.nn
     same network at the same weights, so with dropout on it is not 1 on the first minibatch (GPT-2's default 0.1:
     about 1.02), and the log-probs of rollout, experience and update would each see another random network.
     `keep`: modules whose name contains it keep their dropout (SFT and the reward model keep --lora-dropout)."""
-    for name, module in model.named_modules():
-        if keep and keep in name:
+    for path, module in model.named_modules():
+        if keep and keep in path:
             continue
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
