@@ -335,7 +335,13 @@ def main(argv=None) -> None:
         adapter = Path(args.adapter)
         if not (adapter / "adapter_config.json").is_file():
             fail(f"{adapter}: no adapter_config.json there (a LoRA stage writes its adapters to <stage>/adapter/)")
-        base = Path(args.base or json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
+        try:
+            named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        except (ValueError, AttributeError) as e:
+            fail(f"{adapter / 'adapter_config.json'}: not a peft adapter config ({str(e).splitlines()[0]})")
+        base = Path(args.base or named)
+        if not str(base) or str(base) == ".":
+            fail(f"{adapter / 'adapter_config.json'}: names no base model; pass --base DIR")
         if not (base / "config.json").is_file():
             fail(f"{base}: the base model is not there (no config.json); pass --base DIR")
         if Path(args.out).resolve() == base.resolve():

@@ -36,6 +36,7 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_lora_4bit_on_cpu": (["train.py", "--lora-r", "4", "--lora-bits", "4"], "--lora-bits 4"),
     "train_lora_bits_without_lora": (["train.py", "--lora-bits", "8"], "--lora-r"),
     "lora_merge_not_an_adapter": (["lora.py", "merge", "empty", "--out", "merged"], "empty"),
+    "lora_merge_bad_config": (["lora.py", "merge", "bad_adapter", "--out", "merged"], "bad_adapter"),
 }
 
 
@@ -44,6 +45,8 @@ def cwd(tmp_path_factory):
     d = tmp_path_factory.mktemp("mistakes")
     (d / "bad.jsonl").write_text("{not json\n")
     (d / "empty").mkdir()
+    (d / "bad_adapter").mkdir()
+    (d / "bad_adapter" / "adapter_config.json").write_text("{not json")
     return d
 
 

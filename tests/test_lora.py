@@ -259,3 +259,26 @@ def test_lora_runs_every_stage_of_a_real_model(tmp_path, monkeypatch):
     (m,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert m["ppo/ratio"] == pytest.approx(1.0, abs=1e-6) and m["ppo/clipfrac"] == 0.0
     assert summary["models"]["sft"] == str(Path("run") / "sft")
+
+
+def test_lora_with_a_sequence_classification_reward_model(tmp_path, monkeypatch):
+    """A reward model from another library (AutoModelForSequenceClassification) under LoRA: the critic starts from
+    it and the reward model is its backbone with the critic's adapters off, scoring exactly as transformers does."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    monkeypatch.chdir(tmp_path)
+    sft, _ = build("llama", tmp_path)
+    cfg = AutoConfig.from_pretrained(sft)
+    cfg.num_labels, cfg.pad_token_id = 1, 2  # HF pools at the last token that is not the pad id: use a distinct one
+    torch.manual_seed(0)
+    seq = AutoModelForSequenceClassification.from_config(cfg).eval()
+    seq.save_pretrained(tmp_path / "seq-rm")
+    tokenizer = data.load_tokenizer(sft)
+    tokenizer.save_pretrained(tmp_path / "seq-rm")
+    m = train.load_models(Inputs(sft, sft, tmp_path / "seq-rm", tmp_path / "seq-rm", tokenizer, {}), lora_run(), CFG,
+                          torch.device("cpu"), None)
+    assert isinstance(m.reward_model, lora.AdaptersOff)
+    ids, attn, _ = data.lm_batch(list(zip(PROMPTS, RESPONSES)), tokenizer)      # right-padded
+    ids = ids.masked_fill(attn == 0, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(m.reward_model.score(ids, attn), seq(input_ids=ids, attention_mask=attn).logits[:, 0],
+                                   atol=1e-5, rtol=1e-5)

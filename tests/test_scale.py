@@ -463,6 +463,8 @@ def test_lora_docs_show_what_the_code_prints():
     doc = (ROOT / "docs" / "one-gpu.md").read_text()
     assert "## What fits one GPU" in doc and table in doc
     assert "python train.py --model llama-7b --plan --num-gpus 1 --gpu-mem 24 --lora-r 16" in doc
+    readme = (ROOT / "README.md").read_text()  # the front door shows the same table
+    assert table in readme and "--plan --num-gpus 1 --gpu-mem 24 --lora-r 16" in readme
 
 
 @pytest.mark.parametrize("argv, flag", [
