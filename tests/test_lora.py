@@ -282,3 +282,22 @@ def test_lora_with_a_sequence_classification_reward_model(tmp_path, monkeypatch)
     with torch.no_grad():
         torch.testing.assert_close(m.reward_model.score(ids, attn), seq(input_ids=ids, attention_mask=attn).logits[:, 0],
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_lora_adapters_get_gradients_under_gradient_checkpointing(arch, tmp_path):
+    """Checkpointed layers whose inputs carry no gradient would silently leave the adapters untrained (reentrant
+    checkpointing): with --grad-ckpt every adapter must still receive a non-zero gradient."""
+    sft, _ = build(arch, tmp_path)
+    from pipeline import load_lm
+    model = load_lm(sft, False, torch.device("cpu"), True, lora_run())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()          # B = 0 would zero A's gradient whatever checkpointing does
+    model.train()
+    tokenizer = data.load_tokenizer(sft)
+    ids, attn, _ = data.lm_batch(list(zip(PROMPTS, RESPONSES)), tokenizer)
+    model(input_ids=ids, attention_mask=attn, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
