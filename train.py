@@ -72,7 +72,8 @@ class RunConfig:
     preset: str = arg("ppo-max", f"named set of PPO flags: {', '.join(ppo_max.PRESETS)}")
     seed: int = arg(0, "seed of the world, every model init and every sample")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)")
-    out: str = arg("", "output directory (default runs/<preset>-seed<seed>)")
+    out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
+                       "runs/<preset>-loraR-seed<seed>)")
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
     threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
@@ -244,9 +245,14 @@ def parse_configs(argv=None):
         p = Path(run.resume)
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
     if not run.out:
-        run.out = f"runs/{run.preset}-seed{run.seed}"
+        run.out = f"runs/{run.preset}{lora_tag(run)}-seed{run.seed}"  # LoRA runs never share a full-weight run's dir
     validate(run, sft_cfg, rm_cfg, ppo, world)
     return run, sft_cfg, rm_cfg, ppo, world
+
+
+def lora_tag(run: RunConfig) -> str:
+    """The default --out's mark of a LoRA run ("-lora8"), empty for full weights."""
+    return f"-lora{run.lora_r}" if run.lora_r else ""
 
 
 def given_flags(argv) -> set[str]:
@@ -288,7 +294,7 @@ def real_data_configs(argv, *configs):
     given = given_flags(argv)
     out = with_defaults(argv, REAL_DATA_DEFAULTS, *configs)
     if "out" not in given and isinstance(out[0], RunConfig) and not out[0].resume:
-        out[0].out = f"runs/{out[0].preset}-{Path(out[0].data).name.split('.')[0]}-seed{out[0].seed}"
+        out[0].out = f"runs/{out[0].preset}-{Path(out[0].data).name.split('.')[0]}{lora_tag(out[0])}-seed{out[0].seed}"
     print("[data] real-data defaults for flags not given: "
           + json.dumps({k: v for k, v in REAL_DATA_DEFAULTS.items() if k not in given}))
     return out

@@ -227,6 +227,7 @@ def test_lora_ppo_max_beats_sft_under_the_gold_judge(tmp_path, monkeypatch):
     """The default world and PPO-max budget with adapters on the policy and critic (rank 8)."""
     monkeypatch.chdir(tmp_path)
     s = train.main(["--lora-r", "8", "--threads", "1"])
+    assert (tmp_path / "runs" / "ppo-max-lora8-seed0" / "policy" / "adapter").is_dir()  # never a full-weight run's dir
     win = s["win_rate_vs_sft"]
     assert s["judge"] == "gold" and win["win"] > win["lose"], win
     assert s["final"]["gold_reward"] > s["sft"]["gold_reward"]
