@@ -475,6 +475,11 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
         plan.name = "tiny (the synthetic world's LLaMA)"
     print(scale.format_stage_plans(stage_plans))
     print(scale.format_plan(plan))
+    if run.judge_frac and (run.data or run.model != "tiny"):  # the judge: one more frozen model, on every GPU
+        judge, _ = scale.frozen_bytes(scale.llama_config_numbers(model), plan_args.lora_bits, 2)
+        print(f"Not counted above: with --data, the held-out judge (--judge-frac {run.judge_frac:g}) is one more frozen "
+              f"model during PPO,\n  + {judge / scale.GiB:.2f} GiB per GPU; --judge-frac 0 judges by the proxy "
+              f"reward model instead")
     return plan
 
 
@@ -565,13 +570,18 @@ class Judge:
         return [self.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
 
 
-def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device) -> Judge | None:
+def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None
+               ) -> Judge | None:
+    """Gold in the synthetic world; on real data the held-out reward model, one more frozen model (quantized like
+    the others under --lora-bits)."""
     if synthetic:
         return Judge("gold", "reward/gold", evaluation.gold_judge)
     if not inp.judge:
         return None
-    rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}))
-    rm = ppo_max.disable_dropout(rm).eval().requires_grad_(False).to(device)
+    rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
+                                         quantization=quantization)
+    rm = ppo_max.disable_dropout(rm).eval().requires_grad_(False)
+    rm = rm if quantization else rm.to(device)
     return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer), rm)
 
 
@@ -792,7 +802,7 @@ def main(argv=None) -> dict | None:
     checkpoint.seed_everything(run.seed + rank)  # rank r samples its own stream; rank 0's is the single-process one
     ds = deepspeed_config(run, cfg, world, device)
     m = load_models(inp, run, cfg, device, ds)
-    judge = make_judge(inp, not (run.data or dirs), m.bf16, device)  # gold: the synthetic human
+    judge = make_judge(inp, not (run.data or dirs), m.bf16, device, lora.quantization(run))  # gold: the synthetic human
     batches = data.RolloutBatches([r["prompt"] for r in inp.data["prompts_train"]],
                                   [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
                                   seed=run.seed, rank=rank, world=world, device=device)

@@ -302,3 +302,14 @@ def test_lora_adapters_get_gradients_under_gradient_checkpointing(arch, tmp_path
     model(input_ids=ids, attention_mask=attn, labels=ids).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_lora_plan_names_the_judge_it_does_not_count(capsys):
+    """On real data the held-out judge is a third frozen model during PPO: the plan says what it adds."""
+    import scale
+    train.main(["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16",
+                "--lora-bits", "4"])
+    printed = capsys.readouterr().out
+    judge, _ = scale.frozen_bytes(scale.llama_config_numbers("llama-7b"), 4, 2)
+    assert "peak per GPU               14.47  of 24.00 GiB → fits" in printed
+    assert f"+ {judge / scale.GiB:.2f} GiB per GPU; --judge-frac 0" in printed and 3.5 < judge / scale.GiB < 4.5
