@@ -125,6 +125,8 @@ def add_adapters(model, run, seed: int, dropout: float | None = None):
         return peft_lm
     model.lm = peft_lm
     model.head.requires_grad_(True)     # the reward model's r(x, y) head, the critic's V(s) head: trained in full
+    if run.lora_bits != 16:             # prepare_model_for_kbit_training made the last norm, so the hidden state, fp32
+        model.head.float()
     return model
 
 
@@ -193,7 +195,7 @@ class AdaptersOff:
 def reward_beside_critic(critic, reward_head: torch.nn.Linear):
     """The reward model r(x, y) as the critic's backbone with the critic's adapters off and the reward model's own
     frozen head: the critic starts as a copy of the reward model (PPO-max), so under LoRA both share one backbone."""
-    head = reward_head.requires_grad_(False)
+    head = reward_head.requires_grad_(False).to(critic.head.weight.dtype)  # reads the same hidden state as the critic
     reward_model = type(critic)(critic.lm, head=head)  # a ScalarHeadModel (reward_model.py) on the shared LM
     reward_model._has_logits_to_keep = critic._has_logits_to_keep  # (PeftModel's own signature hides it)
     return AdaptersOff(reward_model)
