@@ -3,9 +3,9 @@
 Implements (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", Eq. 3 there):
     h = W₀x + (α/r)·B·A·x          W₀ (d_out, d_in) frozen; A (r, d_in), B (d_out, r) trained; B = 0 at the start,
                                    so an adapted model starts as exactly its base model
-    target_modules(model, spec)    which Linear layers get adapters: 'auto' (peft's per-architecture default, e.g.
+    target_modules(type, spec)     which Linear layers get adapters: 'auto' (peft's per-architecture default, e.g.
                                    q_proj,v_proj for LLaMA, c_attn for GPT-2), 'all-linear', or a list of names
-    add_adapters(model, run)       a causal LM → peft.PeftModel; a ScalarHeadModel → its LM wrapped, its head trained
+    add_adapters(model, run, seed) a causal LM → peft.PeftModel; a ScalarHeadModel → its LM wrapped, its head trained
     adapters_off(model) / AdaptersOff
                                    the base model under the adapters, with no second copy in memory: the PPO
                                    reference is the policy with its adapters off, the reward model is the critic's
@@ -17,7 +17,8 @@ Implements (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"
                                    a stage's result: the adapters in peft's format in out_dir/adapter/, and the
                                    merged model in out_dir/ itself, a plain Hugging Face directory any tool loads
     merge(adapter_dir, out_dir)    W = W₀ + (α/r)·B·A written out (also `python lora.py merge`)
-    load_base(path, run, ...)      the frozen base in bf16 / as saved, or 8-bit / 4-bit (bitsandbytes, CUDA only)
+    load_kwargs(run, bf16)         from_pretrained's keywords for a frozen base: bf16 / as saved, or 8-bit / 4-bit
+                                   (bitsandbytes, CUDA only; check_bits says so on any other machine)
 
 Run: python train.py --lora-r 8                      (the synthetic world: stages 3-4 train adapters)
      python train.py --model DIR --data PAIRS --lora-r 16     (a real model: every stage trains adapters)
@@ -217,7 +218,7 @@ def count_trainable(config, r: int, spec: str = "auto", heads: int = 0) -> dict:
     adapters, layers = 0, 0
     for name, module in model.named_modules():
         conv1d = type(module).__name__ == "Conv1D"
-        if not (isinstance(module, torch.nn.Linear) or conv1d) or module is out_emb:
+        if not (isinstance(module, torch.nn.Linear) or conv1d) or (targets == "all-linear" and module is out_emb):
             continue
         if targets != "all-linear" and not any(name == t or name.endswith("." + t) for t in targets):
             continue
