@@ -249,10 +249,11 @@ def save_adapter(model, out_dir, base_dir=None) -> Path:
     return out_dir
 
 
-def merge(adapter_dir, out_dir, base_dir=None) -> Path:
-    """W = W₀ + (α/r)·B·A: the base model (adapter_config.json's, or `base_dir`) loaded from disk as saved, the
-    adapters merged in, written to out_dir as a plain Hugging Face directory (with the head: a ScalarHeadModel
-    directory, as reward_model.py saves one), with the base's tokenizer."""
+def merge(adapter_dir, out_dir, base_dir=None, dtype: torch.dtype | None = None) -> Path:
+    """W = W₀ + (α/r)·B·A: the base model (adapter_config.json's, or `base_dir`) loaded from disk, the adapters
+    merged in, written to out_dir as a plain Hugging Face directory (with the head: a ScalarHeadModel directory, as
+    reward_model.py saves one), with the base's tokenizer. With `dtype` (the dtype the stage trained in, e.g. bf16)
+    the merge is done in fp32 and the result written in `dtype`; without, in the base's dtype as saved."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
@@ -260,11 +261,12 @@ def merge(adapter_dir, out_dir, base_dir=None) -> Path:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False)
+    lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False,
+                                              **({"dtype": torch.float32} if dtype else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' renamed is_gradient_checkpointing
         merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()   # W₀ + (α/r)·B·A, layer by layer
-    merged.save_pretrained(out_dir, safe_serialization=True)
+    (merged.to(dtype) if dtype else merged).save_pretrained(out_dir, safe_serialization=True)
     for name in HEAD_FILES:  # a reward model's or critic's head is not an adapter: it is copied as it is
         if (adapter_dir / name).is_file():
             shutil.copyfile(adapter_dir / name, out_dir / name)
@@ -283,7 +285,10 @@ def save(model, out_dir, tokenizer, base_dir=None) -> None:
         m.save_pretrained(out_dir)
     else:
         save_adapter(m, out_dir / ADAPTER_DIR, base_dir)
-        merge(out_dir / ADAPTER_DIR, out_dir, base_dir)
+        quantized = getattr(m.config, "quantization_config", None) is not None
+        frozen = next(p.dtype for n, p in m.named_parameters() if not p.requires_grad and p.is_floating_point())
+        # written in the dtype the stage ran in (bf16 stays bf16, as without LoRA); 8-/4-bit: as the base was saved
+        merge(out_dir / ADAPTER_DIR, out_dir, None, None if quantized else frozen)  # the base adapter/ names
     tokenizer.save_pretrained(out_dir)
 
 

@@ -313,3 +313,16 @@ def test_lora_plan_names_the_judge_it_does_not_count(capsys):
     judge, _ = scale.frozen_bytes(scale.llama_config_numbers("llama-7b"), 4, 2)
     assert "peak per GPU               14.47  of 24.00 GiB → fits" in printed
     assert f"+ {judge / scale.GiB:.2f} GiB per GPU; --judge-frac 0" in printed and 3.5 < judge / scale.GiB < 4.5
+
+
+def test_lora_stage_under_bf16_writes_bf16(tmp_path):
+    """--bf16: the merged stage directory is bf16, as a full-weight stage's is (the merge itself runs in fp32)."""
+    sft, _ = build("llama", tmp_path)
+    from pipeline import load_lm
+    from sft import SFTConfig, train_sft
+    from transformers import AutoModelForCausalLM
+    model = load_lm(sft, True, torch.device("cpu"), False, lora_run())
+    train_sft(model, data.load_tokenizer(sft), list(zip(PROMPTS, RESPONSES)), SFTConfig(sft_epochs=1.0, sft_batch=4),
+              0, out_dir=tmp_path / "out")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
