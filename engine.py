@@ -92,11 +92,12 @@ def wrap(model, optimizer, ds: dict | None, lr: float):
     if ds is None:
         return model, optimizer
     import deepspeed
+
+    import lora
     if "optimizer" in ds:
         block = ds["optimizer"]
         ds = {**ds, "optimizer": {**block, "params": {**block.get("params", {}), "lr": lr}}}
-        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (and a head) only
-        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds)
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=lora.trainable(model), config=ds)
     else:
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return engine, opt

@@ -293,8 +293,8 @@ def save(model, out_dir, tokenizer, base_dir=None) -> None:
 
 
 def load_kwargs(run, bf16: bool) -> dict:
-    """from_pretrained's keywords for a model whose base stays frozen: its dtype, and --lora-bits' quantization."""
-    return {**({"dtype": torch.bfloat16} if bf16 else {}), **quantization(run)}
+    """from_pretrained's keywords: the dtype, and under LoRA --lora-bits' quantization of the frozen base."""
+    return {**({"dtype": torch.bfloat16} if bf16 else {}), **(quantization(run) if run is not None else {})}
 
 
 def check_bits(run, device_type: str) -> None:

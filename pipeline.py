@@ -364,7 +364,7 @@ def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
     weights frozen (quantized with --lora-bits) under fresh adapters (lora.add_adapters)."""
     from transformers import AutoModelForCausalLM
     adapters = run is not None and lora.enabled(run)
-    kw = lora.load_kwargs(run, bf16) if adapters else ({"dtype": torch.bfloat16} if bf16 else {})
+    kw = lora.load_kwargs(run, bf16)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kw)
     model = model if "quantization_config" in kw else model.to(device)
     if grad_ckpt:
