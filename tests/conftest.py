@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tools"))  # the tools (tiny_model, bench, gpu_check, assignment) import as modules too
 
 _impl = os.environ.get("PPO_MAX_IMPL")
 if _impl:

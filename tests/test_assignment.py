@@ -1,4 +1,4 @@
-"""Tests for assignment.py: the hand-out keeps everything but the assigned bodies, and grading with
+"""Tests for tools/assignment.py: the hand-out keeps everything but the assigned bodies, and grading with
 PPO_MAX_IMPL passes the real implementation and fails a wrong one and the stubs (one pytest subprocess each)."""
 
 import ast
@@ -88,7 +88,7 @@ def test_grading_fails_a_wrong_implementation(tmp_path):
 
 def test_grade_command_fails_the_stubs_and_prints_the_table(tmp_path):
     assignment.make(tmp_path, ["gae"])
-    cmd = [sys.executable, "assignment.py", "grade", str(tmp_path)]
+    cmd = [sys.executable, "tools/assignment.py", "grade", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("gae "))

@@ -1,4 +1,4 @@
-"""bench.py end to end on the tiny config: one warm-up + one timed PPO iteration of the project's own loop.
+"""tools/bench.py end to end on the tiny config: one warm-up + one timed PPO iteration of the project's own loop.
 
 Run: python -m pytest tests/test_bench.py -q
 """

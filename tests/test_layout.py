@@ -1,11 +1,12 @@
 """The layout's promises, checked on the source: the equation files import only torch (and each other), no module
-imports one that imports it back, and the entry point is imported by nobody but drivers (gpu_check.py, the notebooks'
+imports one that imports it back, and the entry point is imported by nobody but drivers (tools/gpu_check.py, the notebooks'
 runner, the tests)."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES = {p.stem: p for p in ROOT.glob("*.py")}
+TOOLS = {p.stem: p for p in (ROOT / "tools").glob("*.py")}  # scripts on top of the project, imported by nobody
 
 
 def imports(path: Path, top_level_only: bool = False) -> set[str]:
@@ -18,7 +19,7 @@ def imports(path: Path, top_level_only: bool = False) -> set[str]:
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    return names & set(MODULES)
+    return names & (set(MODULES) | set(TOOLS))
 
 
 def test_equation_files_import_only_torch():
@@ -33,7 +34,7 @@ def test_equation_files_import_only_torch():
 
 
 def test_no_import_cycles():
-    graph = {name: imports(path) - {name} for name, path in MODULES.items()}
+    graph = {name: imports(path) - {name} for name, path in {**MODULES, **TOOLS}.items()}
     for start in graph:  # depth-first search for a path that comes back to `start`
         stack, seen = [(start, [start])], set()
         while stack:
@@ -49,8 +50,13 @@ DRIVERS = {"train", "gpu_check"}  # scripts on top of the entry point (like the 
 
 
 def test_nothing_imports_the_entry_point():
-    for name, path in MODULES.items():
+    for name, path in {**MODULES, **TOOLS}.items():
         assert "train" not in imports(path) or name in DRIVERS, f"{name}.py imports train.py"
+
+
+def test_no_project_module_imports_a_tool():
+    for name, path in MODULES.items():
+        assert not imports(path) & set(TOOLS), f"{name}.py imports {imports(path) & set(TOOLS)} from tools/"
 
 
 def test_no_function_in_train_py_is_longer_than_80_lines():

@@ -2,7 +2,7 @@
 reward model the critic's backbone with the critic's adapters off, equal to the saved SFT and reward models bit for
 bit; ρ = 1 on the first minibatch; a resumed LoRA run writes the uninterrupted run's metrics; the merged export loads
 with plain AutoModelForCausalLM and gives the adapter model's logits; in the synthetic world LoRA PPO-max beats SFT
-under the gold judge. The invariants run on every architecture tiny_model.py builds."""
+under the gold judge. The invariants run on every architecture tools/tiny_model.py builds."""
 import json
 import os
 import subprocess

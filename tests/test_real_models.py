@@ -1,6 +1,6 @@
 """A real Hugging Face model through every stage: `train.py --model DIR --data PAIRS` runs SFT, the reward model
 (Eq. 2), critic pre-training and PPO-max on tiny random-init LLaMA, Qwen2, Mistral, GPT-2 and GPT-NeoX models, each
-with its own tokenizer (tiny_model.py: no pad token, EOS as BOS, no BOS, a chat template whose end of turn is not
+with its own tokenizer (tools/tiny_model.py: no pad token, EOS as BOS, no BOS, a chat template whose end of turn is not
 the EOS). Plus: --stages, restarts that reuse finished stages, --bf16 on the CPU, sequence-classification reward
 models, and the clear errors for a wrong directory or a mismatched tokenizer."""
 import json

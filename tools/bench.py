@@ -8,7 +8,7 @@ Implements (no equation of Zheng et al. 2023 here: this file times the functions
     decode_roofline(...)             max decoding tokens/s when every step must read the weights and the KV cache
     main(argv) -> dict               the two tables; also what `--json OUT` writes and tests/test_bench.py checks
 
-Run: python bench.py [--configs tiny,25m,1b] [--iters N] [--device auto|cpu|cuda] [--dtype auto|fp32|bf16]
+Run: python tools/bench.py [--configs tiny,25m,1b] [--iters N] [--device auto|cpu|cuda] [--dtype auto|fp32|bf16]
                      [--batch B] [--prompt-len P] [--response-len T] [--threads N] [--json OUT]
      (default: tiny and 25m on the CPU in fp32, sized for < 3 minutes on 2 free cores; 1b: GPU only, bf16)
      On a shared, loaded CPU, OpenMP threads that outnumber the free cores wait on each other at every op:
@@ -54,6 +54,10 @@ import time
 import warnings
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: tools/ sits one level below it
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the project's modules (data, train, ...)
+
 import torch
 
 import ppo_max
@@ -65,7 +69,7 @@ MiB, GiB = 2**20, 2**30
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # as sft.tiny_llama; random prompt tokens are drawn from [3, V)
 
 # LlamaConfig numbers + default (batch, prompt length, response length, timed iterations) of each named config;
-# the defaults size `python bench.py` for under 3 minutes on 2 free CPU cores.
+# the defaults size `python tools/bench.py` for under 3 minutes on 2 free CPU cores.
 CONFIGS: dict[str, dict] = {
     # the synthetic world's model (sft.tiny_llama with SFTConfig defaults; the world's tokenizer has 91 ids);
     # B, T = PPOConfig.rollout_batch, max_new_tokens
@@ -290,7 +294,7 @@ def format_tables(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="bench.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="tools/bench.py", description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="tiny,25m,1b", help=f"comma-separated, from {list(CONFIGS)}; 1b needs a GPU")
     p.add_argument("--iters", type=int, default=None, help="timed PPO iterations per config, after one warm-up "
                    "(default: per config, tiny 2, 25m 1, 1b 3)")

@@ -3,9 +3,9 @@ checkpointing), a few steps each, with tokens/s and peak GPU memory per stage, o
 LoRA adapters (--lora-r 16 on every linear layer). Never needed by the tests.
 
 Run (one GPU, under 10 minutes on an H100/H200-class card):
-    python gpu_check.py                        # ~1.1 B parameters: h 2048, 16 layers, V = the BPE's size
-    python gpu_check.py --tiny                 # the same stages on a 0.1 M model: a dry run that works on a CPU
-    python gpu_check.py --variants lora        # only the LoRA run
+    python tools/gpu_check.py                        # ~1.1 B parameters: h 2048, 16 layers, V = the BPE's size
+    python tools/gpu_check.py --tiny                 # the same stages on a 0.1 M model: a dry run that works on a CPU
+    python tools/gpu_check.py --variants lora        # only the LoRA run
 
 Each stage is one `train.main` call in this process (`--deepspeed`: a DeepSpeed world of one), `--stages` growing by
 one stage each time, so finished stages are reused and each call's peak memory and wall time are its new stage's
@@ -21,6 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: tools/ sits one level below it
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the project's modules (data, train, ...)
+
 import torch
 
 import data
@@ -28,7 +32,6 @@ import pipeline
 import tiny_model
 import train
 
-ROOT = Path(__file__).resolve().parent
 HH = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
 
 
@@ -66,7 +69,7 @@ def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pai
 
 
 def main(argv=None) -> list[dict]:
-    p = data.OneLineParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
+    p = data.OneLineParser(prog="tools/gpu_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/gpu_check", help="working directory of the check")
     p.add_argument("--tiny", action="store_true", help="a 0.1 M model: checks the script itself, on a CPU too")
     p.add_argument("--steps", type=int, default=4, help="PPO iterations")

@@ -12,11 +12,11 @@ Implements (the exercises are the paper's equations; see docs/paper.md and TEACH
            puts that folder first on sys.path), and prints a pass/fail table. Exit status 0 iff all pass.
 
 Run:
-    python assignment.py make --out handout/                         # all three modules
-    python assignment.py make --out handout/ --modules gae            # only gae.py
+    python tools/assignment.py make --out handout/                         # all three modules
+    python tools/assignment.py make --out handout/ --modules gae            # only gae.py
     # … the student fills in handout/gae.py …
     PPO_MAX_IMPL=handout/ python -m pytest tests/test_gae.py -q       # the student's own check
-    python assignment.py grade handout/                               # the teacher's table
+    python tools/assignment.py grade handout/                               # the teacher's table
 
 The tests are the same ones that check our implementation against independent brute-force computations
 (python loops, autograd, torch.distributions), so a student passes exactly when their code agrees with them.
@@ -34,7 +34,10 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository: tools/ sits one level below it
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the project's modules (data, train, ...)
+
 
 # module → the module-level functions whose bodies the student writes (everything else is handed out as is)
 ASSIGNMENT: dict[str, list[str]] = {

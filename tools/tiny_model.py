@@ -8,7 +8,7 @@ Implements (no equation: the real-model path's test bed):
     build_model(arch, tokenizer, out_dir, ..)→ LLaMA, Qwen2, Mistral, GPT-2 or GPT-NeoX (Pythia) config and weights,
                                                saved with the tokenizer as one from_pretrained-ready directory
 
-Run: python tiny_model.py --arch qwen2 --out models/tiny-qwen2      (trains its tokenizer on the HH-RLHF sample)
+Run: python tools/tiny_model.py --arch qwen2 --out models/tiny-qwen2      (trains its tokenizer on the HH-RLHF sample)
      python train.py --model models/tiny-qwen2 --data data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
 
 The tokenizers differ where real ones do, since that is what breaks real-model code: GPT-2 and Pythia have no pad
@@ -18,7 +18,12 @@ Mistral wraps turns in [INST] … [/INST]. GPT-2 keeps its default dropout of 0.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: tools/ sits one level below it
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the project's modules (data, train, ...)
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -90,7 +95,7 @@ def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 
 
 def main(argv: list[str] | None = None) -> None:
     import data
-    p = data.OneLineParser(prog="tiny_model.py", description=__doc__.split("\n")[0])
+    p = data.OneLineParser(prog="tools/tiny_model.py", description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture and its tokenizer's conventions")
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--data", default="data/hh-rlhf/harmless-base-test.dev.jsonl.gz",
