@@ -46,15 +46,15 @@ github.com/anthropics/hh-rlhf); Zheng et al. 2023, "Secrets of RLHF in LLMs Part
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cli import OneLineParser, UserError, cli_guard
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
@@ -64,7 +64,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # ----------------------------------------------------------------------------------------------
 # Errors and counts
 # ----------------------------------------------------------------------------------------------
-class DataError(Exception):
+class DataError(UserError):
     """A user's data problem: str() is one line `path:line: field 'f': message`.
 
     reason is a short machine key (not_found, empty_file, bad_gzip, not_utf8, not_json, not_object,
@@ -809,37 +809,6 @@ def load_tokenizer(path):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-# ----------------------------------------------------------------------------------------------
-# Command lines
-# ----------------------------------------------------------------------------------------------
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose own errors (a value that is not a number, an unknown flag, a missing one) are one line and
-    exit 2, like every other user mistake here."""
-
-    def error(self, message: str) -> None:
-        fail(f"{message} ({self.prog} --help lists every flag)")
-
-
-def fail(message: str) -> None:
-    """A user's mistake: one line on stderr, exit 2 (as data.cli_guard)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def cli_guard(fn: Callable) -> Callable:
-    """Wrap a CLI entry point: DataError / FileNotFoundError → one line `error: …` on stderr, exit 2."""
-    def wrapped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-        except FileNotFoundError as e:
-            print(f"error: {e.filename or ''}: {e.strerror or e}".replace("\n", " "), file=sys.stderr)
-        raise SystemExit(2)
-    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
-    return wrapped
 
 
 def _kind(path) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import cli
 import data
 import ppo_max
 import toy_world
@@ -226,7 +227,7 @@ def margin_histogram(margins: list[float], path: str, title: str) -> None:
 def score(argv=None) -> dict:
     """Score every pair (or every prompt/response) of a data file with a saved reward model."""
     from reward_model import accuracy
-    p = data.OneLineParser(prog="eval.py score", description=score.__doc__)
+    p = cli.OneLineParser(prog="eval.py score", description=score.__doc__)
     p.add_argument("--reward-model", required=True, help="reward-model directory (with its tokenizer), from train.py")
     p.add_argument("--data", required=True, help="HH-RLHF / {prompt,chosen,rejected} pairs, or {prompt,response} / "
                                                  "{text} records; .jsonl or .jsonl.gz")
@@ -297,22 +298,22 @@ PANELS = [(("reward/score",), "reward-model score (raw)"), (("reward/gold", "rew
 
 def plot(argv=None) -> dict:
     """§5.2's panels of one or more train.py runs, one line per run, as one PNG."""
-    p = data.OneLineParser(prog="eval.py plot", description=plot.__doc__)
+    p = cli.OneLineParser(prog="eval.py plot", description=plot.__doc__)
     p.add_argument("runs", nargs="+", help="run directories (each with its metrics.jsonl)")
     p.add_argument("--out", default="curves.png", help="the PNG to write")
     p.add_argument("--labels", default="", help="comma-separated labels (default: the directories' names)")
     a = p.parse_args(argv)
     labels = [x.strip() for x in a.labels.split(",")] if a.labels else [Path(r).name for r in a.runs]
     if len(labels) != len(a.runs):
-        data.fail(f"--labels: {len(labels)} labels for {len(a.runs)} runs")
+        cli.fail(f"--labels: {len(labels)} labels for {len(a.runs)} runs")
     runs = []
     for run in a.runs:
         f = Path(run) / "metrics.jsonl"
         if not f.is_file():
-            data.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
+            cli.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
         rows = data.read_records(f)
         if not rows:
-            data.fail(f"{f}: no steps yet")
+            cli.fail(f"{f}: no steps yet")
         wins = Path(run) / "checkpoint_eval.json"  # the figure notebooks' per-checkpoint evaluation, if any
         wins = json.loads(wins.read_text()) if wins.is_file() else []
         summary = Path(run) / "summary.json"       # and the final held-out evaluation of a finished run
@@ -359,11 +360,11 @@ def main(argv=None) -> None:
     import sys
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["score"], ["plot"]):  # `python eval.py score|plot ...`; else the policy-vs-SFT comparison
-        from data import cli_guard
+        from cli import cli_guard
         return cli_guard(score if argv[0] == "score" else plot)(argv[1:])
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from reward_model import ScalarHeadModel
-    p = data.OneLineParser(prog="eval.py", description=__doc__.split("\n")[0])
+    p = cli.OneLineParser(prog="eval.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", help="a run directory written by train.py (reads paths from its summary.json)")
     p.add_argument("--policy", help="policy directory (Hugging Face)")
     p.add_argument("--sft", help="SFT directory (the baseline and the KL reference)")
@@ -376,7 +377,7 @@ def main(argv=None) -> None:
     judge_name, judge_dir = "gold", None
     if a.run:
         if not (Path(a.run) / "summary.json").is_file():
-            data.fail(f"--run {a.run}: no summary.json (not a finished train.py run directory)")
+            cli.fail(f"--run {a.run}: no summary.json (not a finished train.py run directory)")
         summ = json.loads((Path(a.run) / "summary.json").read_text())
         judge_name = summ.get("judge", "gold")  # real data has no gold: a held-out reward model (or the RM) judges
         judge_dir = summ.get("judge_model")
@@ -386,10 +387,10 @@ def main(argv=None) -> None:
         a.reward_model = a.reward_model or (str(base / "reward_model") if base else models.get("reward"))
         a.prompts = a.prompts or (str(base / "data" / "prompts_heldout.jsonl") if base else None)
         if not a.prompts:
-            data.fail(f"--run {a.run}: a run of a real --model keeps no held-out prompts; pass --prompts")
+            cli.fail(f"--run {a.run}: a run of a real --model keeps no held-out prompts; pass --prompts")
     for flag, path in (("--policy", a.policy), ("--sft", a.sft), ("--reward-model", a.reward_model)):
         if not path or not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
-            data.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
+            cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
     tok = AutoTokenizer.from_pretrained(a.policy)
     policy = AutoModelForCausalLM.from_pretrained(a.policy).eval()
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()

@@ -29,7 +29,7 @@ weights would learn nothing useful; there LoRA applies to the critic and the pol
 it applies to SFT, the reward model, the critic and the policy.
 
 Dropout: --lora-dropout acts on the adapters' input in SFT and reward-model training only; PPO switches it off
-with every other dropout (ppo_max.disable_dropout), since the ratio ρ must be exactly 1 on the first minibatch.
+with every other dropout (lm.disable_dropout), since the ratio ρ must be exactly 1 on the first minibatch.
 
 References: Hu et al. 2021 (LoRA); Dettmers et al. 2023 (QLoRA: 4-bit NF4 frozen weights); peft's documentation
 (LoraConfig, PeftModel.disable_adapter, merge_and_unload); TRL's PPO with peft (reference = adapters off).
@@ -45,8 +45,6 @@ from pathlib import Path
 
 import torch
 
-# the valid range or choices of each LoRA flag (train.py checks them with every other flag)
-LORA_CHECKS = dict(lora_r=">=0", lora_alpha=">0", lora_dropout="[0,1)", lora_bits="4|8|16")
 ADAPTER_DIR = "adapter"           # a stage's adapters, in peft's format, inside the stage's directory
 HEAD_FILES = ("value_head.safetensors", "value_head.json")   # reward_model.ScalarHeadModel's head
 
@@ -91,7 +89,7 @@ def _check_targets(model: torch.nn.Module, run, targets) -> None:
               if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
     missing = [t for t in targets if t.rsplit(".", 1)[-1] not in linear]
     if missing:
-        from data import fail
+        from cli import fail
         fail(f"--lora-targets {run.lora_targets}: {', '.join(missing)} matches no linear layer of this "
              f"{model.config.model_type} model (its layers: {', '.join(sorted(linear))})")
 
@@ -302,7 +300,7 @@ def check_bits(run, device_type: str) -> None:
     any other machine, one line saying so, before any work."""
     if run.lora_bits == 16:
         return
-    from data import fail
+    from cli import fail
     if not run.lora_r:
         fail(f"--lora-bits {run.lora_bits}: quantized frozen weights are for LoRA; add --lora-r R (e.g. 16)")
     if device_type != "cuda":
@@ -331,7 +329,7 @@ def quantization(run) -> dict:
 # Command line: merge an adapter directory (the trainable-parameter counts: `python scale.py --lora-r R`)
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    from data import OneLineParser, fail
+    from cli import OneLineParser, fail
     p = OneLineParser(prog="lora.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="write an adapter directory merged into its base as a plain HF directory")
@@ -363,5 +361,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from data import cli_guard
+    from cli import cli_guard
     cli_guard(main)()

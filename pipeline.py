@@ -29,11 +29,12 @@ import checkpoint
 import data
 import engine
 import eval as evaluation
+import lm
 import lora
 import ppo_max
 import scale
 import toy_world
-from data import fail
+from cli import fail
 from reward_model import (RMConfig, ScalarHeadModel, not_a_reward_model, reward_model_kind, score_pairs,
                           train_reward_model)
 from sft import SFTConfig, pretrained_model, tiny_llama, train_sft
@@ -199,7 +200,7 @@ def reward_model_dir(sft_dir, tokenizer, pairs: list[dict], heldout: list[dict],
                                          quantization=lora.quantization(run) if adapters else None)
     rm = rm if adapters and run.lora_bits != 16 else rm.to(device)
     if grad_ckpt:
-        rm.gradient_checkpointing_enable()
+        lm.gradient_checkpointing(rm)
     if adapters:
         rm = lora.add_adapters(rm, run, seed=seed)
     log = train_reward_model(rm, tokenizer, pairs, heldout, rm_cfg, seed, ds=ds, out_dir=out_dir)
@@ -368,7 +369,7 @@ def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kw)
     model = model if "quantization_config" in kw else model.to(device)
     if grad_ckpt:
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        lm.gradient_checkpointing(model)
     return lora.add_adapters(model, run, seed=run.seed) if adapters else model
 
 

@@ -35,8 +35,10 @@ import torch
 from torch import Tensor
 
 # the recipe half (below the score half) builds on the two equation files, and steps its models through engine.py
+from cli import arg  # a dataclass field whose help text becomes `--help` (cli.py: the flags' plumbing)
 from engine import all_mean, any_rank, backward_step, gather_batch, world_size
 from gae import compute_gae
+from lm import position_ids_from_mask
 from ppo_loss import (entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
                       masked_whiten, policy_loss, ptx_loss, value_loss)
 
@@ -180,84 +182,56 @@ def shape_rewards(
 # =========================================================================================================
 
 
-def arg(default, help: str):
-    """A dataclass field whose help text becomes a `--flag` help in train.py."""
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-def check_value(value, spec: str) -> str | None:
-    """What is wrong with a flag's value under `spec` (None if nothing): ">0", ">=0", ">=1", "[0,1]", "(0,1)",
-    "[0,1)", or "a|b|c" (choices). Numbers must also be finite."""
-    if "|" in spec:
-        choices = spec.split("|")
-        return None if str(value) in choices else f"choose one of {', '.join(choices)}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"expected a number {spec}"
-    if not math.isfinite(value):
-        return "must be a finite number"
-    if spec.startswith(">="):
-        return None if value >= float(spec[2:]) else f"must be ≥ {spec[2:]}"
-    if spec.startswith(">"):
-        return None if value > float(spec[1:]) else f"must be > {spec[1:]}"
-    lo, hi = (float(x) for x in spec[1:-1].split(","))
-    ok = (value >= lo if spec[0] == "[" else value > lo) and (value <= hi if spec[-1] == "]" else value < hi)
-    return None if ok else f"must be in {spec}"
-
-
-# The valid range or choices of every PPOConfig field (train.py checks them all before any work).
-PPO_CHECKS = dict(rollout_batch=">=1", minibatch=">=1", ppo_epochs=">=1", max_new_tokens=">=1", temperature=">0",
-                  policy_lr=">=0", critic_lr=">=0", warmup_frac="[0,1]", grad_clip=">=0", reward_clip=">=0",
-                  adv_clip=">=0", kl_coef=">=0", kl_estimator="k1|k2|k3|full", kl_target=">=0", kl_horizon=">=1",
-                  entropy_coef=">=0", entropy_clip=">=0", clip_eps=">=0", value_clip=">=0", vf_coef=">=0",
-                  gamma="[0,1]", lam="[0,1]", ptx_coef=">=0", ptx_batch=">=1", critic_pretrain_steps=">=0",
-                  critic_init="rm|sft", policy_init="sft|pretrained")
-
-
 @dataclass
 class PPOConfig:
     """Every trick of the paper is a field; presets (below) are named sets of overrides. Defaults = PPO-max (§5.4)
     at the synthetic world's scale. Field docs become `python train.py --help`."""
     # --- sampling (rollouts) ---
-    rollout_batch: int = arg(64, "prompts per PPO iteration ('sampling batch'; paper 128)")
-    minibatch: int = arg(16, "sequences per gradient step (paper 32)")
-    ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)")
-    max_new_tokens: int = arg(24, "response length cap T")
+    rollout_batch: int = arg(64, "prompts per PPO iteration ('sampling batch'; paper 128)", ">=1")
+    minibatch: int = arg(16, "sequences per gradient step (paper 32)", ">=1")
+    ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)", ">=1")
+    max_new_tokens: int = arg(24, "response length cap T", ">=1")
     temperature: float = arg(1.0, "rollout sampling temperature T: samples from π^(1/T), and the log-probs of the "
-                                  "ratio and the KL are those of π^(1/T) too (1 = π itself)")
+                                  "ratio and the KL are those of π^(1/T) too (1 = π itself)", ">0")
     # --- optimisation ---
-    policy_lr: float = arg(2e-4, "α for π_θ (paper 5e-7 at 7B)")
-    critic_lr: float = arg(5e-4, "α for V_φ (paper 1.65e-6 at 7B)")
-    warmup_frac: float = arg(0.0, "linear LR warm-up fraction (paper 0.1; PPO-max replaces it by critic pre-training)")
-    grad_clip: float = arg(1.0, "global gradient-norm clip; 0 = off (Fig. 18)")
+    policy_lr: float = arg(2e-4, "α for π_θ (paper 5e-7 at 7B)", ">=0")
+    critic_lr: float = arg(5e-4, "α for V_φ (paper 1.65e-6 at 7B)", ">=0")
+    warmup_frac: float = arg(0.0, "linear LR warm-up fraction (paper 0.1; PPO-max replaces it by critic "
+                                  "pre-training)", "[0,1]")
+    grad_clip: float = arg(1.0, "global gradient-norm clip; 0 = off (Fig. 18)", ">=0")
     # --- score reparameterisation (Fig. 6, 14) ---
     reward_norm: bool = arg(True, "Eq. 18: normalise scores with running mean/std")
-    reward_clip: float = arg(5.0, "δ of Eq. 18 (clip after normalising); 0 = no clip")
+    reward_clip: float = arg(5.0, "δ of Eq. 18 (clip after normalising); 0 = no clip", ">=0")
     reward_scale: bool = arg(False, "reward scaling: r / running std (ablation)")
     adv_norm: bool = arg(False, "whiten advantages per minibatch")
-    adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off")
+    adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off", ">=0")
     # --- policy constraints (Fig. 7, 15, 16) ---
     kl_coef: float = arg(0.2, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
-                              "(Fig. 15); at 0.05 PPO-max collapses after 137-277 steps here (notebooks/ppo_max.ipynb)")
-    kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full (exact)")
+                              "(Fig. 15); at 0.05 PPO-max collapses after 137-277 steps here (notebooks/ppo_max.ipynb)",
+                         ">=0")
+    kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full "
+                                  "(exact)", "k1|k2|k3|full")
     kl_target: float = arg(0.0, "adaptive KL controller target, in nats PER TOKEN (kl/ref; Ziegler et al. 2019 "
-                                "state it per sequence: divide by the mean response length); 0 = fixed η")
-    kl_horizon: int = arg(10000, "adaptive KL horizon (in sequences)")
+                                "state it per sequence: divide by the mean response length); 0 = fixed η", ">=0")
+    kl_horizon: int = arg(10000, "adaptive KL horizon (in sequences)", ">=1")
     importance_sampling: bool = arg(False, "ratio against π_ref instead of π_old: the 'infinite buffer' of §5.3.2")
-    entropy_coef: float = arg(0.0, "entropy bonus weight (paper 0.01)")
-    entropy_clip: float = arg(0.0, "the bonus stops acting above this mean entropy (Fig. 16); 0 = no clip")
+    entropy_coef: float = arg(0.0, "entropy bonus weight (paper 0.01)", ">=0")
+    entropy_clip: float = arg(0.0, "the bonus stops acting above this mean entropy (Fig. 16); 0 = no clip", ">=0")
     # --- PPO core (Eq. 15, 16) ---
-    clip_eps: float = arg(0.2, "ε of PPO-clip (Fig. 17)")
-    value_clip: float = arg(0.2, "value-loss clip range; 0 = off")
-    vf_coef: float = arg(1.0, "critic loss weight (critic has its own optimiser; kept for parity)")
-    gamma: float = arg(1.0, "γ")
-    lam: float = arg(0.9, "GAE λ (Fig. 19)")
+    clip_eps: float = arg(0.2, "ε of PPO-clip (Fig. 17)", ">=0")
+    value_clip: float = arg(0.2, "value-loss clip range; 0 = off", ">=0")
+    vf_coef: float = arg(1.0, "critic loss weight (critic has its own optimiser; kept for parity)", ">=0")
+    gamma: float = arg(1.0, "γ", "[0,1]")
+    lam: float = arg(0.9, "GAE λ (Fig. 19)", "[0,1]")
     # --- ptx (Eq. 17) ---
-    ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off")
-    ptx_batch: int = arg(16, "SFT sequences per ptx term")
+    ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off", ">=0")
+    ptx_batch: int = arg(16, "SFT sequences per ptx term", ">=1")
     # --- initialisation (Fig. 8) ---
-    critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); 0 = off")
-    critic_init: str = arg("rm", "initialise the critic from the reward model ('rm') or the SFT model ('sft')")
-    policy_init: str = arg("sft", "'sft' or 'pretrained' (the non-SFT LM; Fig. 8)")
+    critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); "
+                                         "0 = off", ">=0")
+    critic_init: str = arg("rm", "initialise the critic from the reward model ('rm') or the SFT model ('sft')",
+                           "rm|sft")
+    policy_init: str = arg("sft", "'sft' or 'pretrained' (the non-SFT LM; Fig. 8)", "sft|pretrained")
 
 
 # Presets: named overrides of PPOConfig, printed at start-up.
@@ -290,31 +264,6 @@ class AdaptiveKLController:
 # ---------------------------------------------------------------------------------------------------------
 # Sequences: a left-padded prompt (B, P) followed by a right-padded response (B, T)
 # ---------------------------------------------------------------------------------------------------------
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
-
-
-def disable_dropout(model: torch.nn.Module, keep: str | None = None) -> torch.nn.Module:
-    """Dropout off for good, in train() mode too (which gradient checkpointing needs): every nn.Dropout gets p = 0,
-    and so does every float attribute or config field named like a dropout probability. The ratio ρ compares the
-    same network at the same weights, so with dropout on it is not 1 on the first minibatch (GPT-2's default 0.1:
-    about 1.02), and the log-probs of rollout, experience and update would each see another random network.
-    `keep`: modules whose name contains it keep their dropout (SFT and the reward model keep --lora-dropout)."""
-    for path, module in model.named_modules():
-        if keep and keep in path:
-            continue
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-                setattr(module, name, 0.0)      # e.g. LlamaAttention.attention_dropout, read inside forward()
-    config = getattr(model, "config", None)
-    for name, value in (list(vars(config).items()) if config is not None else []):
-        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(config, name, 0.0)          # what the saved config.json says, too
-    return model
-
-
 def policy_logits(model, query, query_mask, response, response_mask, temperature: float = 1.0) -> torch.Tensor:
     """Logits that predict each response token: position P−1+t predicts response[t], divided by the sampling
     temperature T, so that log-softmax of them is log π^(1/T), the distribution the rollout sampled from (it enters

@@ -132,7 +132,8 @@ from transformers import AutoModelForCausalLM
 import data
 import engine
 import lora
-from ppo_max import arg, disable_dropout
+from cli import arg
+from lm import disable_dropout, gradient_checkpointing, position_ids_from_mask
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -204,8 +205,7 @@ class ScalarHeadModel(torch.nn.Module):
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         """Recompute the backbone's activations in backward (the paper trains with it). transformers ≥ 5.x
         renamed this `activation_checkpointing_enable`; use that name where it exists."""
-        enable = getattr(self.lm, "activation_checkpointing_enable", None) or self.lm.gradient_checkpointing_enable
-        enable(**kwargs)
+        gradient_checkpointing(self.lm)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_logits: bool = False):
         """Values (B, L): the head on the last hidden layer at every position; and the LM logits (B, L, V) if asked.
@@ -214,7 +214,7 @@ class ScalarHeadModel(torch.nn.Module):
         itself): the first real token gets position 0 wherever the padding is, so a padded sequence sees the
         same positions as the unpadded one. Values at padding positions are meaningless; mask them.
         """
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)  0, 1, … from the first real token
+        position_ids = position_ids_from_mask(attention_mask)  # (B, L)  0, 1, … from the first real token
         extra = {} if return_logits or not self._has_logits_to_keep else {"logits_to_keep": 1}
         out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       output_hidden_states=True, use_cache=False, **extra)
@@ -313,14 +313,13 @@ class ScalarHeadModel(torch.nn.Module):
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class RMConfig:
-    rm_epochs: float = arg(2.0, "epochs over the training preference pairs (paper ~1.06)")
-    rm_lr: float = arg(1e-3, "reward-model learning rate (paper 5e-6 at 7B)")
-    rm_batch: int = arg(32, "pairs per step")
-    rm_lm_coef: float = arg(1.0, "β_rm of Eq. 2: weight of the LM loss on the chosen response (paper 1)")
-    rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)")
+    rm_epochs: float = arg(2.0, "epochs over the training preference pairs (paper ~1.06)", ">0")
+    rm_lr: float = arg(1e-3, "reward-model learning rate (paper 5e-6 at 7B)", ">0")
+    rm_batch: int = arg(32, "pairs per step", ">=1")
+    rm_lm_coef: float = arg(1.0, "β_rm of Eq. 2: weight of the LM loss on the chosen response (paper 1)", ">=0")
+    rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)", ">=1")
 
 
-RM_CHECKS = dict(rm_epochs=">0", rm_lr=">0", rm_batch=">=1", rm_lm_coef=">=0", rm_eval_every=">=1")
 
 
 @torch.no_grad()

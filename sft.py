@@ -31,20 +31,20 @@ import engine
 import lora
 from checkpoint import seed_everything
 from ppo_loss import ptx_loss
-from ppo_max import arg, disable_dropout
+from cli import arg
+from lm import disable_dropout
 
 
 @dataclass
 class SFTConfig:
-    sft_hidden: int = arg(64, "hidden size of the tiny LLaMA")
-    sft_layers: int = arg(2, "transformer layers of the tiny LLaMA")
-    sft_heads: int = arg(4, "attention heads of the tiny LLaMA")
-    sft_epochs: float = arg(3.0, "epochs over the SFT demonstrations")
-    sft_lr: float = arg(3e-3, "SFT learning rate (AdamW, cosine decay)")
-    sft_batch: int = arg(64, "SFT batch size (sequences)")
+    sft_hidden: int = arg(64, "hidden size of the tiny LLaMA", ">=1")
+    sft_layers: int = arg(2, "transformer layers of the tiny LLaMA", ">=1")
+    sft_heads: int = arg(4, "attention heads of the tiny LLaMA", ">=1")
+    sft_epochs: float = arg(3.0, "epochs over the SFT demonstrations", ">0")
+    sft_lr: float = arg(3e-3, "SFT learning rate (AdamW, cosine decay)", ">0")
+    sft_batch: int = arg(64, "SFT batch size (sequences)", ">=1")
 
 
-SFT_CHECKS = dict(sft_hidden=">=1", sft_layers=">=1", sft_heads=">=1", sft_epochs=">0", sft_lr=">0", sft_batch=">=1")
 
 
 def tiny_llama_config(vocab_size: int, cfg: SFTConfig):

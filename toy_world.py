@@ -30,8 +30,10 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from cli import arg  # a dataclass field whose help becomes `--world-...` help in train.py
 
 # ---------------------------------------------------------------------------------------------------------
 # Vocabulary
@@ -67,16 +69,14 @@ VOCAB = SPECIALS + sorted(set(PROMPT_WORDS) | set(RESPONSE_WORDS))
 class WorldConfig:
     """Knobs of the world. Defaults are what `python train.py` uses; README 'The synthetic world' explains them."""
     seed: int = 0
-    heldout_frac: float = field(default=0.3, metadata={"help": "fraction of prompts held out (evaluation only)"})
-    n_sft: int = field(default=4000, metadata={"help": "SFT demonstrations"})
-    n_pairs: int = field(default=3000, metadata={"help": "preference pairs (limited, as in real life)"})
-    n_pairs_heldout: int = field(default=600, metadata={"help": "held-out pairs for RM accuracy (Fig. 3) and margins (Fig. 2)"})
-    label_beta: float = field(default=2.0, metadata={"help": "annotators' log-odds per unit of gold-reward difference (Bradley-Terry inverse temperature)"})
-    length_bias: float = field(default=0.8, metadata={"help": "annotators' extra log-odds per token of length difference (Table 1's bias)"})
-
-
-WORLD_CHECKS = dict(heldout_frac="(0,1)", n_sft=">=1", n_pairs=">=1", n_pairs_heldout=">=1", label_beta=">=0",
-                    length_bias=">-1e300")  # finite
+    heldout_frac: float = arg(0.3, "fraction of prompts held out (evaluation only)", "(0,1)")
+    n_sft: int = arg(4000, "SFT demonstrations", ">=1")
+    n_pairs: int = arg(3000, "preference pairs (limited, as in real life)", ">=1")
+    n_pairs_heldout: int = arg(600, "held-out pairs for RM accuracy (Fig. 3) and margins (Fig. 2)", ">=1")
+    label_beta: float = arg(2.0, "annotators' log-odds per unit of gold-reward difference (Bradley-Terry inverse "
+                                 "temperature)", ">=0")
+    length_bias: float = arg(0.8, "annotators' extra log-odds per token of length difference (Table 1's bias)",
+                             ">-1e300")  # any finite number
 
 
 # ---------------------------------------------------------------------------------------------------------

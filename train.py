@@ -48,20 +48,21 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import data
 import engine
 import eval as evaluation
+import lm
 import lora
 import monitor as collapse
 import ppo_max
 import scale
 import toy_world
-from ppo_max import arg  # a dataclass field whose help text becomes `--help`
-from data import fail
+from cli import arg, fail
 from pipeline import (STAGES, Inputs, last_stage, ppo_inputs, real_model_stages, resolve_real_models,
                       stop_after_stages, use_bf16, write_json)
-from reward_model import RM_CHECKS, RMConfig, ScalarHeadModel
-from sft import SFT_CHECKS, SFTConfig, tiny_llama_config
+from reward_model import RMConfig, ScalarHeadModel
+from sft import SFTConfig, tiny_llama_config
 
 
 # =========================================================================================================
@@ -70,30 +71,33 @@ from sft import SFT_CHECKS, SFTConfig, tiny_llama_config
 @dataclass
 class RunConfig:
     preset: str = arg("ppo-max", f"named set of PPO flags: {', '.join(ppo_max.PRESETS)}")
-    seed: int = arg(0, "seed of the world, every model init and every sample")
-    steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)")
+    seed: int = arg(0, "seed of the world, every model init and every sample", ">=0")
+    steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
                        "runs/<preset>-loraR-seed<seed>)")
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
-    eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate")
+    eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate", ">=1")
     threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
-                          "shared machine extra threads mostly wait for each other")
+                          "shared machine extra threads mostly wait for each other", ">=0")
     rebuild_base: bool = arg(False, "train stages 1-2 (SFT, reward model) again even when runs/_base or --out holds "
                                     "them")
     stages: str = arg("sft,rm,critic,ppo", "the stages to run, in order (sft, rm, critic, ppo); the run stops after "
                                            "the last one listed, e.g. sft,rm trains only a reward model")
     # long runs (checkpoint.py, monitor.py)
-    save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end")
-    keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)")
+    save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end", ">=0")
+    keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)", ">=0")
     resume: str = arg("", "continue a run exactly: its directory or one of its checkpoints (same flags as the run)")
-    max_bad_steps: int = arg(3, "stop after this many consecutive steps with a non-finite score/advantage/gradient")
-    on_collapse: str = arg("warn", "when the §5.2 collapse alarm fires: 'warn' (log it) or 'stop' (checkpoint, stop)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive steps with a non-finite score/advantage/gradient",
+                             ">=1")
+    on_collapse: str = arg("warn", "when the §5.2 collapse alarm fires: 'warn' (log it) or 'stop' (checkpoint, stop)",
+                           "warn|stop")
     alarm_kl_max: float = arg(collapse.KL_MAX, "collapse alarm: KL to the reference (nats/token) that makes a step "
-                                               "bad; higher is quieter and later (`python monitor.py sweep runs/*`)")
-    alarm_patience: int = arg(collapse.PATIENCE, "collapse alarm: consecutive bad steps before it fires")
+                                               "bad; higher is quieter and later (`python monitor.py sweep runs/*`)",
+                              ">=0")
+    alarm_patience: int = arg(collapse.PATIENCE, "collapse alarm: consecutive bad steps before it fires", ">=1")
     log_with: str = arg("none", "also log every metric (PPO steps, the SFT and reward-model stages) to 'tensorboard' "
                                 "(<out>/tensorboard) or 'wandb' (offline with WANDB_MODE=offline); metrics.jsonl is "
-                                "always written")
+                                "always written", "none|tensorboard|wandb")
     # real preference data instead of the synthetic world (data.py reads and checks it)
     data: str = arg("", "preference pairs (HH-RLHF, {prompt,chosen,rejected} or chat messages) as .jsonl[.gz], .json, "
                         ".parquet, a Dataset.save_to_disk folder or a hub dataset id in the local cache: real text "
@@ -101,12 +105,15 @@ class RunConfig:
     data_split: str = arg("train", "with --data as a hub id or a folder of several splits: the split to read")
     data_config: str = arg("", "with --data as a hub id: its configuration (name), if it has several")
     skip_bad: bool = arg(False, "with --data: skip bad lines, count them by reason, report at the end (else exit 2)")
-    heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts")
-    vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only")
-    max_prompt_tokens: int = arg(128, "with --data: P limit; longer prompts keep their latest turns")
-    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted")
+    heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts",
+                              "(0,1)")
+    vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only", ">=1")
+    max_prompt_tokens: int = arg(128, "with --data: P limit; longer prompts keep their latest turns", ">=1")
+    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted",
+                                   ">=2")
     judge_frac: float = arg(0.5, "with --data: fraction of the training pairs held back for a second reward model, "
-                                 "the judge of the win rate, which PPO never optimises; 0 = judge by the proxy")
+                                 "the judge of the win rate, which PPO never optimises; 0 = judge by the proxy",
+                            "[0,1)")
     # real models and scale (scale.py, engine.py): `--plan`, `deepspeed train.py ...`
     plan: bool = arg(False, "print the per-GPU memory plan of --model and exit, loading no weights (more flags: "
                             "--num-gpus --gpu-mem --micro-batch --prompt-len ...; see `python scale.py --help`)")
@@ -122,29 +129,25 @@ class RunConfig:
     deepspeed: bool = arg(False, "DeepSpeed engines even in one process (automatic under the `deepspeed` launcher)")
     deepspeed_config: str = arg("", "DeepSpeed JSON for policy and critic (e.g. ds_config_zero2.json) instead of the "
                                     "one built from these flags; its micro batch is set to minibatch / ranks")
-    zero_stage: int = arg(2, "ZeRO stage of the policy and critic engines: 0, 1 or 2 (the paper: 2)")
+    zero_stage: int = arg(2, "ZeRO stage of the policy and critic engines: 0, 1 or 2 (the paper: 2)", "0|1|2")
     grad_ckpt: bool = arg(False, "gradient checkpointing in policy and critic (on in the llama presets)")
     fp32: bool = arg(False, "fp32 where bf16 would be used (DeepSpeed on an accelerator with bf16; never the CPU)")
     bf16: bool = arg(False, "bf16 for every model even on the CPU (the accelerator's dtype path, testable here)")
     # one GPU (lora.py): low-rank adapters through peft instead of full weights
     lora_r: int = arg(0, "LoRA rank r: train adapters (peft) instead of full weights, in SFT, the reward model, the "
-                         "critic and the policy (the synthetic world: critic and policy); 0 = full fine-tuning")
-    lora_alpha: float = arg(16.0, "LoRA α: the update is (α/r)·B·A")
+                         "critic and the policy (the synthetic world: critic and policy); 0 = full fine-tuning", ">=0")
+    lora_alpha: float = arg(16.0, "LoRA α: the update is (α/r)·B·A", ">0")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input in SFT and reward-model training (PPO switches it "
-                                   "off with every dropout: ρ = 1 on the first minibatch)")
+                                   "off with every dropout: ρ = 1 on the first minibatch)", "[0,1)")
     lora_targets: str = arg("auto", "layers that get adapters: 'auto' (peft's default for the architecture: "
                                     "q_proj,v_proj for LLaMA, c_attn for GPT-2), 'all-linear', or names, e.g. "
                                     "q_proj,k_proj,v_proj,o_proj")
     lora_bits: int = arg(16, "frozen base weights under LoRA: 16 (bf16 / as saved), 8 or 4 (bitsandbytes NF4, "
-                             "QLoRA; CUDA only, one process)")
+                             "QLoRA; CUDA only, one process)", "4|8|16")
 
 
-# The valid range or choices of every RunConfig flag; with PPO_CHECKS, SFT_CHECKS, RM_CHECKS and WORLD_CHECKS,
-# every flag of train.py is checked by validate() before any stage runs (paths: they exist; --out: writable).
-RUN_CHECKS = dict(seed=">=0", steps=">=1", eval_samples=">=1", threads=">=0", save_every=">=0", keep_last=">=0",
-                  max_bad_steps=">=1", on_collapse="warn|stop", alarm_kl_max=">=0", alarm_patience=">=1",
-                  heldout_frac="(0,1)", vocab_size=">=1", max_prompt_tokens=">=1", max_response_tokens=">=2",
-                  judge_frac="[0,1)", zero_stage="0|1|2", log_with="none|tensorboard|wandb", **lora.LORA_CHECKS)
+# Every field of the five configs declares its allowed range or choices (cli.arg), and validate() checks them all
+# before any stage runs; paths must exist and --out must be writable.
 FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be existing files when given
 
 
@@ -152,11 +155,10 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
              world_cfg: toy_world.WorldConfig) -> None:
     """Every flag against its range or choices, the files it names, and the combinations the loop needs: one line
     naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written."""
-    for obj, checks, prefix in ((run, RUN_CHECKS, ""), (sft_cfg, SFT_CHECKS, ""), (rm_cfg, RM_CHECKS, ""),
-                                (cfg, ppo_max.PPO_CHECKS, ""), (world_cfg, toy_world.WORLD_CHECKS, "world-")):
-        for name, spec in checks.items():
+    for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-")):
+        for name, spec in cli.allowed(type(obj)).items():
             value = getattr(obj, name)
-            problem = ppo_max.check_value(value, spec)
+            problem = cli.check_value(value, spec)
             if problem:
                 fail(f"--{prefix}{name.replace('_', '-')} {value!r}: {problem}")
     for name in FILE_FLAGS:  # a data flag may also name a save_to_disk folder or a hub dataset id (data.source)
@@ -197,7 +199,7 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = data.OneLineParser(prog="train.py", description=__doc__.split("\n")[0],
+    p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig)]:
         g = p.add_argument_group(title)
@@ -206,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
             if f.name == "deepspeed_config":
                 flags.append("--deepspeed_config")  # DeepSpeed's own spelling of the flag
             help_ = f.metadata.get("help", "")
-            spec = {**RUN_CHECKS, **SFT_CHECKS, **RM_CHECKS, **ppo_max.PPO_CHECKS}.get(f.name)
+            spec = f.metadata.get("allowed")
             if spec:
                 help_ += f" (allowed: {spec.replace('|', ', ')})"
             if cls is ppo_max.PPOConfig:  # PPO defaults come from the preset, so the parser's default is None
@@ -221,8 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("synthetic world (toy_world.WorldConfig)")
     for f in dataclasses.fields(toy_world.WorldConfig):
         if f.name != "seed":
+            spec = f.metadata.get("allowed")
             g.add_argument("--world-" + f.name.replace("_", "-"), dest="world_" + f.name, type=type(f.default),
-                           default=f.default, help=f.metadata.get("help", ""))
+                           default=f.default, help=f.metadata.get("help", "") + (
+                               f" (allowed: {spec.replace('|', ', ')})" if spec else ""))
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p
 
@@ -525,7 +529,7 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
         reward_model = reward_model.eval().requires_grad_(False).to(device)
     if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
         for m in (policy, critic):
-            (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+            lm.gradient_checkpointing(m)
     if lora.enabled(run):  # adapters (B = 0: the models start as their directories), dropout 0 as everywhere in PPO
         reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
         policy = lora.add_adapters(policy, run, seed=run.seed, dropout=0.0)
@@ -534,7 +538,7 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
         reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
     for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
         if not isinstance(model, lora.AdaptersOff):  # (those are the policy's and the critic's own weights)
-            ppo_max.disable_dropout(model)
+            lm.disable_dropout(model)
     policy_opt = torch.optim.AdamW(lora.trainable(policy), lr=cfg.policy_lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(lora.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0)
     if ds is not None:
@@ -580,7 +584,7 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, q
         return None
     rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
                                          quantization=quantization)
-    rm = ppo_max.disable_dropout(rm).eval().requires_grad_(False)
+    rm = lm.disable_dropout(rm).eval().requires_grad_(False)
     rm = rm if quantization else rm.to(device)
     return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer), rm)
 
@@ -848,4 +852,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    data.cli_guard(main)()  # bad --data input: one line naming file, line and problem; exit 2
+    cli.cli_guard(main)()  # bad --data input: one line naming file, line and problem; exit 2

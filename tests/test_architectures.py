@@ -15,6 +15,7 @@ import transformers
 from torch.testing import assert_close
 
 import data
+import lm
 import ppo_max
 from ppo_loss import logprobs_from_logits
 from reward_model import ScalarHeadModel
@@ -59,7 +60,7 @@ def experience(arch: str, temperature: float, drop: bool = True):
     policy, ref, reward_model, critic = models(arch)
     if drop:
         for m in (policy, ref, reward_model, critic):
-            ppo_max.disable_dropout(m)
+            lm.disable_dropout(m)
     query, query_mask = prompts(arch)
     cfg = ppo_max.PPOConfig(temperature=temperature)
     torch.manual_seed(2)
@@ -112,7 +113,7 @@ def test_logprobs_are_those_of_the_tempered_distribution(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_position_ids_follow_the_mask_under_left_padding(arch):
     policy, *_ = models(arch)
-    ppo_max.disable_dropout(policy).eval()
+    lm.disable_dropout(policy).eval()
     query, query_mask = prompts(arch)
     response = torch.randint(3, V, (3, 4))
     response_mask = torch.ones(3, 4)
@@ -137,7 +138,7 @@ def test_eos_ends_and_scores_a_response_even_when_it_is_the_pad_id(arch):
         assert n == (eos_at[0] + 1 if eos_at else response.shape[1])
         assert mask[b, :n].all() and not mask[b, n:].any()
     _, _, reward_model, _ = models(arch)
-    ppo_max.disable_dropout(reward_model)
+    lm.disable_dropout(reward_model)
     ids, attn = torch.cat([exp["query"], response], 1), torch.cat([exp["query_mask"], mask], 1)
     with torch.no_grad():
         scores, values = reward_model.score(ids, attn), reward_model(ids, attn)                     # (B,), (B, L)

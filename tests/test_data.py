@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import cli
 import data
 from data import DataError, DataReport, PreferencePair
 
@@ -327,7 +328,7 @@ def test_cli_guard_one_line_exit_2(capsys):
         raise DataError("d.jsonl", 7, "chosen", "empty_response", 'expected a non-empty string, got ""')
 
     with pytest.raises(SystemExit) as info:
-        data.cli_guard(bad)()
+        cli.cli_guard(bad)()
     assert info.value.code == 2
     assert capsys.readouterr().err == "error: d.jsonl:7: field 'chosen': expected a non-empty string, got \"\"\n"
 
@@ -335,7 +336,7 @@ def test_cli_guard_one_line_exit_2(capsys):
         open("/nonexistent/model/config.json")
 
     with pytest.raises(SystemExit) as info:
-        data.cli_guard(missing_model)()
+        cli.cli_guard(missing_model)()
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "/nonexistent/model/config.json" in err
 

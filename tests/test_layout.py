@@ -64,3 +64,20 @@ def test_no_function_in_train_py_is_longer_than_80_lines():
     long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
             if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80}
     assert not long, long
+
+
+def test_stages_1_and_2_do_not_import_the_ppo_recipe():
+    """SFT and the reward model come before PPO: they take their flags' plumbing from cli.py and their model
+    utilities (dropout off, position ids) from lm.py, never from ppo_max.py."""
+    for name in ("sft", "reward_model", "lm", "cli"):
+        assert "ppo_max" not in imports(MODULES[name]), f"{name}.py imports ppo_max.py"
+
+
+def test_cli_plumbing_lives_in_cli_py():
+    """The algorithm files define no flag machinery: arg, check_value and the range tables are cli.py's."""
+    for name in ("ppo_max", "gae", "ppo_loss", "reward_model", "sft"):
+        tree = ast.parse(MODULES[name].read_text())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        assert not defined & {"arg", "check_value", "OneLineParser", "fail", "cli_guard"}, name
+        assert not {d for d in defined if d.endswith("_CHECKS")}, name

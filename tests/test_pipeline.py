@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli
 import ppo_max
 import toy_world
 import train
@@ -100,7 +101,7 @@ def test_presets_and_flags_parse():
 
 
 def bad_value(spec: str):
-    """A value outside `spec` (ppo_max.check_value's language)."""
+    """A value outside `spec` (cli.check_value's language)."""
     if "|" in spec:
         return "7" if all(c.isdigit() for c in spec.split("|")) else "nope"
     if spec.startswith(">="):
@@ -110,8 +111,8 @@ def bad_value(spec: str):
     return float(spec[1:-1].split(",")[1]) + 1
 
 
-ALL_CHECKS = [("", n, s) for d in (train.RUN_CHECKS, train.SFT_CHECKS, train.RM_CHECKS, ppo_max.PPO_CHECKS)
-              for n, s in d.items()] + [("world-", n, s) for n, s in toy_world.WORLD_CHECKS.items()]
+ALL_CHECKS = [("", n, s) for c in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig)
+              for n, s in cli.allowed(c).items()] + [("world-", n, s) for n, s in cli.allowed(toy_world.WorldConfig).items()]
 
 
 @pytest.mark.parametrize("prefix, name, spec", ALL_CHECKS, ids=[f"{p}{n}" for p, n, _ in ALL_CHECKS])

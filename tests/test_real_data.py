@@ -16,7 +16,7 @@ import pytest
 import data
 import eval as evaluation
 import train
-from data import cli_guard
+from cli import cli_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 

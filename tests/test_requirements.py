@@ -52,8 +52,8 @@ def imported_modules(source: str) -> set[str]:
 
 
 def local_modules() -> set[str]:
-    """The project's own modules: top-level .py files, tests/ and notebooks/ helpers, and their folders."""
-    return ({p.stem for d in (ROOT, ROOT / "tests", ROOT / "notebooks") for p in d.glob("*.py")}
+    """The project's own modules: top-level .py files, tests/, notebooks/ and tools/ helpers, and their folders."""
+    return ({p.stem for d in (ROOT, ROOT / "tests", ROOT / "notebooks", ROOT / "tools") for p in d.glob("*.py")}
             | {p.name for p in ROOT.iterdir() if p.is_dir()})
 
 

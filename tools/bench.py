@@ -63,7 +63,8 @@ import torch
 import ppo_max
 from reward_model import ScalarHeadModel
 from scale import llama_param_count
-from data import OneLineParser, fail, pad
+from cli import OneLineParser, fail
+from data import pad
 
 MiB, GiB = 2**20, 2**30
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # as sft.tiny_llama; random prompt tokens are drawn from [3, V)

@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch
 
+import cli
 import data
 import pipeline
 import tiny_model
@@ -69,7 +70,7 @@ def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pai
 
 
 def main(argv=None) -> list[dict]:
-    p = data.OneLineParser(prog="tools/gpu_check.py", description=__doc__.split("\n")[0])
+    p = cli.OneLineParser(prog="tools/gpu_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/gpu_check", help="working directory of the check")
     p.add_argument("--tiny", action="store_true", help="a 0.1 M model: checks the script itself, on a CPU too")
     p.add_argument("--steps", type=int, default=4, help="PPO iterations")
@@ -77,9 +78,9 @@ def main(argv=None) -> list[dict]:
                                                            "on every linear layer), or both")
     a = p.parse_args(argv)
     if a.steps < 1:
-        data.fail(f"--steps {a.steps}: must be ≥ 1")
+        cli.fail(f"--steps {a.steps}: must be ≥ 1")
     if not a.variants or any(v not in ("full", "lora") for v in a.variants.split(",")):
-        data.fail(f"--variants {a.variants}: expected full, lora or full,lora")
+        cli.fail(f"--variants {a.variants}: expected full, lora or full,lora")
     out = Path(a.out)
     texts = [x + y for x, y in data.load_texts(HH, skip_bad=True)]
     size = dict(hidden=32, layers=2, heads=4, vocab_size=500) if a.tiny else dict(hidden=2048, layers=16, heads=16,
@@ -112,4 +113,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    data.cli_guard(main)()
+    cli.cli_guard(main)()

@@ -94,8 +94,9 @@ def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
+    import cli
     import data
-    p = data.OneLineParser(prog="tools/tiny_model.py", description=__doc__.split("\n")[0])
+    p = cli.OneLineParser(prog="tools/tiny_model.py", description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture and its tokenizer's conventions")
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--data", default="data/hh-rlhf/harmless-base-test.dev.jsonl.gz",
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     for flag, v in (("--hidden", a.hidden), ("--layers", a.layers), ("--heads", a.heads), ("--vocab-size", a.vocab_size)):
         if v < 1:
-            data.fail(f"{flag} {v}: must be ≥ 1")
+            cli.fail(f"{flag} {v}: must be ≥ 1")
     if a.hidden % a.heads:
-        data.fail(f"--hidden {a.hidden}: must be divisible by --heads {a.heads}")
+        cli.fail(f"--hidden {a.hidden}: must be divisible by --heads {a.heads}")
     texts = [p + r for p, r in data.load_texts(a.data, skip_bad=True)]
     out = build_model(a.arch, texts, a.out, a.hidden, a.layers, a.heads, a.vocab_size)
     from transformers import AutoModelForCausalLM
@@ -118,5 +119,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import data as _data
-    _data.cli_guard(main)()
+    import cli
+    cli.cli_guard(main)()
