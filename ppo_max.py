@@ -5,6 +5,7 @@ Implements (equation numbers of Zheng et al. 2023, arXiv 2307.04964):
     normalize_and_clip_rewards(scores, moments, clip_delta)          → Eq. 18  r̃ = clip((r − mean)/std, −δ, δ)
     scale_rewards(scores, moments)                                   → "reward scaling" ablation (Fig. 6): r / std
     shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl) → Eq. 19  r_t = −η KL_t, + score on the last token
+                                                                       (its inputs checked by check_shaping_inputs)
   the recipe (section 5.4; train.py runs the loop):
     PPOConfig, PRESETS, apply_preset                                 → every trick as a field; ppo-max and vanilla
     rollout(policy, query, ...)                                      → step (1): sample with the KV cache, stop at EOS
@@ -150,6 +151,22 @@ def shape_rewards(
     that position is masked out (the score is silently lost to GAE and the loss), and making it count needs a
     terminal pseudo-token whose value the critic must also learn. We do not.
     """
+    check_shaping_inputs(scores, logprobs, ref_logprobs, mask, kl)  # a silent broadcast would corrupt Eq. 19
+    B = mask.shape[0]
+    last = mask.sum(dim=1).long() - 1  # (B,) index of the last real response token
+    if kl is None:
+        kl = logprobs - ref_logprobs  # (B, T) KL_t ≈ log π_RL(y_t) − log π_SFT(y_t)   (k1)
+    non_score_reward = -kl_coef * kl * mask  # (B, T) −η KL_t   (Eq. 19)
+    score_reward = torch.zeros_like(non_score_reward)  # (B, T)
+    score_reward[torch.arange(B, device=mask.device), last] = scores.to(score_reward)  # r(x, y) at the end
+    rewards = non_score_reward + score_reward  # r_t = r(x, y)·[t = last] − η KL_t   (Eq. 19)
+    return rewards
+
+
+def check_shaping_inputs(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                         kl: Tensor | None = None) -> None:
+    """shape_rewards' inputs, or a ValueError naming what is wrong: logprobs, ref_logprobs, mask (and kl) all (B, T),
+    scores (B,), mask 0/1, contiguous from 0 and right-padded, with at least one real token per row."""
     if logprobs.dim() != 2 or not (logprobs.shape == ref_logprobs.shape == mask.shape):
         raise ValueError(
             f"ppo_max.py: logprobs, ref_logprobs and mask must all be (B, T) with the same shape; got "
@@ -162,18 +179,9 @@ def shape_rewards(
         raise ValueError(f"ppo_max.py: kl must be (B, T) = {tuple(mask.shape)}; got {tuple(kl.shape)}")
     if ((mask != 0) & (mask != 1)).any() or (mask[:, 1:] > mask[:, :-1]).any():
         raise ValueError("ppo_max.py: mask must hold 0/1, contiguous from position 0 and right-padded (1 … 1 0 … 0)")
-    last = mask.sum(dim=1).long() - 1  # (B,) index of the last real response token
-    if (last < 0).any():
-        empty = (last < 0).nonzero().flatten().tolist()
+    if (mask.sum(dim=1) == 0).any():
+        empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
         raise ValueError(f"ppo_max.py: rows {empty} of mask have no real response token; drop them before shaping")
-
-    if kl is None:
-        kl = logprobs - ref_logprobs  # (B, T) KL_t ≈ log π_RL(y_t) − log π_SFT(y_t)   (k1)
-    non_score_reward = -kl_coef * kl * mask  # (B, T) −η KL_t   (Eq. 19)
-    score_reward = torch.zeros_like(non_score_reward)  # (B, T)
-    score_reward[torch.arange(B, device=mask.device), last] = scores.to(score_reward)  # r(x, y) at the end
-    rewards = non_score_reward + score_reward  # r_t = r(x, y)·[t = last] − η KL_t   (Eq. 19)
-    return rewards
 
 
 # ====================================== end of the score half =========================================
