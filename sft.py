@@ -14,7 +14,7 @@ Run: python train.py --rebuild-base      (stage 1 runs again, even when the base
 The same function trains the tiny world's model on the CPU and a real Hugging Face model under DeepSpeed: `ds` is
 the engine config (engine.engine_config), or None for a plain AdamW in one process.
 
-References: Ouyang et al. 2022 (InstructGPT), §3.5 "Supervised fine-tuning"; Zheng et al. 2023, §3 and §5.3.3.
+References: Ouyang et al. 2022 (InstructGPT), section 3.5 "Supervised fine-tuning"; Zheng et al. 2023, §3 and §5.3.3.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import data
 import engine
@@ -32,6 +31,7 @@ import lora
 from checkpoint import seed_everything
 from ppo_loss import ptx_loss
 from cli import arg
+from monitor import progress
 from lm import disable_dropout
 
 
@@ -77,7 +77,7 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     losses, order = [], []
     trained.train()
-    for step in (bar := tqdm(range(steps), desc=desc, leave=False, disable=rank != 0)):
+    for step in (bar := progress(range(steps), desc, leave=False, disable=rank != 0)):
         if len(order) < cfg.sft_batch:
             order += rng.sample(range(len(rows)), len(rows))
         idx, order = order[:cfg.sft_batch], order[cfg.sft_batch:]

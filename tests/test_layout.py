@@ -46,7 +46,7 @@ def test_no_import_cycles():
                     stack.append((nxt, path + [nxt]))
 
 
-DRIVERS = {"train", "gpu_check"}  # scripts on top of the entry point (like the notebooks' runner and the tests)
+DRIVERS = {"train", "gpu_check", "trace_iteration"}  # scripts on top of the entry point (like the notebooks' runner and the tests)
 
 
 def test_nothing_imports_the_entry_point():
@@ -81,3 +81,22 @@ def test_cli_plumbing_lives_in_cli_py():
         defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
         assert not defined & {"arg", "check_value", "OneLineParser", "fail", "cli_guard"}, name
         assert not {d for d in defined if d.endswith("_CHECKS")}, name
+
+
+SECTION = r"§ ?(\d+(?:\.\d+)*)|(?:App\.|Appendix) ([A-C](?:\.\d+)?)"
+
+
+def test_every_section_reference_has_a_heading_in_docs_paper_md():
+    """Code, notebooks and docs cite the paper as §N.N and App. X.N; docs/paper.md has a heading for each."""
+    import re
+    headings = [l for l in (ROOT / "docs" / "paper.md").read_text().splitlines() if l.startswith("#")]
+    have = {m.group(1) or m.group(2) for l in headings for m in re.finditer(SECTION, l)}
+    files = [*ROOT.glob("*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("docs/*.md"),
+             ROOT / "README.md", ROOT / "TEACHING.md"]
+    missing = {}
+    for path in files:
+        for m in re.finditer(SECTION, path.read_text()):
+            ref = m.group(1) or m.group(2)
+            if ref not in have:
+                missing.setdefault(ref, path.name)
+    assert not missing, f"cited without a heading in docs/paper.md: {missing}"

@@ -26,7 +26,7 @@ Throughputs: rollout tokens/s = B·T / rollout seconds. update tokens/s = tokens
 pass / ppo_update seconds, counting policy, ptx and critic passes separately:
 ppo_epochs · (B·L + B·L + minibatches·ptx_batch·L), L = P + T.
 
-Decoding roofline (Williams et al. 2009; Pope et al. 2022, §2): at batch b, one decoding step reads every weight
+Decoding roofline (Williams et al. 2009; Pope et al. 2022, section 2): at batch b, one decoding step reads every weight
 matrix once (shared by the b sequences) plus each sequence's KV cache, so
     tokens/s ≤ b·BW / (W + b·KV_read),   W = (N − V·h)·β,   KV_read = 2·ℓ·k·d·β · (P + (T − 1)/2)
 (β bytes per number; the embedding table is a lookup of b rows, so it is left out of W; KV_read is the mean
