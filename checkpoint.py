@@ -8,7 +8,7 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
                                                                   sizes COMPLETE recorded (resume falls back to it)
     load_checkpoint(ckpt_dir, models=, optimizers=, rngs=)     → weights, optimizer/scheduler states and every RNG
                                                                   stream restored in place; returns state.json
-    GracefulExit                                               → SIGINT/SIGTERM set a flag: checkpoint, then exit 0
+    GracefulExit, debugger_active                              → SIGINT/SIGTERM set a flag: checkpoint, then exit 0
     NonFiniteGuard(max_consecutive=K)                          → skip an update whose score/loss/grad is NaN or ±inf;
                                                                   stop after K bad steps in a row
     RunCheckpoints(out, models, optimizers, rngs, ...)         → the PPO loop's save(step, state) and resume(path),
@@ -466,7 +466,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, models: Mapping[str, torch.n
 class GracefulExit:
     """SIGINT / SIGTERM set `.requested` instead of killing the process, so the loop can finish (or abandon) the
     current step, write a checkpoint and exit 0. A second signal restores the old handlers and re-delivers itself
-    (Ctrl-C twice still interrupts at once).
+    (Ctrl-C twice still interrupts at once). Under a debugger (debugger_active()) Ctrl-C stays the debugger's, so it
+    breaks into pdb; SIGTERM is still caught.
 
         with GracefulExit() as stop:
             for step in ...:
@@ -485,6 +486,8 @@ class GracefulExit:
         if threading.current_thread() is not threading.main_thread():  # Python only allows handlers there
             return self
         for s in self.signals:
+            if s == signal.SIGINT and debugger_active():  # pdb's Ctrl-C breaks into the debugger: leave it there
+                continue
             self._old[s] = signal.signal(s, self._handler)
         self.installed = True
         return self
@@ -511,6 +514,13 @@ class GracefulExit:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+def debugger_active() -> bool:
+    """A debugger is tracing this process (sys.gettrace(): pdb stepping, an IDE) or owns Ctrl-C (pdb after
+    `continue` with no breakpoint traces nothing, but its SIGINT handler is installed)."""
+    import bdb
+    return sys.gettrace() is not None or isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), bdb.Bdb)
 
 
 def _is_finite(v: Any) -> bool:

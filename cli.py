@@ -81,3 +81,4 @@ def cli_guard(fn: Callable) -> Callable:
         raise SystemExit(2)
     wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     return wrapped
+

@@ -718,6 +718,12 @@ def pad(seqs: list[list[int]], pad_id: int, side: str):
     return ids, mask
 
 
+def position_ids_from_mask(attention_mask):
+    """(B, L) → (B, L): the first real token gets position 0 wherever the padding is, so a padded sequence sees the
+    positions of the unpadded one (HF LLaMA does not derive them from the mask by itself)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
 def lm_batch(rows: list[tuple[str, str]], tokenizer):
     """(prompt, response) rows -> right-padded ids (B, L), attention mask (B, L), response-token mask (B, L)."""
     seqs, resp = [], []

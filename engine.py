@@ -131,21 +131,11 @@ def backward_step(model, optimizer, loss: Tensor, grad_clip: float, name: str, n
     """loss.backward(), global gradient-norm clip (0 = off), optimizer step, skipped (gradients dropped, `name`
     logged in `nonfinite`) when the loss or the gradient norm is NaN/inf. Returns the norm before clipping.
 
-    A DeepSpeed engine does the same itself: engine.backward averages the gradients over the ranks (ZeRO-2:
-    reduce-scatter), engine.step clips them to the config's gradient_clipping, steps, and with ZeRO 1-2 skips a
-    step whose gradients overflow, on every rank at once; we only read the global norm. (ZeRO-0 has no such
-    check: a non-finite step is logged here but reaches the weights.)
+    A DeepSpeed engine does the same itself (engine_step). (ZeRO-0 has no overflow check: a non-finite step is
+    logged there but reaches the weights.)
     """
     if is_engine(model):
-        model.backward(loss)
-        zero0_norm = None if model.zero_optimization() else torch.nn.utils.get_total_norm(  # ZeRO-0 keeps none
-            [p.grad for p in model.parameters() if p.grad is not None])
-        model.step()
-        grad_norm = torch.as_tensor(model.get_global_grad_norm() if zero0_norm is None else zero0_norm).float()
-        for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
-            if not torch.isfinite(x).all():
-                nonfinite.append(what)
-        return grad_norm
+        return engine_step(model, loss, name, nonfinite)
     optimizer.zero_grad()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -155,6 +145,21 @@ def backward_step(model, optimizer, loss: Tensor, grad_clip: float, name: str, n
             optimizer.zero_grad()
             return grad_norm
     optimizer.step()
+    return grad_norm
+
+
+def engine_step(model, loss: Tensor, name: str, nonfinite: list[str]) -> Tensor:
+    """backward_step for a DeepSpeed engine: engine.backward averages the gradients over the ranks (ZeRO-2:
+    reduce-scatter), engine.step clips them to the config's gradient_clipping and steps, skipping (on every rank at
+    once, ZeRO 1-2) a step whose gradients overflow; we only read the global norm."""
+    model.backward(loss)
+    zero0_norm = None if model.zero_optimization() else torch.nn.utils.get_total_norm(  # ZeRO-0 keeps none
+        [p.grad for p in model.parameters() if p.grad is not None])
+    model.step()
+    grad_norm = torch.as_tensor(model.get_global_grad_norm() if zero0_norm is None else zero0_norm).float()
+    for what, x in ((f"loss/{name}", loss), (f"grad/{name}_norm", grad_norm)):
+        if not torch.isfinite(x).all():
+            nonfinite.append(what)
     return grad_norm
 
 

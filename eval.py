@@ -23,20 +23,16 @@ import math
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import cli
 import data
 import ppo_max
 import toy_world
+from monitor import progress
 from ppo_loss import kl_full, logprobs_from_logits
 
 # The paper's evaluation sampling (§ hyperparameters): top-p 0.9, temperature 0.8, repetition penalty 1.1.
 EVAL_SAMPLING = dict(top_p=0.9, temperature=0.8, repetition_penalty=1.1)
-
-
-def gold_judge(prompt: str, text: str, finished: bool) -> float:
-    return toy_world.gold_reward(prompt, text, finished)
 
 
 def rm_judge(reward_model, tokenizer):
@@ -60,7 +56,7 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
     gen = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with gen:
         torch.manual_seed(seed)
-        for i in tqdm(range(0, len(rows), batch), desc="evaluation: sampling", leave=False):
+        for i in progress(range(0, len(rows), batch), "evaluation: sampling", leave=False):
             q, qm = data.pad([data.query_ids(p, tokenizer) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
             q, qm = q.to(device), qm.to(device)                                        # (B, P), on the model's device
             r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, data.stop_id(tokenizer), tokenizer.pad_token_id,
@@ -74,7 +70,7 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
 
 
 @torch.no_grad()
-def measure(model, ref, reward_model, samples: dict, judge=gold_judge) -> dict:
+def measure(model, ref, reward_model, samples: dict, judge=toy_world.gold_reward) -> dict:
     """Mean metrics over the sampled responses. KL and perplexity use the models' own (temperature 1)
     distributions at the visited positions: kl = mean over response tokens of Σ_v π log(π/π_ref);
     perplexity = exp(mean NLL of the sampled tokens under the model)."""
@@ -104,7 +100,7 @@ def win_rate(a: list[float], b: list[float]) -> dict:
 
 
 def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
-            judge=gold_judge, extra_judges: dict | None = None) -> dict:
+            judge=toy_world.gold_reward, extra_judges: dict | None = None) -> dict:
     """The policy against the SFT model on the same prompts and sampling seed: metrics of each, and the win rate
     by `judge` (and by every one of `extra_judges`, {name: judge}, on the same samples: "win_rates")."""
     s_pol = sample(policy, tokenizer, prompts, n, seed, max_new_tokens)
@@ -199,7 +195,7 @@ def score_texts(rm, tokenizer, rows: list[tuple[str, str]], batch: int = 64) -> 
     batched by length so that little is padding; returned in the order of `rows`."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
     scores = [0.0] * len(rows)
-    for i in tqdm(range(0, len(order), batch), desc="scoring", leave=False):
+    for i in progress(range(0, len(order), batch), "scoring", leave=False):
         idx = order[i:i + batch]
         ids, attn, _ = data.lm_batch([rows[j] for j in idx], tokenizer)                 # (B, L), (B, L)
         for j, r in zip(idx, rm.score(ids, attn).tolist()):                          # (B,)
@@ -396,7 +392,7 @@ def main(argv=None) -> None:
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
     prompts = data.load_prompts(a.prompts)  # {"prompt"} lines, or the prompts of pairs
-    judge = gold_judge if judge_name == "gold" else rm_judge(
+    judge = toy_world.gold_reward if judge_name == "gold" else rm_judge(
         ScalarHeadModel.from_pretrained(judge_dir).eval() if judge_dir else rm, tok)
     extra = {"reward model (proxy)": rm_judge(rm, tok)} if judge_dir else None
     rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge,

@@ -1,9 +1,8 @@
-"""The causal LM as every stage uses it: dropout off for good, position ids from the attention mask, and gradient
-checkpointing by either of transformers' names. SFT, the reward model, the critic and PPO all call these; none of
-them needs the PPO recipe to do so.
+"""The causal LM as every stage sets it up: dropout off for good, and gradient checkpointing by either of
+transformers' names. SFT, the reward model, the critic and PPO all call these; none of them needs the PPO recipe
+to do so. (Position ids from the attention mask are data.py's, with the padding they undo.)
 
-Implements (no equation: the token bookkeeping the equations rely on):
-    position_ids_from_mask(attention_mask)  → 0, 1, 2, … from each row's first real token (left padding too)
+Implements (no equation: what the equations' token bookkeeping relies on):
     disable_dropout(model, keep)            → every dropout probability 0, so ρ = 1 on the first minibatch
     gradient_checkpointing(model)           → activations recomputed in backward (the paper trains with it)
 
@@ -12,12 +11,6 @@ Run: python -m pytest tests/test_architectures.py -q     (the invariants on five
 from __future__ import annotations
 
 import torch
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) → (B, L): the first real token gets position 0 wherever the padding is, so a padded sequence sees the
-    positions of the unpadded one (HF LLaMA does not derive them from the mask by itself)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
 def disable_dropout(model: torch.nn.Module, keep: str | None = None) -> torch.nn.Module:

@@ -40,6 +40,7 @@ References:
     Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", section 5.2, Fig. 4, 9, 13.
     Cantelli's inequality (one-sided Chebyshev): P(X − μ ≥ kσ) ≤ 1/(1 + k²) for any distribution.
 """
+import io
 import json
 import math
 import sys
@@ -60,19 +61,12 @@ class Alarm:
 
 
 def _as_floats(scores: Any) -> list[float]:
+    """The finite values of `scores` (None, a list, or a tensor / array of any shape) as a flat list of floats: NaN
+    and inf are the non-finite guard's business, and would poison the baseline."""
     if scores is None:
         return []
-    if hasattr(scores, "tolist"):  # a torch tensor or numpy array, any shape
-        scores = scores.tolist()
-    out: list[float] = []
-    stack = [scores]
-    while stack:  # flatten nested lists
-        x = stack.pop()
-        if isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif math.isfinite(float(x)):  # NaN / inf are the NaN guard's business, and would poison the baseline
-            out.append(float(x))
-    return out
+    flat = scores.flatten().tolist() if hasattr(scores, "flatten") else scores  # a torch tensor or numpy array
+    return [float(x) for x in flat if math.isfinite(float(x))]
 
 
 def _get(metrics: Mapping[str, Any], key: str) -> float | None:
@@ -182,7 +176,7 @@ class CollapseMonitor:
             if ppl < limit:
                 reasons.append(f"policy/perplexity {ppl:.3f} < {1 - self.ppl_drop:g} × baseline "
                                f"{base[PPL_KEY]:.3f} = {limit:.3f}")
-        xs = _as_floats(scores)
+        xs = scores if isinstance(scores, list) else _as_floats(scores)  # update() passes its floats
         if xs and base["score_mean"] is not None:
             cut = base["score_mean"] + self.tail_sigmas * base["score_std"]  # Fig. 13: the long tail
             frac = sum(x > cut for x in xs) / len(xs)
@@ -377,6 +371,28 @@ class Tracker:
             self.writer.finish()
 
 
+def progress(iterable, desc: str, total: int | None = None, initial: int = 0, disable: bool = False,
+             leave: bool = True, every: float = 10.0):
+    """`iterable` under tqdm's progress bar. When stderr is not a terminal (a log file, a pipe) the bar is drawn at
+    most every `every` seconds, each time as a whole line (a redraw per item fills a log with kilobytes of bars),
+    and a bar that does not stay (leave=False) shows only if it lasts longer than that."""
+    from tqdm import tqdm
+    if disable or sys.stderr.isatty():
+        return tqdm(iterable, desc=desc, total=total, initial=initial, disable=disable, leave=leave)
+    return tqdm(iterable, desc=desc, total=total, initial=initial, leave=leave, file=LogLines(), mininterval=every,
+                delay=0 if leave else every, ascii=True, ncols=110)
+
+
+class LogLines(io.TextIOBase):
+    """A file for tqdm that writes each redraw as one line on stderr (no carriage returns, no blanking)."""
+
+    def write(self, s: str) -> int:
+        line = s.replace("\r", "").strip()
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return len(s)
+
+
 class RunLog:
     """What the PPO loop writes and prints, behind one call per step (record). metrics.jsonl holds exactly the
     completed steps: a resumed run rewrites it from `history` (the steps before the checkpoint) and appends; only
@@ -399,9 +415,8 @@ class RunLog:
 
     def steps(self, start: int, total: int):
         """range(start, total) under a progress bar (rank 0 only) that starts at `start` of `total`."""
-        from tqdm import tqdm
         self.total = total
-        self.bar = tqdm(range(start, total), desc="4. PPO", initial=start, total=total, disable=not self.main_rank)
+        self.bar = progress(range(start, total), "4. PPO", total=total, initial=start, disable=not self.main_rank)
         return self.bar
 
     def record(self, step: int, m: dict, scores: list[float], judged: list[float] | None, prompts: list[str],
@@ -415,7 +430,8 @@ class RunLog:
         self.history.append(m)
         self.metrics_f.write(json.dumps(m) + "\n")
         self.metrics_f.flush()
-        self.tracker.log(m, step)
+        if self.tracker.writer is not None:  # --log-with tensorboard / wandb
+            self.tracker.log(m, step)
         gold = judged if judge_key == "reward/gold" else None
         self.samples_f.write(json.dumps({"step": step, "scores": scores, "gold": gold,
                                          **({} if gold is not None or judged is None else {"judge": judged}),

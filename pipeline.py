@@ -281,10 +281,16 @@ def check_context(model_dir, run, cfg) -> None:
     print(f"[context] {what}: rotary positions run past it, but the model never saw them in training")
 
 
-def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int) -> Path:
+def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int, timings: dict, key: str, label: str) -> Path:
     """A real model's stage directory under --out (sft/, reward_model/): every rank trains (under DeepSpeed each
-    holds an engine), rank 0 writes; a directory with DONE is a finished stage, not redone on a second start."""
-    return checkpoint.build_once(path, build, what, rebuild=rebuild, rank=rank, barrier=engine.barrier, label="stage")
+    holds an engine), rank 0 writes; a directory with DONE is a finished stage, not redone on a second start. A
+    stage that ran puts its seconds in timings[key] and prints them as [label]; a reused one does neither."""
+    ran, t0 = rebuild or not (Path(path) / checkpoint.DONE).exists(), time.time()
+    path = checkpoint.build_once(path, build, what, rebuild=rebuild, rank=rank, barrier=engine.barrier, label="stage")
+    if ran:
+        timings[key] = time.time() - t0
+        print(f"[{label}] {timings[key]:.1f} s")
+    return path
 
 
 def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, dirs: dict,
@@ -308,10 +314,8 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
                                run.seed, ds=stage_ds(run, sft_cfg.sft_batch // world, device), out_dir=tmp)
             if rank == 0:
                 write_json(tmp / "sft_log.json", {"loss": losses})
-        t0 = time.time()
-        dirs["sft"] = stage_dir(out / "sft", build_sft, f"stage 1, SFT of {run.model}", run.rebuild_base, rank)
-        timings["sft"] = time.time() - t0
-        print(f"[1. SFT] {timings['sft']:.1f} s")
+        dirs["sft"] = stage_dir(out / "sft", build_sft, f"stage 1, SFT of {run.model}", run.rebuild_base, rank,
+                                timings, "sft", "1. SFT")
     dirs["sft"] = dirs["sft"] or dirs["model"]
     if dirs["reward"] is None and "rm" in stages:
         def build_rm(tmp: Path) -> None:
@@ -321,20 +325,15 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
             if rank == 0:
                 write_json(tmp / "data_limits.json", {"max_prompt_tokens": run.max_prompt_tokens,
                                                       "max_response_tokens": run.max_response_tokens})
-        t0 = time.time()
         dirs["reward"] = stage_dir(out / "reward_model", build_rm, f"stage 2, the reward model from {dirs['sft']}",
-                                   run.rebuild_base, rank)
-        timings["reward_model"] = time.time() - t0
-        print(f"[2. reward model] {timings['reward_model']:.1f} s")
+                                   run.rebuild_base, rank, timings, "reward_model", "2. reward model")
     dirs["judge"] = None
     if "rm" in stages and records.get("pairs_judge"):
-        t0 = time.time()
         dirs["judge"] = stage_dir(out / "judge_model", lambda tmp: train_judge(
             dirs["sft"], tokenizer, records, rm_cfg, run.seed, tmp, ds=stage_ds(run, rm_cfg.rm_batch // world, device),
             bf16=bf16, device=device, grad_ckpt=run.grad_ckpt, run=run),
-            "the judge, a second reward model on pairs the proxy never saw", run.rebuild_base, rank)
-        timings["judge_model"] = time.time() - t0
-        print(f"[2b. judge] {timings['judge_model']:.1f} s")
+            "the judge, a second reward model on pairs the proxy never saw", run.rebuild_base, rank, timings,
+            "judge_model", "2b. judge")
     if dirs["reward"]:
         same_tokenizer(dirs["sft"], dirs["reward"])
     dirs["critic"] = dirs["critic"] or (dirs["reward"] if cfg.critic_init == "rm" else dirs["sft"])
@@ -429,6 +428,7 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
                       judge=dirs.get("judge"))
     if not main_rank:
         engine.barrier()
+    built = run.rebuild_base or not (base_dir(run, sft_cfg, rm_cfg, world_cfg) / checkpoint.DONE).exists()
     base = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
     policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
     if main_rank:
@@ -440,7 +440,7 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     records = {k: data.read_records(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
-                  records, base, json.loads((base / "timings.json").read_text()),
+                  records, base, json.loads((base / "timings.json").read_text()) if built else {},  # stages that ran
                   judge=base / "judge_model" if (base / "judge_model" / "value_head.safetensors").exists() else None)
 
 

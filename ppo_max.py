@@ -39,7 +39,7 @@ from torch import Tensor
 from cli import arg  # a dataclass field whose help text becomes `--help` (cli.py: the flags' plumbing)
 from engine import all_mean, any_rank, backward_step, gather_batch, world_size
 from gae import compute_gae
-from lm import position_ids_from_mask
+from data import position_ids_from_mask
 from ppo_loss import (entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
                       masked_whiten, policy_loss, ptx_loss, value_loss)
 
@@ -312,18 +312,18 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
 @torch.no_grad()
 def make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
                     moments: "RunningMoments", cfg: PPOConfig, kl_coef: float) -> dict:
-    """Steps (2)-(5) of a PPO iteration on one rollout batch. Everything here is computed once, without grad.
-    With W data-parallel ranks: "all_scores" (W·B,) is every rank's scores (Eq. 18's moments see them all), "stats"
-    are averaged over the ranks, and a non-finite value on one rank makes every rank skip the batch."""
+    """Steps (2)-(5) of a PPO iteration on one rollout batch, computed once, without grad. Returns the batch's
+    tensors (query, response, mask, logprobs, ref_logprobs, values, advantages, returns, scores), "stats" (the
+    logged numbers) and "nonfinite" (None, or the name of the first NaN/inf value: the update is then skipped).
+    With W data-parallel ranks "all_scores" (W·B,) is every rank's scores, so Eq. 18's moments see them all."""
     mask = response_mask                                                               # (B, T)
     full_ids = torch.cat([query, response], 1)                                         # (B, L)
     full_mask = torch.cat([query_mask, response_mask], 1)                              # (B, L)
     # (2) score: the reward model reads the last real token of prompt + response
     scores = reward_model.score(full_ids, full_mask).float()                           # (B,)
-    # under data parallelism the moments of Eq. 18 must see every rank's scores, or the ranks' moments drift apart
-    all_scores = gather_batch(scores)                                                  # (W·B,) W = 1: scores
-    if not torch.isfinite(all_scores).all():  # checked before the running moments see them: one NaN would poison Eq. 18
-        return {"nonfinite": "reward/score", "scores": scores, "all_scores": all_scores, "stats": {}}
+    all_scores = gather_batch(scores)  # (W·B,) every rank's scores (W = 1: scores itself)
+    if bad := check_finite({"reward/score": all_scores}):  # before Eq. 18: one NaN would poison the moments for good
+        return {"nonfinite": bad, "scores": scores, "all_scores": all_scores, "stats": {}}
     # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
     if cfg.reward_norm or cfg.reward_scale:
         moments.update(all_scores)
@@ -347,44 +347,25 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     # (5) values and GAE (Eq. 9); returns = advantages + values are the critic's targets (Eq. 16)
     values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
     advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    bad = next((name for name, x in (("logprobs", logprobs), ("values", values), ("advantages", advantages))
-                if not torch.isfinite(x).all()), None)
-    if any_rank(bad is not None, scores.device):  # every rank skips the update together
-        return {"nonfinite": bad or "on another rank", "scores": scores, "all_scores": all_scores, "stats": {}}
-    nll = -masked_mean(logprobs, mask)
-    lengths = mask.sum(1)
-    stats = {
-        "reward/score": all_scores.mean().item(),
-        "reward/score_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
-        "reward/normalized": rewards_seq.mean().item(),
-        "reward/total": (rewards * mask).sum(1).mean().item(),
-        "kl/ref": masked_mean(kl_exact, mask).item(),
-        "kl/ref_k1": masked_mean(logprobs - ref_logprobs, mask).item(),
-        "kl/ref_seq": (kl_exact * mask).sum(1).mean().item(),
-        "policy/perplexity": math.exp(nll.item()),
-        "policy/entropy": masked_mean(entropy(logits), mask).item(),
-        "response/length": lengths.mean().item(),
-        "adv/mean": masked_mean(advantages, mask).item(),
-        "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),
-        "returns/mean": masked_mean(returns, mask).item(),
-        "values/mean": masked_mean(values, mask).item(),
-    }
-    stats = all_mean(stats, scores.device)  # the same numbers on every rank (the KL controller and the logs read them)
-    return {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
-            "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
-            "scores": scores, "all_scores": all_scores, "stats": stats, "nonfinite": None}
+    exp = {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
+           "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
+           "scores": scores, "all_scores": all_scores, "nonfinite": None}
+    # the guard (every rank skips together) and the logged numbers; neither changes the batch
+    if bad := check_finite({"logprobs": logprobs, "values": values, "advantages": advantages}):
+        return {**exp, "nonfinite": bad, "stats": {}}
+    exp["stats"] = experience_stats(exp, logits, kl_exact, rewards_seq, rewards)
+    return exp
 
 
 def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig, ptx_batch) -> dict:
-    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches. Returns mean stats.
+    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches. Returns the mean stats.
 
     With W data-parallel ranks each rank holds B = rollout_batch / W sequences and takes minibatch / W of them per
     step; the engines average the gradients, so each optimizer step still sees `minibatch` sequences."""
     B = exp["response"].shape[0]
     # the ratio's denominator: π_θold (PPO) or, with importance sampling against the reference, π_SFT
     old_logprobs = exp["ref_logprobs"] if cfg.importance_sampling else exp["logprobs"]
-    acc: dict[str, list[float]] = {}
-    nonfinite: list[str] = []   # names of the losses / gradient norms that were not finite (those steps are skipped)
+    stats, nonfinite = [], []   # per-minibatch numbers to log; names of non-finite losses/norms (steps skipped)
     for _ in range(cfg.ppo_epochs):
         for idx in torch.randperm(B).split(cfg.minibatch // world_size()):
             q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx], exp["mask"][idx]
@@ -410,29 +391,22 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
             grad_norm = backward_step(policy, policy_opt, loss, cfg.grad_clip, "policy", nonfinite)
             # critic: value loss (Eq. 16), clipped around the rollout's values
             values = critic_values(critic, q, qm, r, m)                                 # (b, T)
-            vf_loss, vf_stats = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
+            vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
             backward_step(critic, critic_opt, cfg.vf_coef * vf_loss, cfg.grad_clip, "critic", nonfinite)
-            for k, v in {"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": ptx.item(),
-                         "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
-                         "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}.items():
-                acc.setdefault(k, []).append(v)
-    stats = {k: sum(v) / len(v) for k, v in acc.items()}
-    stats["guard/skipped_updates"] = float(len(nonfinite))
-    stats = all_mean(stats, exp["scores"].device)
-    if any_rank(bool(nonfinite), exp["scores"].device):
-        return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
-    return stats
+            stats.append({"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": ptx.item(),
+                          "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
+                          "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)})
+    return update_stats(stats, nonfinite, exp["scores"].device)
 
 
 def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch, cfg: PPOConfig,
-                    eos_id: int, pad_id: int, kl_coef: float) -> list[dict]:
+                    eos_id: int, pad_id: int, kl_coef: float, progress=lambda steps: steps) -> list[dict]:
     """PPO-max §5.3.3: before any policy update, fit V_φ to the returns of the initial policy's rollouts
     (same rewards and GAE targets PPO will use), one fresh rollout batch per round, until the loss plateaus
-    (mean of the last 3 rounds within 5% of the 3 before) or `critic_pretrain_steps` rounds."""
-    from tqdm import tqdm  # the stage's progress bar (rank 0)
+    (mean of the last 3 rounds within 5% of the 3 before) or `critic_pretrain_steps` rounds. `progress` wraps
+    the rounds (a progress bar)."""
     log: list[dict] = []
-    for it in tqdm(range(cfg.critic_pretrain_steps), desc="3. critic pre-training", leave=False,
-                   disable=world_size() > 1 and torch.distributed.get_rank() != 0):
+    for it in progress(range(cfg.critic_pretrain_steps)):
         _, query, query_mask = prompt_batch()
         response, response_mask, _ = rollout(policy, query, query_mask, cfg.max_new_tokens, eos_id, pad_id,
                                              cfg.temperature)
@@ -455,6 +429,52 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
         if len(l) >= 6 and sum(l[-3:]) > 0.95 * sum(l[-6:-3]):
             break
     return log
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing of the recipe (skip on a first reading): the non-finite check every rank agrees on, and the logged
+# numbers of steps (2)-(6). Nothing here changes what is trained.
+# ---------------------------------------------------------------------------------------------------------
+def check_finite(named: dict[str, Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN/inf (None when all are finite), the same on every rank: a rank
+    that skipped an update alone would deadlock the others ("on another rank" where only another one saw it)."""
+    device = next(iter(named.values())).device
+    bad = next((name for name, x in named.items() if not torch.isfinite(x).all()), None)
+    return (bad or "on another rank") if any_rank(bad is not None, device) else None
+
+
+@torch.no_grad()
+def experience_stats(exp: dict, logits: Tensor, kl_exact: Tensor, rewards_seq: Tensor, rewards: Tensor) -> dict:
+    """metrics.jsonl's numbers of steps (2)-(5) (docs/metrics.md defines each), averaged over the ranks."""
+    mask, all_scores, advantages = exp["mask"], exp["all_scores"], exp["advantages"]
+    stats = {
+        "reward/score": all_scores.mean().item(),
+        "reward/score_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
+        "reward/normalized": rewards_seq.mean().item(),
+        "reward/total": (rewards * mask).sum(1).mean().item(),
+        "kl/ref": masked_mean(kl_exact, mask).item(),
+        "kl/ref_k1": masked_mean(exp["logprobs"] - exp["ref_logprobs"], mask).item(),
+        "kl/ref_seq": (kl_exact * mask).sum(1).mean().item(),
+        "policy/perplexity": math.exp(-masked_mean(exp["logprobs"], mask).item()),
+        "policy/entropy": masked_mean(entropy(logits), mask).item(),
+        "response/length": mask.sum(1).mean().item(),
+        "adv/mean": masked_mean(advantages, mask).item(),
+        "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),
+        "returns/mean": masked_mean(exp["returns"], mask).item(),
+        "values/mean": masked_mean(exp["values"], mask).item(),
+    }
+    return all_mean(stats, mask.device)  # the same numbers on every rank (the KL controller and the logs read them)
+
+
+def update_stats(per_minibatch: list[dict], nonfinite: list[str], device) -> dict:
+    """Step (6)'s logged numbers: each averaged over the minibatches and over the ranks, the count of skipped
+    optimizer steps, and "guard/nonfinite" (what was NaN/inf, on any rank) when there were some."""
+    stats = {k: sum(s[k] for s in per_minibatch) / len(per_minibatch) for k in per_minibatch[0]}
+    stats["guard/skipped_updates"] = float(len(nonfinite))
+    stats = all_mean(stats, device)
+    if any_rank(bool(nonfinite), device):
+        return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
+    return stats
 
 
 if __name__ == "__main__":

@@ -126,14 +126,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import data
 import engine
 import lora
 from cli import arg
-from lm import disable_dropout, gradient_checkpointing, position_ids_from_mask
+from monitor import progress
+from data import position_ids_from_mask
+from lm import disable_dropout, gradient_checkpointing
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -350,7 +351,7 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     device = next(rm.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     log, order = [], []
-    for step in (bar := tqdm(range(steps + 1), desc="2. reward model", leave=False, disable=rank != 0)):
+    for step in (bar := progress(range(steps + 1), "2. reward model", leave=False, disable=rank != 0)):
         if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
             rm.eval()
             rc, rr = score_pairs(rm, tokenizer, heldout_rows)

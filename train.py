@@ -79,6 +79,8 @@ class RunConfig:
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate", ">=1")
     threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
                           "shared machine extra threads mostly wait for each other", ">=0")
+    break_at: int = arg(-1, "call breakpoint() at the top of PPO step STEP (pdb: `n` walks steps (0)-(7)); with "
+                            "--critic-pretrain-steps 0 it stops within seconds; -1 = never", ">=-1")
     rebuild_base: bool = arg(False, "train stages 1-2 (SFT, reward model) again even when runs/_base or --out holds "
                                     "them")
     stages: str = arg("sft,rm,critic,ppo", "the stages to run, in order (sft, rm, critic, ppo); the run stops after "
@@ -317,8 +319,8 @@ def model_preset_configs(argv, run: RunConfig, cfg: ppo_max.PPOConfig, sft_cfg: 
 
 
 RUN_RECORD = "run_config.json"  # in the run directory: the flags and the resolved configuration of the run
-SAFE_ON_RESUME = {"steps", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps", "on_collapse",
-                  "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
+SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps",
+                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
 
 
 def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig]:
@@ -579,7 +581,7 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, q
     """Gold in the synthetic world; on real data the held-out reward model, one more frozen model (quantized like
     the others under --lora-bits)."""
     if synthetic:
-        return Judge("gold", "reward/gold", evaluation.gold_judge)
+        return Judge("gold", "reward/gold", toy_world.gold_reward)
     if not inp.judge:
         return None
     rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
@@ -615,68 +617,107 @@ class LoopState:
 
 
 # =========================================================================================================
-# Stage 4: PPO, one iteration per step, numbered as the paper's recipe
+# Stage 4: PPO, one iteration per step, numbered as the paper's recipe (§5.4)
 # =========================================================================================================
-def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, log: collapse.RunLog,
-        ckpts: checkpoint.RunCheckpoints, cfg: ppo_max.PPOConfig, run: RunConfig, start: int, tokenizer,
-        judge: Judge | None, device: torch.device) -> dict:
-    """Steps start … run.steps − 1 of PPO-max. Returns how the loop ended: {"stop_reason", "signal", "path"}."""
+def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, plumbing: "LoopPlumbing",
+        cfg: ppo_max.PPOConfig, run: RunConfig) -> dict:
+    """Steps start … run.steps − 1 of PPO-max, each the paper's steps (0)-(7). Everything that is not the
+    algorithm — the progress bar, the non-finite guard, the judge, gathering across ranks, metrics, the collapse
+    alarm, signals, checkpoints — sits behind the `plumbing` calls (LoopPlumbing, below), each one line.
+    Returns how the loop ended: {"stop_reason", "signal", "path"}."""
+    tokenizer = batches.tokenizer
     eos, pad_id = data.stop_id(tokenizer), tokenizer.pad_token_id  # eos: EOS or the template's end of turn
     warmup_steps = math.ceil(cfg.warmup_frac * run.steps)
-    ended = {"stop_reason": None, "signal": None, "path": None}
-    with checkpoint.GracefulExit() as interrupt:
-        for step in log.steps(start, run.steps):
-            ts = time.time()
-            # (0) linear learning-rate warm-up over the first warmup_frac of the iterations (paper: 10%), then flat
-            lr_scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-            engine.set_lr(m.policy_opt, cfg.policy_lr * lr_scale)
-            engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
-            prompts, query, query_mask = batches.prompts(cfg.rollout_batch)                 # (B, P)
-            # (1) sample responses with the KV cache, stopping at EOS
-            m.policy.eval()
-            response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, cfg.max_new_tokens, eos,
-                                                                pad_id, cfg.temperature)  # (B, T), (B, T), (B,)
-            # (2)-(5): score, normalise/clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9)
-            exp = ppo_max.make_experience(m.policy, m.ref, m.reward_model, m.critic, query, query_mask, response,
-                                          response_mask, state.moments, cfg, state.kl_ctl.value)
-            # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
-            upd = {}
-            if not exp["nonfinite"]:
-                m.policy.train(); m.critic.train()
-                upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg,
-                                         lambda: batches.ptx(cfg.ptx_batch))
-                state.kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)
-            if state.guard.step(step, exp["nonfinite"] or (upd.get("guard/nonfinite") or [None])[0]):
-                if state.guard.should_stop:  # the update was skipped; stop with the last good checkpoint intact
-                    ended["stop_reason"] = (f"{run.max_bad_steps} consecutive steps with non-finite values; last good "
-                                            f"checkpoint: {checkpoint.find_latest(run.out)}")
-                    break
-                continue
-            # (7) log: the judge (gold: the synthetic human) is never seen by training; lists are the global batch
-            texts = [tokenizer.decode(r[k.bool()], skip_special_tokens=True) for r, k in zip(response, response_mask)]
-            judged = judge.rewards(prompts, texts, finished, torch.cat([query, response], 1),
-                                   torch.cat([query_mask, response_mask], 1)) if judge else None
-            prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
-            judged = engine.gather_list(judged) if judge else None
-            gold = judged if judge and judge.key == "reward/gold" else None
-            metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold else None,
-                       "kl/coef": state.kl_ctl.value, "lr/policy": cfg.policy_lr * lr_scale,
-                       "response/finished": engine.gather_batch(finished.float()).mean().item(),
-                       "time/step": time.time() - ts}
-            if judge and not gold:
-                metrics[judge.key] = float(np.mean(judged))  # the proxy's score vs the judge's: over-optimisation
-            alarm = log.record(step, metrics, exp["all_scores"].tolist(), judged, prompts, texts,
-                               judge.key if judge else "reward/gold")
-            if alarm is not None and run.on_collapse == "stop":
-                ended["stop_reason"] = f"collapse alarm at step {step}"
-            if engine.any_rank(interrupt.requested, device):  # every rank stops at the same step
-                ended["signal"] = interrupt.signal_name or "signal on another rank"
-            done = step + 1
-            if ended["stop_reason"] or ended["signal"] or (run.save_every and done % run.save_every == 0):
-                ended["path"] = ckpts.save(done, state.state_dict())
-            if ended["stop_reason"] or ended["signal"]:
-                break
-    return ended
+    for step in plumbing.steps():  # PLUMBING: the bar; ends early on a signal, the guard or --on-collapse stop
+        if step == run.break_at:
+            breakpoint()  # --break-at STEP: step through this iteration in pdb (`n` next line, `s` step into)
+        # (0) linear learning-rate warm-up over the first warmup_frac of the iterations (paper: 10%), then flat
+        lr_scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+        engine.set_lr(m.policy_opt, cfg.policy_lr * lr_scale)
+        engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
+        prompts, query, query_mask = batches.prompts(cfg.rollout_batch)                 # (B, P)
+        # (1) sample responses with the KV cache, stopping at EOS
+        m.policy.eval()
+        response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, cfg.max_new_tokens, eos,
+                                                            pad_id, cfg.temperature)  # (B, T), (B, T), (B,)
+        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9)
+        exp = ppo_max.make_experience(m.policy, m.ref, m.reward_model, m.critic, query, query_mask, response,
+                                      response_mask, state.moments, cfg, state.kl_ctl.value)
+        if plumbing.skip(step, exp["nonfinite"]):  # PLUMBING: a NaN/inf in (2)-(5) skips the update (the guard)
+            continue
+        # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
+        m.policy.train(); m.critic.train()
+        upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg,
+                                 lambda: batches.ptx(cfg.ptx_batch))
+        state.kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)  # adaptive η (only with --kl-target)
+        # (7) log: the judge (gold: the synthetic human) is never seen by training; then checkpoint
+        plumbing.end_step(step, exp, upd, prompts, finished)  # PLUMBING: judge, ranks, metrics, alarm, checkpoints
+    return plumbing.ended
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop's plumbing (skip on a first reading): nothing here changes what is trained
+# ---------------------------------------------------------------------------------------------------------
+class LoopPlumbing:
+    """What a PPO step does besides the algorithm, behind three calls: steps() (the progress bar and the stopping
+    rules), skip() (the non-finite guard) and end_step() (the judge, gathering across ranks, metrics.jsonl and
+    samples.jsonl, the §5.2 collapse alarm, signals, checkpoints)."""
+
+    def __init__(self, m: Models, state: LoopState, log: collapse.RunLog, ckpts: checkpoint.RunCheckpoints,
+                 judge: Judge | None, interrupt: checkpoint.GracefulExit, run: RunConfig, start: int, tokenizer,
+                 device: torch.device):
+        self.m, self.state, self.log, self.ckpts, self.judge, self.interrupt = m, state, log, ckpts, judge, interrupt
+        self.run, self.start, self.tokenizer, self.device = run, start, tokenizer, device
+        self.ended = {"stop_reason": None, "signal": None, "path": None}
+
+    def steps(self):
+        """start … steps − 1 under the progress bar, until a stop reason or a signal ends the loop."""
+        for step in self.log.steps(self.start, self.run.steps):
+            if self.ended["stop_reason"] or self.ended["signal"]:
+                return
+            self.t0 = time.time()
+            yield step
+
+    def skip(self, step: int, bad: str | None) -> bool:
+        """The non-finite guard: True when `bad` names a NaN/inf of this step (its update is, or was, skipped);
+        after --max-bad-steps such steps in a row, stop with the last good checkpoint intact."""
+        if bad is None or not self.state.guard.step(step, bad):
+            return False
+        if self.state.guard.should_stop:
+            self.ended["stop_reason"] = (f"{self.run.max_bad_steps} consecutive steps with non-finite values; last "
+                                         f"good checkpoint: {checkpoint.find_latest(self.run.out)}")
+        return True
+
+    def end_step(self, step: int, exp: dict, upd: dict, prompts: list[str], finished: torch.Tensor) -> None:
+        """Step (7): the judge's rewards, every metric (lists are the global batch), the alarm; then a signal or
+        --save-every checkpoints the run."""
+        if self.skip(step, (upd.get("guard/nonfinite") or [None])[0]):  # an optimizer step was NaN/inf
+            return
+        self.state.guard.ok()  # a step with everything finite: the count of bad steps in a row starts again
+        judge, m = self.judge, self.m
+        texts = [self.tokenizer.decode(r[k.bool()], skip_special_tokens=True)
+                 for r, k in zip(exp["response"], exp["mask"])]
+        judged = judge.rewards(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
+                               torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
+        prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
+        judged = engine.gather_list(judged) if judge else None
+        gold = judged if judge and judge.key == "reward/gold" else None
+        metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold else None,
+                   "kl/coef": self.state.kl_ctl.value, "lr/policy": m.policy_opt.param_groups[0]["lr"],
+                   "response/finished": engine.gather_batch(finished.float()).mean().item(),
+                   "time/step": time.time() - self.t0}
+        if judge and not gold:
+            metrics[judge.key] = float(np.mean(judged))  # the proxy's score vs the judge's: over-optimisation
+        alarm = self.log.record(step, metrics, exp["all_scores"].tolist(), judged, prompts, texts,
+                                judge.key if judge else "reward/gold")
+        if alarm is not None and self.run.on_collapse == "stop":
+            self.ended["stop_reason"] = f"collapse alarm at step {step}"
+        if engine.any_rank(self.interrupt.requested, self.device):  # every rank stops at the same step
+            self.ended["signal"] = self.interrupt.signal_name or "signal on another rank"
+        done = step + 1
+        every = self.run.save_every
+        if self.ended["stop_reason"] or self.ended["signal"] or (every and done % every == 0):
+            self.ended["path"] = self.ckpts.save(done, self.state.state_dict())
 
 
 def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, history: list[dict],
@@ -725,12 +766,18 @@ def start_processes(run: RunConfig, cfg: ppo_max.PPOConfig) -> tuple[int, int, t
     `deepspeed` launcher. Only rank 0 prints."""
     if run.threads:
         torch.set_num_threads(run.threads)
+    from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards": one bar per model, every stage
+    disable_progress_bars()
+    if not (run.deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        # without DeepSpeed, accelerate still imports it when a model is saved, and DeepSpeed then warns that it
+        # found no GPU: say which accelerator it is (what it would pick itself) so that it stays quiet
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     rank, world, device = engine.setup_distributed(run.deepspeed)
     if rank != 0:  # only rank 0 prints (and later: writes files, evaluates)
         sys.stdout = open(os.devnull, "w")
-        hf_logging.disable_progress_bar()
     for name, n in (("rollout_batch", cfg.rollout_batch), ("minibatch", cfg.minibatch)):
         if n % world:
             fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world}): the global "
@@ -818,15 +865,17 @@ def main(argv=None) -> dict | None:
     if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
         start, history = resume(run, ckpts, state, out)
     elif "critic" in run.stages.split(","):
-        # 3. critic pre-training: fit V to the returns of the initial policy's rollouts before any policy update
-        t0 = time.time()
-        critic_log = ppo_max.pretrain_critic(m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
-                                             lambda: batches.prompts(cfg.rollout_batch), cfg,
-                                             data.stop_id(inp.tokenizer), inp.tokenizer.pad_token_id, state.kl_ctl.value)
-        timings["critic_pretrain"] = time.time() - t0
-        print(f"[3. critic pre-training] {timings['critic_pretrain']:.1f} s")
-        if rank == 0:
-            write_json(out / "critic_pretrain.json", critic_log)
+        if cfg.critic_pretrain_steps:  # 3. critic pre-training: fit V to the initial policy's returns (§5.3.3)
+            t0 = time.time()
+            critic_log = ppo_max.pretrain_critic(
+                m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
+                lambda: batches.prompts(cfg.rollout_batch), cfg, data.stop_id(inp.tokenizer),
+                inp.tokenizer.pad_token_id, state.kl_ctl.value,
+                progress=lambda r: collapse.progress(r, "3. critic pre-training", leave=False, disable=rank != 0))
+            timings["critic_pretrain"] = time.time() - t0
+            print(f"[3. critic pre-training] {timings['critic_pretrain']:.1f} s")
+            if rank == 0:
+                write_json(out / "critic_pretrain.json", critic_log)
         if last_stage(run) == "critic":  # --stages ...,critic: the pre-trained critic is the result
             return save_critic(m, inp, run, out, rank)
 
@@ -834,7 +883,9 @@ def main(argv=None) -> dict | None:
     t0 = time.time()
     log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0,
                           tracker=tracker(run, inp, out, rank))
-    ended = ppo(m, batches, state, log, ckpts, cfg, run, start, inp.tokenizer, judge, device)
+    with checkpoint.GracefulExit() as interrupt:  # SIGINT/SIGTERM: finish the step, checkpoint, exit; not under pdb
+        plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device)
+        ended = ppo(m, batches, state, plumbing, cfg, run)
     log.close()
     timings["ppo"] = time.time() - t0
     if ended["signal"]:

@@ -1,0 +1,109 @@
+"""Stepping through one PPO iteration in pdb, as the README's "Step through one iteration" says: `python -m pdb
+train.py --break-at 0 --critic-pretrain-steps 0 ...` stops at the top of iteration 0, and Ctrl-C inside a step breaks
+into pdb instead of checkpointing and exiting (checkpoint.GracefulExit leaves SIGINT to a debugger). pdb is driven
+through its stdin, as a person would type."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
+         "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8", "--eval-samples", "1", "--threads", "1"]
+
+
+class Session:
+    """A child process whose stdout is read on a thread, so the test can wait for a prompt and then type."""
+
+    def __init__(self, cmd: list[str], cwd: Path):
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=0)
+        self.out: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while c := self.proc.stdout.read(1):
+            self.out.append(c)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out)
+
+    def wait_for(self, what: str, count: int = 1, timeout: float = 180) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.text.count(what) >= count:
+                return time.time() - t0
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {what!r} (x{count}) from {self.proc.args}; output ends:\n{self.text[-3000:]}")
+
+    def type(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+
+
+@pytest.mark.slow
+def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
+    base = subprocess.run([sys.executable, "train.py", *SMALL, "--stages", "sft,rm"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)  # the cached base, so the timed part is what a second run costs
+    assert base.returncode == 0, base.stderr[-2000:]
+    out = tmp_path / "run"
+    s = Session([sys.executable, "-m", "pdb", "train.py", *SMALL, "--steps", "50", "--critic-pretrain-steps", "0",
+                 "--break-at", "0", "--save-every", "0", "--out", str(out)], ROOT)
+    try:
+        s.wait_for("(Pdb)")                                   # pdb's first stop: train.py's first line
+        t0 = time.time()
+        s.type("c")
+        s.wait_for("(Pdb)", 2)                                # --break-at 0: the top of iteration 0
+        seconds = time.time() - t0
+        stop = s.text.rsplit("(Pdb)", 2)[-2]
+        assert "train.py" in stop and "ppo()" in stop and "lr_scale" in stop, stop
+        s.type("p step")
+        s.wait_for("(Pdb) 0\n")
+        print(f"pdb reached PPO iteration 0 in {seconds:.1f} s (the base cached)")
+    finally:
+        s.proc.kill()
+        s.proc.wait(30)
+    # Ctrl-C with no breakpoint set: pdb's own SIGINT handler, installed by `c`, must still be the one that runs
+    s = Session([sys.executable, "-m", "pdb", "train.py", *SMALL, "--steps", "200", "--critic-pretrain-steps", "0",
+                 "--save-every", "0", "--out", str(out)], ROOT)
+    try:
+        s.wait_for("(Pdb)")
+        s.type("c")
+        s.wait_for("4. PPO")                                  # the loop is running
+        time.sleep(2)                                         # inside some step by now
+        s.proc.send_signal(signal.SIGINT)                     # Ctrl-C
+        s.wait_for("Program interrupted", timeout=60)         # pdb's own message: we are in the debugger
+        s.wait_for("(Pdb)", 2, timeout=60)
+        assert "received: finishing this step" not in s.text  # GracefulExit did not take Ctrl-C
+        assert s.proc.poll() is None                          # still running, waiting at the prompt
+        assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    finally:
+        s.proc.kill()
+        s.proc.wait(30)
+
+
+def test_graceful_exit_leaves_ctrl_c_to_a_debugger():
+    """With a tracing function set (what pdb does while stepping), GracefulExit takes SIGTERM but not SIGINT."""
+    before = signal.getsignal(signal.SIGINT)
+    old_trace = sys.gettrace()
+    sys.settrace(lambda *a: None)
+    try:
+        assert checkpoint.debugger_active()
+        with checkpoint.GracefulExit() as stop:
+            assert signal.getsignal(signal.SIGINT) is before
+            assert signal.getsignal(signal.SIGTERM) == stop._handler
+    finally:
+        sys.settrace(old_trace)
+    if old_trace is None and not isinstance(getattr(before, "__self__", None), __import__("bdb").Bdb):
+        assert not checkpoint.debugger_active()
+        with checkpoint.GracefulExit() as stop:               # no debugger: Ctrl-C is ours
+            assert signal.getsignal(signal.SIGINT) == stop._handler
