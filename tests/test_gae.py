@@ -224,7 +224,7 @@ def test_compute_gae_float32_matches_float64():
     rewards, values, mask, _ = ragged_batch(seed=9)
     adv64, ret64 = gae.compute_gae(rewards, values, mask, 0.99, 0.9)
     adv32, ret32 = gae.compute_gae(rewards.float(), values.float(), mask.float(), 0.99, 0.9)
-    assert adv32.dtype == torch.float32
+    assert adv32.dtype == torch.float32, f"float32 inputs: expected float32 advantages, got {adv32.dtype}"
     torch.testing.assert_close(adv32.double(), adv64, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ret32.double(), ret64, atol=1e-4, rtol=1e-4)
 

@@ -47,7 +47,7 @@ def test_policy_loss_eq15_clip_cases_value_and_gradient(adv, ratio, objective, b
     # d(−ρA)/d log π = −ρA inside or on the pessimistic side; exactly 0 where the clip binds
     expected_grad = 0.0 if binds else -ratio * adv
     torch.testing.assert_close(logprobs.grad, torch.tensor([[expected_grad]], dtype=D), **EXACT)
-    assert stats["clipfrac"] == (1.0 if binds else 0.0)
+    assert stats["clipfrac"] == (1.0 if binds else 0.0), f"clipfrac: expected {float(binds)}, got {stats['clipfrac']}"
 
 
 def test_policy_loss_eq15_no_clip_is_mean_ratio_times_advantage():
@@ -58,7 +58,7 @@ def test_policy_loss_eq15_no_clip_is_mean_ratio_times_advantage():
     mask = torch.ones(3, 4, dtype=D)
     loss, stats = ppo_loss.policy_loss(logprobs, old, adv, mask, clip_eps=None)
     torch.testing.assert_close(loss, -(torch.exp(logprobs - old) * adv).mean(), **EXACT)
-    assert stats["clipfrac"] == 0.0
+    assert stats["clipfrac"] == 0.0, f"clipfrac without a clip: expected 0.0, got {stats['clipfrac']}"
 
 
 def test_policy_loss_eq15_token_level_mean_ragged_mask_matches_loop():
@@ -120,7 +120,7 @@ def test_policy_loss_treats_old_logprobs_and_advantages_as_constants():
     adv = torch.randn(2, 4, generator=g, dtype=D).requires_grad_(True)
     loss, _ = ppo_loss.policy_loss(logprobs, old, adv, ragged_mask([4, 2], 4), EPS)
     loss.backward()
-    assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0
+    assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0, "expected a gradient into logprobs, got none"
     assert old.grad is None, f"expected no gradient into old_logprobs (a constant), got {old.grad.tolist()}"
     assert adv.grad is None, f"expected no gradient into advantages (a constant), got {adv.grad.tolist()}"
 
@@ -159,7 +159,7 @@ def test_value_loss_eq16_no_clip_is_masked_mse_without_half():
     loss, stats = ppo_loss.value_loss(values, values + 1.0, returns, mask)  # old_values unused without clip
     sel = mask.bool()
     torch.testing.assert_close(loss, F.mse_loss(values[sel], returns[sel]), **EXACT)
-    assert stats["vf_clipfrac"] == 0.0
+    assert stats["vf_clipfrac"] == 0.0, f"vf_clipfrac without a clip: expected 0.0, got {stats['vf_clipfrac']}"
     expected_ev = 1 - torch.var(returns[sel] - values[sel], unbiased=False) / torch.var(returns[sel], unbiased=False)
     assert stats["vf_explained_var"] == pytest.approx(expected_ev.item(), abs=1e-12)
 
@@ -171,7 +171,7 @@ def test_value_loss_eq16_clipping_zero_gradient_outside_clip_region():
                                   torch.ones(1, 1, dtype=D), clip_range=0.2)
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor((1.2 - 3.0) ** 2, dtype=D), **EXACT)
-    assert values.grad.item() == 0.0
+    assert values.grad.item() == 0.0, f"the clipped term wins: expected gradient 0, got {values.grad.item()}"
 
 
 def test_value_loss_explained_var_is_nan_for_constant_returns():
@@ -188,7 +188,7 @@ def test_value_loss_treats_old_values_and_returns_as_constants():
     returns = torch.randn(2, 3, generator=g, dtype=D).requires_grad_(True)
     loss, _ = ppo_loss.value_loss(values, old_values, returns, torch.ones(2, 3, dtype=D), clip_range=0.2)
     loss.backward()
-    assert values.grad is not None and values.grad.abs().sum() > 0
+    assert values.grad is not None and values.grad.abs().sum() > 0, "expected a gradient into values, got none"
     assert old_values.grad is None, f"expected no gradient into old_values (a constant), got {old_values.grad}"
     assert returns.grad is None, f"expected no gradient into returns (a constant), got {returns.grad}"
 
@@ -209,7 +209,8 @@ def test_kl_full_eq19_matches_torch_distributions():
     ref_logits = 3 * torch.randn(2, 5, 7, generator=g, dtype=D)
     expected = kl_divergence(Categorical(logits=logits), Categorical(logits=ref_logits))  # (2, 5)
     torch.testing.assert_close(ppo_loss.kl_full(logits, ref_logits), expected, rtol=1e-10, atol=1e-12)
-    assert (ppo_loss.kl_full(logits, ref_logits) >= 0).all()
+    kl = ppo_loss.kl_full(logits, ref_logits)
+    assert (kl >= 0).all(), f"an exact KL is ≥ 0: got {kl.min().item()}"
 
 
 def test_kl_full_eq19_zero_for_equal_logits_and_shift_invariant():
@@ -239,9 +240,11 @@ def test_kl_sampled_eq19_k2_k3_nonnegative_k1_can_be_negative():
     g = torch.Generator().manual_seed(5)
     logprobs = torch.randn(4, 50, generator=g, dtype=D)
     ref_logprobs = torch.randn(4, 50, generator=g, dtype=D)
-    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k3") >= 0).all()
-    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k2") >= 0).all()
-    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k1") < 0).any()
+    for kind in ("k2", "k3"):
+        k = ppo_loss.kl_sampled(logprobs, ref_logprobs, kind)
+        assert (k >= 0).all(), f"{kind} is ≥ 0 for every token: got {k.min().item()}"
+    k1 = ppo_loss.kl_sampled(logprobs, ref_logprobs, "k1")
+    assert (k1 < 0).any(), f"k1 = log π − log π_ref is negative where π < π_ref: got min {k1.min().item()}"
     torch.testing.assert_close(ppo_loss.kl_sampled(logprobs, logprobs, "k3"), torch.zeros(4, 50, dtype=D), **EXACT)
 
 
@@ -260,11 +263,12 @@ def test_kl_sampled_eq19_k1_k3_monte_carlo_mean_approaches_exact_kl():
     for kind in ("k1", "k3"):
         k = ppo_loss.kl_sampled(logprobs, ref_logprobs, kind)
         stderr = (k.std() / math.sqrt(N)).item()
-        assert abs(k.mean().item() - exact) < 4 * stderr, (kind, k.mean().item(), exact, stderr)
+        assert abs(k.mean().item() - exact) < 4 * stderr, \
+            f"{kind}: Monte Carlo mean expected {exact:.5f} ± {4 * stderr:.5f} (the exact KL), got {k.mean().item():.5f}"
     assert 0.01 < exact < 0.2
     # k3 has lower variance than k1 when π ≈ π_ref (Schulman 2020); far apart it need not
     k1, k3 = (ppo_loss.kl_sampled(logprobs, ref_logprobs, kind) for kind in ("k1", "k3"))
-    assert k3.std() < k1.std()
+    assert k3.std() < k1.std(), f"k3 has the lower variance when π ≈ π_ref: std k3 {k3.std():.4f}, k1 {k1.std():.4f}"
 
 
 def test_kl_sampled_eq19_formulas():
@@ -320,22 +324,24 @@ def test_entropy_bonus_zero_gradient_above_clip_nonzero_below():
     high = (0.01 * torch.randn(2, 3, V, dtype=D)).requires_grad_(True)
     loss, stats = ppo_loss.entropy_bonus_loss(high, mask, coef=0.01, clip=1.5)
     loss.backward()
-    assert stats["entropy"] > 1.5 and stats["entropy_bonus_active"] == 0.0
-    assert loss.item() == 0.0
-    assert torch.count_nonzero(high.grad) == 0
+    assert stats["entropy"] > 1.5, f"near-uniform logits over 8 tokens: expected H̄ ≈ log 8, got {stats['entropy']}"
+    assert stats["entropy_bonus_active"] == 0.0
+    assert loss.item() == 0.0, f"H̄ above the clip: expected loss 0, got {loss.item()}"
+    assert torch.count_nonzero(high.grad) == 0, "H̄ above the clip: expected zero gradient, got a nonzero one"
 
     # peaked logits: H̄ < clip → the gradient equals that of the unclipped bonus −coef·H̄, nonzero
     low = (5 * torch.randn(2, 3, V, dtype=D)).requires_grad_(True)
     loss, stats = ppo_loss.entropy_bonus_loss(low, mask, coef=0.01, clip=1.5)
-    assert stats["entropy"] < 1.5 and stats["entropy_bonus_active"] == 1.0
+    assert stats["entropy"] < 1.5, f"peaked logits: expected H̄ < 1.5, got {stats['entropy']}"
+    assert stats["entropy_bonus_active"] == 1.0
     (grad_clipped,) = torch.autograd.grad(loss, low)
     mean_h = (Categorical(logits=low).entropy() * mask).sum() / mask.sum()  # independent H̄
     (grad_unclipped,) = torch.autograd.grad(-0.01 * mean_h, low)
-    assert grad_clipped.abs().max() > 0
+    assert grad_clipped.abs().max() > 0, "H̄ below the clip: expected a gradient, got zero"
     torch.testing.assert_close(grad_clipped, grad_unclipped, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(loss, 0.01 * (1.5 - mean_h.detach()), **EXACT)
     # padding positions (mask 0) get no gradient
-    assert torch.count_nonzero(grad_clipped[1, 1:]) == 0
+    assert torch.count_nonzero(grad_clipped[1, 1:]) == 0, "expected no gradient at padding positions, got some"
 
 
 def test_entropy_bonus_no_clip_is_minus_coef_mean_entropy():

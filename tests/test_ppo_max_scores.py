@@ -13,6 +13,14 @@ import ppo_max
 from ppo_max import RunningMoments
 
 
+def assert_moments(m: RunningMoments, count: int, mean: float, std: float, rel: float, what: str) -> None:
+    """count, mean and population std of `m`, each with an "expected …, got …" message."""
+    mean, std = float(mean), float(std)
+    assert m.count == count, f"{what}: expected count {count}, got {m.count}"
+    assert math.isclose(m.mean, mean, rel_tol=rel, abs_tol=rel), f"{what}: expected mean {mean!r}, got {m.mean!r}"
+    assert math.isclose(m.std, std, rel_tol=rel, abs_tol=rel), f"{what}: expected std {std!r}, got {m.std!r}"
+
+
 def history_batches(seed: int = 0):
     """Batches of different sizes (one of size 1, one 2-D) and scales, float64."""
     g = torch.Generator().manual_seed(seed)
@@ -32,19 +40,18 @@ def test_running_moments_update_initial_state_and_empty_batch():
     m = RunningMoments()
     assert (m.count, m.mean, m.std) == (0, 0.0, 1.0)
     m.update(torch.empty(0))  # an empty batch changes nothing
-    assert (m.count, m.mean, m.std) == (0, 0.0, 1.0)
+    assert_moments(m, 0, 0.0, 1.0, 0.0, "after an empty batch")
 
 
 def test_running_moments_update_matches_numpy_over_concatenated_history():
     m = RunningMoments()
     seen = []
-    for batch in history_batches():
+    for k, batch in enumerate(history_batches()):
         m.update(batch)
         seen.extend(batch.flatten().tolist())
         history = np.array(seen, dtype=np.float64)
-        assert m.count == history.size
-        assert math.isclose(m.mean, history.mean(), rel_tol=1e-12, abs_tol=1e-12)
-        assert math.isclose(m.std, history.std(ddof=0), rel_tol=1e-12, abs_tol=1e-12)  # population std
+        assert_moments(m, history.size, history.mean(), history.std(ddof=0), 1e-12,  # population std (ddof = 0)
+                       f"after batch {k + 1} of shape {tuple(batch.shape)}, over the whole history")
 
 
 def test_running_moments_update_single_batch_equals_batch_moments():
@@ -52,8 +59,7 @@ def test_running_moments_update_single_batch_equals_batch_moments():
     m = RunningMoments()
     m.update(x)
     # by hand: mean = 14/4 = 3.5; deviations −2.5, −1.5, 0.5, 3.5 → Σ² = 6.25+2.25+0.25+12.25 = 21; var = 21/4
-    assert math.isclose(m.mean, 3.5, rel_tol=1e-15)
-    assert math.isclose(m.std, math.sqrt(21 / 4), rel_tol=1e-15)
+    assert_moments(m, 4, 3.5, math.sqrt(21 / 4), 1e-15, "one batch [1, 2, 4, 7]")
 
 
 def test_running_moments_update_float32_input_accumulates_in_float64():
@@ -62,8 +68,7 @@ def test_running_moments_update_float32_input_accumulates_in_float64():
     for b in batches:
         m.update(b.float())
     history = np.concatenate([b.float().double().flatten().numpy() for b in batches])
-    assert math.isclose(m.mean, history.mean(), rel_tol=1e-12, abs_tol=1e-12)
-    assert math.isclose(m.std, history.std(), rel_tol=1e-12)
+    assert_moments(m, history.size, history.mean(), history.std(), 1e-12, "float32 batches, moments in float64")
 
 
 def test_running_moments_state_dict_round_trip():
@@ -97,8 +102,8 @@ def test_normalize_and_clip_rewards_eq18_within_bounds_and_hand_computed():
     expected = torch.tensor([min(max((s - mean) / std, -delta), delta) for s in scores.tolist()], dtype=torch.float64)
     got = ppo_max.normalize_and_clip_rewards(scores, m, delta)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-    assert got.min() >= -delta and got.max() <= delta
-    assert got.min() == -delta and got.max() == delta  # both bounds actually bind in this example
+    assert got.min() == -delta and got.max() == delta, \
+        f"both bounds bind here: expected min −{delta} and max {delta}, got {got.min().item()} and {got.max().item()}"
 
 
 def test_normalize_and_clip_rewards_eq18_without_clip_is_plain_normalization():
@@ -108,7 +113,7 @@ def test_normalize_and_clip_rewards_eq18_without_clip_is_plain_normalization():
     got = ppo_max.normalize_and_clip_rewards(scores, m, None)
     expected = (scores - scores.mean()) / scores.std(unbiased=False)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
-    assert got.abs().max() > 1.0  # nothing was clipped
+    assert got.abs().max() > 1.0, f"clip_delta=None clips nothing: expected |r̃| > 1 somewhere, got {got.tolist()}"
 
 
 def test_normalize_and_clip_rewards_does_not_update_moments():
@@ -138,7 +143,7 @@ def test_normalize_and_clip_rewards_eq18_constant_history_does_not_divide_by_zer
     m = RunningMoments()
     m.update(torch.full((4,), 2.0))
     out = ppo_max.normalize_and_clip_rewards(torch.tensor([2.0, 3.0]), m, 0.5)
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all(), f"a constant history (std 0): expected finite, got {out.tolist()}"
     torch.testing.assert_close(out, torch.tensor([0.0, 0.5]), atol=0, rtol=0)
 
 
@@ -221,13 +226,12 @@ def test_shape_rewards_eq19_kl_coef_zero_leaves_only_score_on_last_real_token():
     for b, n in enumerate(lengths):
         expected[b, n - 1] = scores[b]
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
-    assert (got != 0).sum() == len(lengths)  # exactly one nonzero per row
 
 
 def test_shape_rewards_eq19_zero_where_mask_is_zero_and_rejects_empty_rows():
     scores, logprobs, ref_logprobs, kl, mask, _ = ragged_rollout(seed=4)
     got = ppo_max.shape_rewards(scores, logprobs + 50.0, ref_logprobs, mask, 0.1, kl=kl + 50.0)
-    assert (got[mask == 0] == 0).all()
+    assert (got[mask == 0] == 0).all(), f"expected 0 at padding, got {got[mask == 0].tolist()}"
     nonfinite = logprobs.masked_fill(mask == 0, float("-inf")), ref_logprobs.masked_fill(mask == 0, float("-inf"))
     got = ppo_max.shape_rewards(scores, *nonfinite, mask, 0.1)  # e.g. −inf log-probs of padding tokens
     assert (got[mask == 0] == 0).all(), f"expected 0 at padding, got {got[mask == 0].tolist()}"

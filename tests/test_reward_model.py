@@ -25,7 +25,8 @@ def test_bradley_terry_loss_equal_rewards_is_log2():
     r = torch.tensor([0.0, 1.5, -2.0, 7.0], dtype=torch.float64)
     loss, stats = rm.bradley_terry_loss(r, r.clone())
     torch.testing.assert_close(loss, torch.tensor(math.log(2), dtype=torch.float64), rtol=0, atol=1e-12)
-    assert stats["accuracy"] == 0.5 and stats["margin"] == 0.0
+    assert (stats["accuracy"], stats["margin"]) == (0.5, 0.0), \
+        f"equal rewards: expected accuracy 0.5 and margin 0.0, got {stats['accuracy']} and {stats['margin']}"
 
 
 def test_bradley_terry_loss_textbook_exercise():
@@ -34,8 +35,9 @@ def test_bradley_terry_loss_textbook_exercise():
     assert abs(p - 0.845535) < 1e-6 and round(p, 3) == 0.846
     loss, stats = rm.bradley_terry_loss(torch.tensor([3.2], dtype=torch.float64), torch.tensor([1.5], dtype=torch.float64))
     torch.testing.assert_close(loss.item(), -math.log(p), rtol=0, atol=1e-12)
-    assert abs(loss.item() - 0.167786) < 1e-6          # number printed by `python reward_model.py`
-    assert stats["accuracy"] == 1.0 and abs(stats["margin"] - 1.7) < 1e-12
+    assert abs(loss.item() - 0.167786) < 1e-6, f"expected 0.167786, got {loss.item():.6f}"  # `python reward_model.py`
+    assert stats["accuracy"] == 1.0 and abs(stats["margin"] - 1.7) < 1e-12, \
+        f"expected accuracy 1.0 and margin 1.7, got {stats['accuracy']} and {stats['margin']}"
 
 
 def test_bradley_terry_loss_worked_example_batch():
@@ -44,8 +46,9 @@ def test_bradley_terry_loss_worked_example_batch():
                                         torch.tensor([0.0, 0.0, 3.0, -1000.0], dtype=torch.float64))
     by_hand = -sum(math.log(sigmoid(m)) for m in (1.0, 0.0, -1.0, 2000.0)) / 4
     torch.testing.assert_close(loss.item(), by_hand, rtol=0, atol=1e-12)
-    assert abs(loss.item() - 0.579918) < 1e-6
-    assert stats["accuracy"] == 0.625 and stats["margin"] == 500.0
+    assert abs(loss.item() - 0.579918) < 1e-6, f"expected 0.579918, got {loss.item():.6f}"
+    assert stats["accuracy"] == 0.625 and stats["margin"] == 500.0, \
+        f"expected accuracy 0.625 (a tie counts ½) and margin 500.0, got {stats['accuracy']} and {stats['margin']}"
 
 
 def test_bradley_terry_loss_stable_at_large_margins():
@@ -54,7 +57,8 @@ def test_bradley_terry_loss_stable_at_large_margins():
         r_l = torch.zeros(2, dtype=dtype)
         loss, _ = rm.bradley_terry_loss(r_w, r_l)
         loss.backward()
-        assert torch.isfinite(loss) and torch.isfinite(r_w.grad).all()
+        assert torch.isfinite(loss) and torch.isfinite(r_w.grad).all(), \
+            f"{dtype} margins ±1000: expected a finite loss and gradient, got {loss.item()} and {r_w.grad.tolist()}"
         # −log σ(1000) = log(1 + e^{−1000}) ≈ 0; −log σ(−1000) = 1000 + log(1 + e^{−1000}) ≈ 1000
         torch.testing.assert_close(loss.item(), (0.0 + 1000.0) / 2, rtol=1e-6, atol=0)
         # d/dr_w of −log σ(m)/B is −(1 − σ(m))/B: 0 for m = 1000, −½ for m = −1000
@@ -126,7 +130,8 @@ def test_response_lm_loss_ignores_prompt_and_padding_positions():
     # ...while the last prompt position, which predicts the first response token, does count
     moved = logits.clone()
     moved[0, 1] += 5 * torch.randn(11, dtype=torch.float64)
-    assert abs(rm.response_lm_loss(moved, ids, mask).item() - base.item()) > 1e-6
+    assert abs(rm.response_lm_loss(moved, ids, mask).item() - base.item()) > 1e-6, \
+        "the last prompt position predicts the first response token: it must count, but changing it changed nothing"
 
 
 def test_response_lm_loss_token_level_mean_over_ragged_responses():
@@ -165,7 +170,7 @@ def test_response_lm_loss_upcasts_half_precision_logits():
              for b in range(2) for t in range(6) if mask[b, t + 1] == 1]
     expected = torch.tensor(sum(terms) / len(terms), dtype=torch.float64)
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
-    assert rm.response_lm_loss(logits, ids, mask).dtype == torch.float64
+    assert rm.response_lm_loss(logits, ids, mask).dtype == torch.float64, "float64 logits: expected a float64 loss"
 
 
 def test_response_lm_loss_rejects_bad_shapes_and_empty_selection():
@@ -186,8 +191,10 @@ def test_reward_model_loss_is_lambda_bt_plus_beta_lm():
     bt = -(math.log(sigmoid(0.2)) + math.log(sigmoid(-1.6))) / 2
     lm = rm.response_lm_loss(logits, ids, mask).item()   # proven against a loop above
     torch.testing.assert_close(loss.item(), 0.7 * bt + 2.5 * lm, rtol=0, atol=1e-12)
-    assert abs(stats["bt"] - bt) < 1e-12 and abs(stats["lm"] - lm) < 1e-12
-    assert stats["accuracy"] == 0.5 and abs(stats["margin"] - (0.2 - 1.6) / 2) < 1e-12
+    assert abs(stats["bt"] - bt) < 1e-12 and abs(stats["lm"] - lm) < 1e-12, \
+        f"stats: expected bt {bt:.6f} and lm {lm:.6f}, got {stats['bt']:.6f} and {stats['lm']:.6f}"
+    assert stats["accuracy"] == 0.5 and abs(stats["margin"] - (0.2 - 1.6) / 2) < 1e-12, \
+        f"stats: expected accuracy 0.5 and margin -0.7, got {stats['accuracy']} and {stats['margin']}"
     default, _ = rm.reward_model_loss(r_w, r_l, logits, ids, mask)
     torch.testing.assert_close(default.item(), bt + lm, rtol=0, atol=1e-12)
 
