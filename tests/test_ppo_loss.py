@@ -386,7 +386,7 @@ def test_masked_mean_ignores_nan_and_inf_at_masked_positions():
     junk[1, 1:] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=D)  # e.g. padding logprobs
     junk[2, 2:] = float("nan")
     got = ppo_loss.masked_mean(junk, mask)
-    assert torch.isfinite(got), f"NaN/inf at masked positions leaked: expected {expected[0].item()}, got {got.item()}"
+    assert torch.isfinite(got), f"NaN/inf at masked positions leaked: expected {expected[0].item():.6g}, got {got.item()}"
     torch.testing.assert_close(got, expected[0], **EXACT)
     torch.testing.assert_close(ppo_loss.masked_mean(junk, mask, dim=1), expected[1], **EXACT)
 

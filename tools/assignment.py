@@ -57,7 +57,7 @@ from cli import OneLineParser, UserError, cli_guard  # noqa: E402  (after the sy
 ASSIGNMENT: dict[str, dict[str, str]] = {
     "gae": {"k_step_return": "Eq. 7", "k_step_advantage": "Eq. 8", "compute_gae": "Eq. 9–11"},
     "ppo_loss": {"masked_mean": "token-level mean", "masked_whiten": "Fig. 6", "logprobs_from_logits": "Eq. 15",
-                 "policy_loss": "Eq. 15", "value_loss": "Eq. 16", "kl_full": "Eq. 19", "kl_sampled": "Eq. 19",
+                 "policy_loss": "Eq. 15", "value_loss": "Eq. 16", "kl_full": "Eq. 3, 19", "kl_sampled": "Eq. 3, 19",
                  "entropy": "App. B.3"},
     "reward_model": {"bradley_terry_loss": "Eq. 1", "response_lm_loss": "Eq. 2", "reward_model_loss": "Eq. 2"},
     "ppo_max": {"RunningMoments.update": "Eq. 18", "normalize_and_clip_rewards": "Eq. 18",
@@ -66,7 +66,11 @@ ASSIGNMENT: dict[str, dict[str, str]] = {
 TEST_FILE = {"gae": "tests/test_gae.py", "ppo_loss": "tests/test_ppo_loss.py",
              "reward_model": "tests/test_reward_model.py", "ppo_max": "tests/test_ppo_max_scores.py"}
 NOTEBOOK = "notebooks/exercises.ipynb"  # its answer cells mark the worked solution with # BEGIN / END SOLUTION
+# not in a student repository: the mistakes' `find` strings are the reference's lines, and test_assignment.py grades
+# the reference (which a student repository does not have)
+TEACHER_ONLY = ("tests/student_mistakes.py", "tests/test_assignment.py")
 STUDENT_TIMEOUT = 300  # seconds a worker may spend on one submission before it is stopped (an endless loop)
+STARTUP_TIMEOUT = 900  # seconds a worker may take to import torch and collect the tests
 
 
 def all_functions(modules: list[str] | None = None) -> list[str]:
@@ -270,15 +274,15 @@ def repository_files() -> list[str]:
 
 def make_student_repo(dest: Path, modules: list[str]) -> list[str]:
     """A copy of the repository at `dest` for students: `modules` stubbed in place (their tests, conftest.py and
-    everything else as they are), notebooks/exercises.ipynb without its worked answers, no git history. Returns the
-    files written, relative to `dest`."""
+    everything else as they are), notebooks/exercises.ipynb without its worked answers, no git history (it holds the
+    solutions) and none of TEACHER_ONLY. Returns the files written, relative to `dest`."""
     check_modules(modules)
     dest = dest.resolve()
     if dest == ROOT or ROOT in dest.parents or dest in ROOT.parents:
         raise UserError(f"make --student-repo {dest}: choose a folder outside the repository {ROOT}")
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"make --student-repo {dest}: exists and is not empty; give a new folder")
-    files = repository_files()
+    files = [f for f in repository_files() if f not in TEACHER_ONLY]
     for rel in files:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -291,7 +295,7 @@ def make_student_repo(dest: Path, modules: list[str]) -> list[str]:
         else:
             shutil.copy2(ROOT / rel, target)
     print(f"wrote {dest}: {len(files)} files; {', '.join(m + '.py' for m in modules)} without the assigned bodies, "
-          f"{NOTEBOOK} without its worked answers, no .git")
+          f"{NOTEBOOK} without its worked answers; no .git, no {', '.join(TEACHER_ONLY)}")
     return files
 
 
@@ -388,7 +392,7 @@ def load_submission(folder: Path, module: str, tag: str):
     mod = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(mod)
-    except BaseException as e:  # a syntax error, an import error, an exit at import: the module cannot be graded
+    except (Exception, SystemExit) as e:  # a syntax error, an import error, an exit at import: nothing to grade
         return None, f"error: {module}.py cannot be imported: {type(e).__name__}: {first_line(e)}"
     return mod, None
 
@@ -462,8 +466,6 @@ class GradePlugin:
     student's function in place of the reference one and the reference versions of the other assigned functions
     (in the student's module too), so a mistake is reported at the function that makes it."""
 
-    name = "ppo-max-grade"
-
     def __init__(self, submissions: list[dict], results_path: Path):
         self.subs, self.results_path = submissions, results_path
         self.loaded: dict[tuple[int, str], object] = {}
@@ -517,6 +519,8 @@ class GradePlugin:
             self.results[i]["functions"].setdefault(self.function_of(it.path, it.originalname),
                                                     {"status": "passed", "passed": 0, "total": 0, "message": "",
                                                      "test": None})
+        with open(self.results_path, "a") as fh:  # collected: from now on each submission has `timeout` seconds
+            fh.write(json.dumps({"ready": True}) + "\n")
         for i in range(len(self.subs)):
             for f in self.subs[i]["functions"]:  # an assigned function without a single test is not graded: say so
                 self.results[i]["functions"].setdefault(f, {"status": "error", "passed": 0, "total": 0, "test": None,
@@ -623,7 +627,7 @@ def grade_submissions(submissions: list[tuple], functions: list[str], timeout: f
             with open(log, "w") as log_fh:
                 proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_worker", str(job), str(out)],
                                         cwd=ROOT, env=env, stdout=log_fh, stderr=subprocess.STDOUT)
-                done, seen, last = False, 0, time.monotonic()
+                done, ready, killed, seen, last = False, False, False, 0, time.monotonic()
                 while True:
                     try:
                         proc.wait(timeout=0.2)
@@ -633,7 +637,9 @@ def grade_submissions(submissions: list[tuple], functions: list[str], timeout: f
                     lines = out.read_text().splitlines() if out.exists() else []
                     for line in lines[seen:]:
                         r = json.loads(line)
-                        if r.get("done"):
+                        if r.get("ready"):
+                            ready = True
+                        elif r.get("done"):
                             done = True
                             if r["exit"] not in (0, 1, 5):  # 0 all passed, 1 some failed, 5 nothing to run
                                 raise RuntimeError(f"the grading worker stopped (pytest exit {r['exit']}): "
@@ -644,18 +650,20 @@ def grade_submissions(submissions: list[tuple], functions: list[str], timeout: f
                         seen, last = len(lines), time.monotonic()
                     if exited:
                         break
-                    if time.monotonic() - last > timeout:
+                    if time.monotonic() - last > (timeout if ready else STARTUP_TIMEOUT):
                         proc.kill()
                         proc.wait()
+                        killed = True
                         break
             if verbose:
                 print(log.read_text()[-3000:])
             left = [i for i in todo if i not in results]
+            if left and not done and not ready:
+                raise RuntimeError(f"the grading worker did not start: {log.read_text()[-2000:]}")
             if left and not done:  # the worker died or hung on the first submission it had not finished
                 culprit = left.pop(0)
-                why = (f"error: grading stopped after {timeout:g} s without finishing (an endless loop?)"
-                       if proc.returncode in (-9, None) else
-                       f"error: the grading process crashed: {first_line(log.read_text().splitlines()[-1:] or [''])}")
+                why = (f"error: grading stopped after {timeout:g} s without finishing (an endless loop?)" if killed
+                       else f"error: the grading process died (exit status {proc.returncode}) in this submission")
                 results[culprit] = {"name": submissions[culprit][0], "folder": str(submissions[culprit][1]),
                                     "seconds": 0.0, "functions": {f: {"status": "error", "passed": 0, "total": 0,
                                                                       "test": None, "message": why}
@@ -721,13 +729,10 @@ def print_class(table: list[dict], seconds: float) -> None:
     width = max([len("student")] + [len(r["student"]) for r in table])
     print(f"{'student':{width}s}  functions     tests  seconds  first function not passed")
     for r in table:
-        first = next((f"{f} ({equation(f)}): {v}" for f, v in r.items() if f in FUNCTION_KEYS and v != "pass"), "")
+        first = next((f"{f} ({equation(f)}): {v}" for f, v in r.items() if "." in f and v != "pass"), "")
         print(f"{r['student']:{width}s}  {r['functions_passed']:4d}/{r['functions']:<4d} {r['tests_passed']:5d}/"
               f"{r['tests']:<5d} {r['seconds']:6.1f}   {first_line(first, 160)}")
     print(f"{len(table)} students graded in {seconds:.1f} s")
-
-
-FUNCTION_KEYS = set(all_functions())
 
 
 def write_csv(table: list[dict], path: Path) -> None:
@@ -748,7 +753,8 @@ def selected_functions(modules: list[str], functions: list[str] | None) -> list[
     return chosen
 
 
-def grade(folder: Path, modules: list[str] | None = None, functions: list[str] | None = None) -> bool:
+def grade(folder: Path, modules: list[str] | None = None, functions: list[str] | None = None,
+          timeout: float = STUDENT_TIMEOUT) -> bool:
     """Grade one student's folder and print the report; True iff every assigned function passed."""
     if not folder.is_dir():
         raise UserError(f"grade {folder}: no such folder")
@@ -757,12 +763,12 @@ def grade(folder: Path, modules: list[str] | None = None, functions: list[str] |
             any((d / f"{m}.py").is_file() for d in folder.iterdir() if d.is_dir() for m in modules):
         print(f"note: {folder} holds no {'/'.join(m + '.py' for m in modules)} but its subfolders do: "
               f"grade a class with --class {folder}")
-    (result,) = grade_submissions([(folder.name, folder.resolve())], selected_functions(modules, functions))
+    (result,) = grade_submissions([(folder.name, folder.resolve())], selected_functions(modules, functions), timeout)
     return print_report(result)
 
 
 def grade_class(folder: Path, csv_path: Path | None, modules: list[str] | None = None,
-                functions: list[str] | None = None) -> bool:
+                functions: list[str] | None = None, timeout: float = STUDENT_TIMEOUT) -> bool:
     """Grade every subfolder of `folder` (one per student): print one table, write it as CSV. True iff every
     student passed every function."""
     if not folder.is_dir():
@@ -772,7 +778,7 @@ def grade_class(folder: Path, csv_path: Path | None, modules: list[str] | None =
         raise UserError(f"grade --class {folder}: no subfolders (one per student) in it")
     chosen = selected_functions(modules or list(ASSIGNMENT), functions)
     t0 = time.perf_counter()
-    table = class_table(grade_submissions([(d.name, d.resolve()) for d in students], chosen))
+    table = class_table(grade_submissions([(d.name, d.resolve()) for d in students], chosen, timeout))
     print_class(table, time.perf_counter() - t0)
     csv_path = csv_path or folder / "grades.csv"
     write_csv(table, csv_path)
@@ -796,6 +802,8 @@ def main(argv: list[str] | None = None) -> int:
     pg.add_argument("--csv", type=Path, help="--class: where to write the table (default <class folder>/grades.csv)")
     pg.add_argument("--modules", nargs="+", default=list(ASSIGNMENT), help="the modules assigned (default all)")
     pg.add_argument("--functions", nargs="+", help="grade only these, e.g. gae.compute_gae ppo_loss.masked_mean")
+    pg.add_argument("--timeout", type=float, default=STUDENT_TIMEOUT,
+                    help=f"seconds one student's tests may take before they are stopped (default {STUDENT_TIMEOUT})")
     pw = sub.add_parser("_worker")  # internal: grade_submissions runs it
     pw.add_argument("job", type=Path)
     pw.add_argument("results", type=Path)
@@ -811,8 +819,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.dir is None) == (args.klass is None):
         raise UserError("grade: give a student's folder or --class FOLDER (not both)")
     if args.klass:
-        return 0 if grade_class(args.klass, args.csv, args.modules, args.functions) else 1
-    return 0 if grade(args.dir, args.modules, args.functions) else 1
+        return 0 if grade_class(args.klass, args.csv, args.modules, args.functions, args.timeout) else 1
+    return 0 if grade(args.dir, args.modules, args.functions, args.timeout) else 1
 
 
 if __name__ == "__main__":
