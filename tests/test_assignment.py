@@ -315,8 +315,16 @@ def graded(tmp_path_factory):
     (base / "broken" / "ppo_loss.py").write_text(source[:start] + source[end:].replace(
         "mean_entropy = masked_mean(entropy(logits), mask)", "mean_entropy = masked_mean(logits[..., 0], mask)"))
     (base / "broken" / "reward_model.py").write_text("def bradley_terry_loss(r_chosen, r_rejected:\n    pass\n")
+    td = "        delta = rewards[:, t] + gamma * next_values - values[:, t]"
+    for name, helper in [("helped", "r + gamma * v1 - v0"), ("misled", "r + v1 - v0")]:  # each with its own my_td.py
+        (base / name).mkdir()
+        (base / name / "gae.py").write_text((ROOT / "gae.py").read_text().replace("import torch\n", "import torch\n"
+                                            "import my_td\n", 1).replace(td, td.replace("rewards[:, t] + gamma * "
+                                            "next_values - values[:, t]", "my_td.td(rewards[:, t], next_values, "
+                                            "values[:, t], gamma)")))
+        (base / name / "my_td.py").write_text(f"def td(r, v1, v0, gamma):\n    return {helper}\n")
     subs = [("reference", ROOT, ALL), ("handout", base / "handout", ALL), ("partial", base / "partial", ALL),
-            ("broken", base / "broken", ALL)]
+            ("broken", base / "broken", ALL), ("helped", base / "helped", ALL[:3]), ("misled", base / "misled", ALL[:3])]
     for k, mistake in enumerate(MISTAKES):
         folder = base / f"mistake{k:02d}"
         folder.mkdir()
@@ -357,6 +365,13 @@ def test_grade_names_a_missing_function_and_a_file_that_does_not_import(graded):
     assert rows["ppo_loss.policy_loss"]["status"] == "passed"  # graded with the reference entropy: not its fault
     for f in assignment.all_functions(["reward_model"]):
         assert rows[f]["status"] == "error" and "reward_model.py cannot be imported: SyntaxError" in rows[f]["message"]
+
+
+def test_grade_loads_a_students_own_helper_module(graded):
+    """gae.py may import a module of the student's own (my_td.py, a name no project module has); each student's is
+    theirs, although the two have the same name."""
+    assert graded["helped"]["functions"]["gae.compute_gae"]["status"] == "passed"
+    assert graded["misled"]["functions"]["gae.compute_gae"]["status"] == "failed"  # its my_td forgets γ
 
 
 def test_grade_catches_the_held_out_student_mistakes(graded, capsys):

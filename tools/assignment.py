@@ -1,4 +1,4 @@
-"""Hand out the equation files as assignments (bodies removed), and grade one student or a class with the project's tests.
+"""Hand out the equation files as assignments (bodies removed); grade one student or a class with the project's tests.
 
 Implements (the exercises are the paper's equations; see docs/paper.md and TEACHING.md):
     ASSIGNMENT                 module → {function: equation}: the bodies students write; everything else is given
@@ -32,7 +32,6 @@ ppo_loss.masked_var, entropy_bonus_loss) calls the student's versions of the ass
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import csv
 import importlib.abc
@@ -86,7 +85,7 @@ def test_prefix(function: str) -> str:
 
 def graded_function(module: str, test_name: str) -> str | None:
     """The assigned function of `module` that a test grades: the one its name starts with (`test_<function>` or
-    `test_<function>_…`, the longest if several), or None for a test of given code (masked_var, ScalarHeadModel, …)."""
+    `test_<function>_…`, the longest if several), or None for a test of given code (masked_var, ScalarHeadModel)."""
     base = test_name.split("[")[0]
     hits = [f for f in ASSIGNMENT[module] if base == test_prefix(f) or base.startswith(test_prefix(f) + "_")]
     return max(hits, key=len, default=None)
@@ -326,15 +325,17 @@ def impl_folder(value: str) -> Path:
 
 
 class _SubmissionFinder(importlib.abc.MetaPathFinder):
-    """`import gae` (and the other assigned modules) loads the file of the same name in `folder`, if it is there;
-    every other module (data, engine, ...) still comes from the repository."""
+    """Imports from a student's folder: the assigned modules (`import gae`) if `assigned`, and a student's own helper
+    modules (names no project module has). The project's other modules (data, engine, ...) always come from the
+    repository, so the copies `make` puts beside the hand-out never shadow it."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, assigned: bool):
+        self.folder, self.assigned = folder, assigned
 
     def find_spec(self, name, path=None, target=None):
         file = self.folder / f"{name}.py"
-        if name in ASSIGNMENT and file.is_file():
+        ours = (ROOT / f"{name}.py").is_file()
+        if path is None and file.is_file() and ((self.assigned and name in ASSIGNMENT) or not ours):
             return importlib.util.spec_from_file_location(name, file)
         return None
 
@@ -342,7 +343,7 @@ class _SubmissionFinder(importlib.abc.MetaPathFinder):
 def import_from(folder: Path) -> list[str]:
     """From now on, importing an assigned module loads the student's file in `folder` where there is one.
     Returns the modules found there. Call it before anything imports them."""
-    sys.meta_path.insert(0, _SubmissionFinder(folder))
+    sys.meta_path.insert(0, _SubmissionFinder(folder, assigned=True))
     return [m for m in ASSIGNMENT if (folder / f"{m}.py").is_file()]
 
 
@@ -390,10 +391,19 @@ def load_submission(folder: Path, module: str, tag: str):
         return None, f"missing: no {module}.py in {folder}"
     spec = importlib.util.spec_from_file_location(f"_submission_{tag}_{module}", file)
     mod = importlib.util.module_from_spec(spec)
+    helpers = _SubmissionFinder(folder, assigned=False)  # the student's own modules, if their file imports any
+    before = set(sys.modules)
+    sys.modules[spec.name] = mod  # (dataclasses look their module up there)
+    sys.meta_path.insert(0, helpers)
     try:
         spec.loader.exec_module(mod)
     except (Exception, SystemExit) as e:  # a syntax error, an import error, an exit at import: nothing to grade
         return None, f"error: {module}.py cannot be imported: {type(e).__name__}: {first_line(e)}"
+    finally:
+        sys.meta_path.remove(helpers)
+        for name in set(sys.modules) - before - {spec.name}:  # the next student's helpers of the same name are theirs
+            if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == folder:
+                del sys.modules[name]
     return mod, None
 
 
@@ -444,8 +454,8 @@ def failure_message(excinfo, student_file: Path) -> str:
     text = str(exc)
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     if isinstance(exc, AssertionError):
-        close = next((f for f in reversed(frames) if f.tb_frame.f_code.co_name == "assert_close"
-                      and "torch" in f.tb_frame.f_code.co_filename), None)  # torch.testing.assert_close(actual, expected)
+        close = next((f for f in reversed(frames) if f.tb_frame.f_code.co_name == "assert_close"  # torch.testing's
+                      and "torch" in f.tb_frame.f_code.co_filename), None)
         if close is not None and {"actual", "expected"} <= close.tb_frame.f_locals.keys():
             return compared(close.tb_frame.f_locals["actual"], close.tb_frame.f_locals["expected"], lines)
         approx = re.match(r"assert (.+) == (.+ ± .+)$", lines[0]) if lines else None
@@ -469,7 +479,8 @@ class GradePlugin:
     def __init__(self, submissions: list[dict], results_path: Path):
         self.subs, self.results_path = submissions, results_path
         self.loaded: dict[tuple[int, str], object] = {}
-        self.results = [{"name": s["name"], "folder": s["folder"], "seconds": 0.0, "functions": {}} for s in submissions]
+        self.results = [{"name": s["name"], "folder": s["folder"], "seconds": 0.0, "functions": {}}
+                        for s in submissions]
         self.pending = [0] * len(submissions)
         self.started: list[float | None] = [None] * len(submissions)
         for i, s in enumerate(submissions):
@@ -606,71 +617,70 @@ def run_worker(job_path: Path, results_path: Path) -> int:
     return 0
 
 
-def grade_submissions(submissions: list[tuple], functions: list[str], timeout: float = STUDENT_TIMEOUT,
-                      verbose: bool = False) -> list[dict]:
+def _run_worker(job: list[dict], tmp: Path, timeout: float) -> tuple[list[dict], str | None]:
+    """Run one worker on `job`; returns the results it wrote (with their job index) and, if it stopped before the
+    end, why: it hung on a submission for `timeout` s, or died."""
+    job_path, out, log = tmp / "job.json", tmp / "results.jsonl", tmp / "worker.log"
+    job_path.write_text(json.dumps({"submissions": job}))
+    out.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PPO_MAX_IMPL"}
+    results, ready, done, seen, last = [], False, False, 0, time.monotonic()
+    with open(log, "w") as log_fh:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_worker", str(job_path), str(out)],
+                                cwd=ROOT, env=env, stdout=log_fh, stderr=subprocess.STDOUT)
+        while not done:
+            try:
+                proc.wait(timeout=0.2)
+                exited = True
+            except subprocess.TimeoutExpired:
+                exited = False
+            text = out.read_text() if out.exists() else ""
+            lines = text.splitlines()[: text.count("\n")]  # whole lines only: the worker may be writing one
+            for line in lines[seen:]:
+                r = json.loads(line)
+                ready, done = ready or r.get("ready", False), r.get("done", False)
+                if done and r["exit"] not in (0, 1, 5):  # 0 all passed, 1 some failed, 5 nothing to run
+                    raise RuntimeError(f"the grading worker stopped (pytest exit {r['exit']}): {log.read_text()[-2000:]}")
+                if "index" in r:
+                    results.append(r)
+            if len(lines) > seen:
+                seen, last = len(lines), time.monotonic()
+            if exited and not done:
+                if not ready:
+                    raise RuntimeError(f"the grading worker did not start: {log.read_text()[-2000:]}")
+                return results, f"error: the grading process died (exit status {proc.returncode}) in this submission"
+            if not done and time.monotonic() - last > (timeout if ready else STARTUP_TIMEOUT):
+                proc.kill()
+                proc.wait()
+                return results, f"error: grading stopped after {timeout:g} s without finishing (an endless loop?)"
+        proc.wait()
+    return results, None
+
+
+def grade_submissions(submissions: list[tuple], functions: list[str], timeout: float = STUDENT_TIMEOUT) -> list[dict]:
     """Grade each (name, folder) on `functions` ("module.function"), or each (name, folder, its own functions), all in
-    one worker process (one pytest session, so torch and the tests load once). A worker that crashes, or spends `timeout` s on one submission (an endless
-    loop), is stopped: that submission's functions are errors, and a new worker goes on with the next one.
+    one worker process (one pytest session, so torch and the tests load once). A worker that crashes, or spends
+    `timeout` s on one submission (an endless loop), is stopped: that submission's functions are errors, and a new
+    worker goes on with the next one.
     Returns one result per submission: {"name", "folder", "seconds", "functions": {function: {"status", "passed",
     "total", "test", "message"}}}, status passed / failed / missing / error."""
+    job = [{"name": s[0], "folder": str(s[1]), "functions": list(s[2]) if len(s) > 2 else functions}
+           for s in submissions]
     results: dict[int, dict] = {}
     todo = list(range(len(submissions)))
-    env = {k: v for k, v in os.environ.items() if k != "PPO_MAX_IMPL"}
     with tempfile.TemporaryDirectory() as tmp:
-        attempt = 0
         while todo:
-            attempt += 1
-            job, out, log = (Path(tmp) / f"{name}{attempt}" for name in ("job.json", "results.jsonl", "worker.log"))
-            job.write_text(json.dumps({"submissions": [{"name": submissions[i][0], "folder": str(submissions[i][1]),
-                                                        "functions": (list(submissions[i][2:]) or [functions])[0]}
-                                                       for i in todo]}))
-            with open(log, "w") as log_fh:
-                proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_worker", str(job), str(out)],
-                                        cwd=ROOT, env=env, stdout=log_fh, stderr=subprocess.STDOUT)
-                done, ready, killed, seen, last = False, False, False, 0, time.monotonic()
-                while True:
-                    try:
-                        proc.wait(timeout=0.2)
-                        exited = True
-                    except subprocess.TimeoutExpired:
-                        exited = False
-                    lines = out.read_text().splitlines() if out.exists() else []
-                    for line in lines[seen:]:
-                        r = json.loads(line)
-                        if r.get("ready"):
-                            ready = True
-                        elif r.get("done"):
-                            done = True
-                            if r["exit"] not in (0, 1, 5):  # 0 all passed, 1 some failed, 5 nothing to run
-                                raise RuntimeError(f"the grading worker stopped (pytest exit {r['exit']}): "
-                                                   f"{log.read_text()[-2000:]}")
-                        else:
-                            results[todo[r.pop("index")]] = r
-                    if len(lines) > seen:
-                        seen, last = len(lines), time.monotonic()
-                    if exited:
-                        break
-                    if time.monotonic() - last > (timeout if ready else STARTUP_TIMEOUT):
-                        proc.kill()
-                        proc.wait()
-                        killed = True
-                        break
-            if verbose:
-                print(log.read_text()[-3000:])
+            done, why = _run_worker([job[i] for i in todo], Path(tmp), timeout)
+            for r in done:
+                results[todo[r.pop("index")]] = r
             left = [i for i in todo if i not in results]
-            if left and not done and not ready:
-                raise RuntimeError(f"the grading worker did not start: {log.read_text()[-2000:]}")
-            if left and not done:  # the worker died or hung on the first submission it had not finished
+            if why is None and left:
+                raise RuntimeError(f"the grading worker finished without grading {left}")
+            if left:  # the worker hung on, or died in, the first submission it had not finished
                 culprit = left.pop(0)
-                why = (f"error: grading stopped after {timeout:g} s without finishing (an endless loop?)" if killed
-                       else f"error: the grading process died (exit status {proc.returncode}) in this submission")
-                results[culprit] = {"name": submissions[culprit][0], "folder": str(submissions[culprit][1]),
-                                    "seconds": 0.0, "functions": {f: {"status": "error", "passed": 0, "total": 0,
-                                                                      "test": None, "message": why}
-                                                                  for f in (list(submissions[culprit][2:]) or
-                                                                            [functions])[0]}}
-            elif left:
-                raise RuntimeError(f"the grading worker finished without grading {left}; see {log}")
+                results[culprit] = {**{k: job[culprit][k] for k in ("name", "folder")}, "seconds": 0.0,
+                                    "functions": {f: {"status": "error", "passed": 0, "total": 0, "test": None,
+                                                      "message": why} for f in job[culprit]["functions"]}}
             todo = left
     return [results[i] for i in range(len(submissions))]
 
