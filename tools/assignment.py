@@ -617,7 +617,7 @@ def run_worker(job_path: Path, results_path: Path) -> int:
     return 0
 
 
-def _run_worker(job: list[dict], tmp: Path, timeout: float) -> tuple[list[dict], str | None]:
+def _watch_worker(job: list[dict], tmp: Path, timeout: float) -> tuple[list[dict], str | None]:
     """Run one worker on `job`; returns the results it wrote (with their job index) and, if it stopped before the
     end, why: it hung on a submission for `timeout` s, or died."""
     job_path, out, log = tmp / "job.json", tmp / "results.jsonl", tmp / "worker.log"
@@ -670,7 +670,7 @@ def grade_submissions(submissions: list[tuple], functions: list[str], timeout: f
     todo = list(range(len(submissions)))
     with tempfile.TemporaryDirectory() as tmp:
         while todo:
-            done, why = _run_worker([job[i] for i in todo], Path(tmp), timeout)
+            done, why = _watch_worker([job[i] for i in todo], Path(tmp), timeout)
             for r in done:
                 results[todo[r.pop("index")]] = r
             left = [i for i in todo if i not in results]
