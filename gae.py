@@ -13,7 +13,7 @@ Conventions (all tensors (B, T), T = response tokens; prompts are never part of 
     * `mask` is 1.0 on real response tokens, contiguous from position 0 and right-padded with 0.0.
     * The episode ends after the last real token: the value after it is 0 (terminal), and beyond the end of
       the response rewards and values count as 0. Whatever sits in `rewards` / `values` at padded positions
-      is ignored.
+      is ignored, even inf or NaN (padding is selected away with torch.where, never multiplied by 0).
     * Every output is 0 where `mask` is 0.
     * These are regression / policy-gradient *targets*: call them on detached tensors (the rollout computes
       values under torch.no_grad()); nothing here is meant to be differentiated through.
@@ -55,8 +55,8 @@ def k_step_return(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, k
         raise ValueError(f"gae.py: k_step_return needs k >= 1, got k={k}")
     B, T = rewards.shape
     pad = rewards.new_zeros(B, k)
-    r = torch.cat([rewards * mask, pad], dim=1)  # (B, T + k), r = 0 beyond the end
-    v = torch.cat([values * mask, pad], dim=1)  # (B, T + k), V = 0 beyond the end (terminal)
+    r = torch.cat([torch.where(mask != 0, rewards, 0.0), pad], dim=1)  # (B, T + k), r = 0 beyond the end
+    v = torch.cat([torch.where(mask != 0, values, 0.0), pad], dim=1)  # (B, T + k), V = 0 beyond the end (terminal)
     ret = rewards.new_zeros(B, T)  # (B, T)
     for l in range(k):
         ret = ret + gamma**l * r[:, l : l + T]  # Σ_{l<k} γ^l r_{t+l}   (Eq. 7)
@@ -70,7 +70,8 @@ def k_step_advantage(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float
     Âᵏ_t = Σ_{l=0}^{k−1} γ^l δ_{t+l} = R̂ᵏ_t − V(s_t) (the sum of TD errors telescopes). k = 1 gives δ_t; k ≥ the
     remaining length gives the Monte Carlo advantage Σ_l γ^l r_{t+l} − V(s_t). Same conventions as k_step_return.
     """
-    return (k_step_return(rewards, values, mask, gamma, k) - values) * mask  # Âᵏ_t = R̂ᵏ_t − V(s_t)   (Eq. 8)
+    advantages = k_step_return(rewards, values, mask, gamma, k) - values  # Âᵏ_t = R̂ᵏ_t − V(s_t)   (Eq. 8)
+    return torch.where(mask != 0, advantages, 0.0)  # (B, T), 0 at padding whatever `values` holds there
 
 
 def compute_gae(
@@ -90,8 +91,8 @@ def compute_gae(
     """
     _check_inputs(rewards, values, mask)
     B, T = rewards.shape
-    rewards = rewards * mask  # (B, T), padding contributes nothing
-    values = values * mask  # (B, T), so V(s_{t+1}) = 0 after the last real token: terminal
+    rewards = torch.where(mask != 0, rewards, 0.0)  # (B, T), padding contributes nothing (not even a NaN)
+    values = torch.where(mask != 0, values, 0.0)  # (B, T), so V(s_{t+1}) = 0 after the last real token: terminal
     advantages = torch.zeros_like(rewards)  # (B, T)
     last_gae = rewards.new_zeros(B)  # (B,) Â_{t+1}, 0 beyond the end of the tensor
     # The next lines implement GAE-λ as one backward pass: Â_t = δ_t + γλ Â_{t+1}.

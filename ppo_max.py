@@ -122,7 +122,8 @@ def scale_rewards(scores: Tensor, moments: RunningMoments, eps: float = 1e-8) ->
     """Reward scaling, the paper's ablation (Fig. 6): r / std(r) with the running std, no centring, no clip.
 
     This is what the authors' released scripts enable (see README, notes); the paper finds it ≈ vanilla PPO.
-    Same order as Eq. 18: update the moments with the batch first, then scale.
+    Same order as Eq. 18: update the moments with the batch first, then scale; this function only reads them.
+    eps: floor on the std, as in normalize_and_clip_rewards (a constant history gives r / eps, not inf).
     """
     return scores / max(moments.std, eps)  # r / std
 
@@ -143,7 +144,7 @@ def shape_rewards(
     kl_coef: η (0.05 in the paper's Fig. 7; 0.05/0.1/0.2 in Fig. 15).
     kl: optional per-token KL_t (B, T), e.g. ppo_loss.kl_full(logits, ref_logits); if None,
         KL_t = logprobs − ref_logprobs, the sampled-token log-ratio ("k1", unbiased for the sequence KL).
-    Returns rewards (B, T), 0 where mask is 0.
+    Returns rewards (B, T), 0 where mask is 0, whatever logprobs, ref_logprobs or kl hold there (even inf or NaN).
 
     Where the score goes: on the LAST REAL response token, index mask.sum(1) − 1, because that token is the
     action that ended the episode and the score judges the whole sequence it completed. Some peers (e.g. some
@@ -156,7 +157,7 @@ def shape_rewards(
     last = mask.sum(dim=1).long() - 1  # (B,) index of the last real response token
     if kl is None:
         kl = logprobs - ref_logprobs  # (B, T) KL_t ≈ log π_RL(y_t) − log π_SFT(y_t)   (k1)
-    non_score_reward = -kl_coef * kl * mask  # (B, T) −η KL_t   (Eq. 19)
+    non_score_reward = torch.where(mask != 0, -kl_coef * kl, 0.0)  # (B, T) −η KL_t   (Eq. 19), 0 at padding
     score_reward = torch.zeros_like(non_score_reward)  # (B, T)
     score_reward[torch.arange(B, device=mask.device), last] = scores.to(score_reward)  # r(x, y) at the end
     rewards = non_score_reward + score_reward  # r_t = r(x, y)·[t = last] − η KL_t   (Eq. 19)

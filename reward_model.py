@@ -72,7 +72,9 @@ def response_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, response_mas
     prompt position (which predicts the first response token) counts and the prompt tokens themselves do
     not. Position 0 is never predicted, so a response starting at t = 0 loses its first token.
     The mean is over all selected tokens of the batch (token-level, as `ptx_loss` in ppo_loss.py), so long
-    responses weigh more than short ones.
+    responses weigh more than short ones. Positions the mask leaves out never reach the mean, even if their
+    logits hold inf or NaN. bf16/fp16 logits are upcast to float32 first; float64 stays float64. A mask that
+    selects no predicted token is a ValueError (there would be nothing to average).
     """
     B, L, V = logits.shape
     if input_ids.shape != (B, L) or response_mask.shape != (B, L):

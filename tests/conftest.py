@@ -1,8 +1,10 @@
 """Test set-up: put the repo root on sys.path, and let a teacher point the equation tests at a student's code.
 
-Assignment mode (see README, "Teaching"): `PPO_MAX_IMPL=/path/to/student pytest tests/test_gae.py` makes
-`import gae`, `import ppo_loss`, `import reward_model` pick the student's files from that folder first, so the
-same tests that prove our implementation grade theirs.
+Assignment mode (see TEACHING.md): `PPO_MAX_IMPL=handout/ pytest tests/test_gae.py` makes `import gae`,
+`import ppo_loss`, `import reward_model` and `import ppo_max` load the student's files from that folder (where there
+is one); every other module (data, engine, ...) still comes from the repository. A relative PPO_MAX_IMPL is taken
+from the repository root, so it names the same folder whatever the current directory (tools/assignment.py's
+impl_folder; the exercises notebook reads it the same way).
 """
 import os
 import sys
@@ -12,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tools"))  # the tools (tiny_model, bench, gpu_check, assignment) import as modules too
 
-_impl = os.environ.get("PPO_MAX_IMPL")
-if _impl:
-    if not Path(_impl).is_dir():
-        raise SystemExit(f"PPO_MAX_IMPL={_impl!r} is not a directory")
-    sys.path.insert(0, str(Path(_impl).resolve()))
+if os.environ.get("PPO_MAX_IMPL"):
+    import assignment
+
+    try:
+        assignment.import_from(assignment.impl_folder(os.environ["PPO_MAX_IMPL"]))
+    except assignment.ImplFolderError as e:
+        raise SystemExit(f"error: {e}") from None

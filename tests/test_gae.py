@@ -37,7 +37,7 @@ def rows(rewards, values, lengths, b):
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.9), (0.9, 0.5), (0.99, 0.95), (0.7, 1.0), (0.8, 0.0)])
-def test_gae_eq9_equals_explicit_double_sum(gamma, lam):
+def test_compute_gae_eq9_equals_explicit_double_sum(gamma, lam):
     rewards, values, mask, lengths = ragged_batch(seed=1)
     adv, ret = gae.compute_gae(rewards, values, mask, gamma, lam)
     expected_adv = torch.zeros_like(adv)
@@ -51,7 +51,7 @@ def test_gae_eq9_equals_explicit_double_sum(gamma, lam):
     torch.testing.assert_close(ret, (expected_adv + values) * mask, atol=ATOL, rtol=RTOL)
 
 
-def test_gae_eq10_lambda0_is_td_error():
+def test_compute_gae_eq10_lambda0_is_td_error():
     gamma = 0.9
     rewards, values, mask, lengths = ragged_batch(seed=2)
     adv, _ = gae.compute_gae(rewards, values, mask, gamma, 0.0)
@@ -62,7 +62,7 @@ def test_gae_eq10_lambda0_is_td_error():
     torch.testing.assert_close(adv, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_gae_eq11_lambda1_is_discounted_return_minus_value():
+def test_compute_gae_eq11_lambda1_is_discounted_return_minus_value():
     gamma = 0.95
     rewards, values, mask, lengths = ragged_batch(seed=3)
     adv, ret = gae.compute_gae(rewards, values, mask, gamma, 1.0)
@@ -76,7 +76,7 @@ def test_gae_eq11_lambda1_is_discounted_return_minus_value():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7, 10])
-def test_k_step_eq7_return_equals_explicit_sum(k):
+def test_k_step_return_eq7_equals_explicit_sum(k):
     gamma = 0.9
     rewards, values, mask, lengths = ragged_batch(seed=4)
     got = gae.k_step_return(rewards, values, mask, gamma, k)
@@ -92,7 +92,7 @@ def test_k_step_eq7_return_equals_explicit_sum(k):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7, 10])
-def test_k_step_eq8_sum_of_td_errors_equals_return_minus_value(k):
+def test_k_step_advantage_eq8_sum_of_td_errors_equals_return_minus_value(k):
     gamma = 0.8
     rewards, values, mask, lengths = ragged_batch(seed=5)
     got = gae.k_step_advantage(rewards, values, mask, gamma, k)
@@ -111,7 +111,7 @@ def test_k_step_eq8_sum_of_td_errors_equals_return_minus_value(k):
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.9), (0.9, 0.5), (0.95, 0.0), (0.9, 1.0)])
-def test_gae_is_exponential_average_of_k_step_advantages(gamma, lam):
+def test_compute_gae_is_exponential_average_of_k_step_advantages(gamma, lam):
     """Â_t = (1−λ) Σ_{k≥1} λ^{k−1} Âᵏ_t. For an episode with n_t = n − t steps left, Âᵏ_t = Âⁿᵗ_t for every
     k ≥ n_t, so the infinite tail (1−λ) Σ_{k≥n_t} λ^{k−1} = λ^{n_t−1} goes to the full-return advantage."""
     rewards, values, mask, lengths = ragged_batch(seed=6)
@@ -129,18 +129,48 @@ def test_gae_is_exponential_average_of_k_step_advantages(gamma, lam):
     torch.testing.assert_close(adv, expected, atol=1e-10, rtol=1e-10)
 
 
-def test_gae_outputs_zero_after_mask():
-    rewards, values, mask, _ = ragged_batch(seed=7)  # padding holds ±1e3 junk
-    adv, ret = gae.compute_gae(rewards, values, mask, 0.9, 0.9)
+def nonfinite_padding(seed: int):
+    """ragged_batch with NaN rewards and ±inf values at every padded position, and the same batch with zeros there."""
+    rewards, values, mask, lengths = ragged_batch(seed=seed)
     pad = mask == 0
     assert pad.any()
-    for out in (adv, ret, gae.k_step_return(rewards, values, mask, 0.9, 3),
-                gae.k_step_advantage(rewards, values, mask, 0.9, 3)):
-        assert (out[pad] == 0).all()
-        assert out.abs().max() < 100  # the junk never leaked into a real position
+    clean = (rewards.masked_fill(pad, 0.0), values.masked_fill(pad, 0.0))
+    values = values.masked_fill(pad, float("inf"))
+    b, t = pad.nonzero()[0].tolist()
+    values[b, t] = float("-inf")  # one −inf among the +inf
+    return rewards.masked_fill(pad, float("nan")), values, clean, mask
 
 
-def test_gae_padding_does_not_change_result():
+def assert_padding_ignored(fn, seed: int):
+    """The module docstring's promise: every output is 0 where mask is 0, and whatever sits in rewards / values
+    at padded positions (±1e3 junk, NaN, ±inf) never reaches a real position."""
+    rewards, values, mask, _ = ragged_batch(seed=seed)  # padding holds ±1e3 junk
+    pad = mask == 0
+    out = fn(rewards, values, mask)
+    assert (out[pad] == 0).all(), f"expected 0 at every padded position, got {out[pad].tolist()}"
+    assert out.abs().max() < 100, f"junk (±1e3) at padded positions leaked into real ones: max |out| {out.abs().max()}"
+    nan_rewards, inf_values, (r0, v0), mask = nonfinite_padding(seed)
+    got = fn(nan_rewards, inf_values, mask)
+    assert torch.isfinite(got).all(), f"NaN / inf at padded positions leaked: expected finite, got {got.tolist()}"
+    torch.testing.assert_close(got, fn(r0, v0, mask), atol=0, rtol=0)
+
+
+def test_compute_gae_outputs_zero_after_mask_and_ignores_padding_values():
+    assert_padding_ignored(lambda r, v, m: gae.compute_gae(r, v, m, 0.9, 0.9)[0], seed=7)
+    assert_padding_ignored(lambda r, v, m: gae.compute_gae(r, v, m, 0.9, 0.9)[1], seed=7)
+
+
+def test_k_step_return_outputs_zero_after_mask_and_ignores_padding_values():
+    for k in (1, 3):
+        assert_padding_ignored(lambda r, v, m: gae.k_step_return(r, v, m, 0.9, k), seed=7)
+
+
+def test_k_step_advantage_outputs_zero_after_mask_and_ignores_padding_values():
+    for k in (1, 3):
+        assert_padding_ignored(lambda r, v, m: gae.k_step_advantage(r, v, m, 0.9, k), seed=7)
+
+
+def test_compute_gae_padding_does_not_change_result():
     """The same episodes, padded to a longer T, give the same numbers on the real tokens."""
     rewards, values, mask, _ = ragged_batch(seed=8)
     extra = torch.zeros(mask.shape[0], 3, dtype=torch.float64)
@@ -152,12 +182,21 @@ def test_gae_padding_does_not_change_result():
     torch.testing.assert_close(ret2[:, : mask.shape[1]], ret, atol=ATOL, rtol=RTOL)
 
 
-def test_gae_worked_example_numbers():
-    """The numbers printed by `python gae.py` and pasted at the bottom of the file."""
+def worked_example():
+    """The inputs of `python gae.py`'s worked example: one 3-token response, padded to T = 4 (its 9.0 is ignored)."""
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
     values = torch.tensor([[0.5, 0.6, 0.7, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
-    f64 = lambda xs: torch.tensor([xs], dtype=torch.float64)  # noqa: E731
+    return rewards, values, mask
+
+
+def f64(xs):
+    return torch.tensor([xs], dtype=torch.float64)
+
+
+def test_compute_gae_worked_example_numbers():
+    """The numbers printed by `python gae.py` and pasted at the bottom of the file (γ = 0.9, λ = 0.5)."""
+    rewards, values, mask = worked_example()
     adv, ret = gae.compute_gae(rewards, values, mask, 0.9, 0.5)
     torch.testing.assert_close(adv, f64([0.11425, 0.165, 0.3, 0.0]), atol=1e-12, rtol=0)
     torch.testing.assert_close(ret, f64([0.61425, 0.765, 1.0, 0.0]), atol=1e-12, rtol=0)
@@ -165,27 +204,56 @@ def test_gae_worked_example_numbers():
                                atol=1e-12, rtol=0)
     torch.testing.assert_close(gae.compute_gae(rewards, values, mask, 0.9, 1.0)[0], f64([0.31, 0.3, 0.3, 0.0]),
                                atol=1e-12, rtol=0)
-    torch.testing.assert_close(gae.k_step_advantage(rewards, values, mask, 0.9, 2), f64([0.067, 0.3, 0.3, 0.0]),
+
+
+def test_k_step_advantage_worked_example_numbers():
+    rewards, values, mask = worked_example()
+    for k, expected in [(1, [0.04, 0.03, 0.3, 0.0]), (2, [0.067, 0.3, 0.3, 0.0]), (3, [0.31, 0.3, 0.3, 0.0])]:
+        torch.testing.assert_close(gae.k_step_advantage(rewards, values, mask, 0.9, k), f64(expected),
+                                   atol=1e-12, rtol=0)
+
+
+def test_k_step_return_worked_example_numbers():
+    rewards, values, mask = worked_example()
+    # by hand, k = 2: R̂²_0 = 0 + 0.9·0 + 0.81·0.7 = 0.567;  R̂²_1 = 0 + 0.9·1 + 0.81·0 = 0.9;  R̂²_2 = 1
+    torch.testing.assert_close(gae.k_step_return(rewards, values, mask, 0.9, 2), f64([0.567, 0.9, 1.0, 0.0]),
                                atol=1e-12, rtol=0)
 
 
-def test_gae_float32_matches_float64():
+def test_compute_gae_float32_matches_float64():
     rewards, values, mask, _ = ragged_batch(seed=9)
     adv64, ret64 = gae.compute_gae(rewards, values, mask, 0.99, 0.9)
     adv32, ret32 = gae.compute_gae(rewards.float(), values.float(), mask.float(), 0.99, 0.9)
-    assert adv32.dtype == torch.float32
+    assert adv32.dtype == torch.float32, f"float32 inputs: expected float32 advantages, got {adv32.dtype}"
     torch.testing.assert_close(adv32.double(), adv64, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ret32.double(), ret64, atol=1e-4, rtol=1e-4)
 
 
-def test_gae_rejects_bad_shapes_and_masks():
+def test_compute_gae_rejects_bad_shapes_and_masks():
     rewards, values, mask, _ = ragged_batch(seed=10)
     with pytest.raises(ValueError, match="same shape"):
         gae.compute_gae(rewards, values[:, :-1], mask, 0.9, 0.9)
     with pytest.raises(ValueError, match="same shape"):
         gae.compute_gae(rewards[0], values[0], mask[0], 0.9, 0.9)
-    left_padded = mask.flip(1)
     with pytest.raises(ValueError, match="contiguous"):
-        gae.compute_gae(rewards, values, left_padded, 0.9, 0.9)
+        gae.compute_gae(rewards, values, mask.flip(1), 0.9, 0.9)  # left-padded
+    with pytest.raises(ValueError, match="only 0.0 and 1.0"):
+        gae.compute_gae(rewards, values, 0.5 * mask, 0.9, 0.9)
+
+
+def check_k_step_rejects_bad_inputs(fn):
+    rewards, values, mask, _ = ragged_batch(seed=10)
     with pytest.raises(ValueError, match="k >= 1"):
-        gae.k_step_return(rewards, values, mask, 0.9, 0)
+        getattr(gae, fn)(rewards, values, mask, 0.9, 0)
+    with pytest.raises(ValueError, match="same shape"):
+        getattr(gae, fn)(rewards, values[:, :-1], mask, 0.9, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        getattr(gae, fn)(rewards, values, mask.flip(1), 0.9, 2)
+
+
+def test_k_step_return_rejects_bad_inputs():
+    check_k_step_rejects_bad_inputs("k_step_return")
+
+
+def test_k_step_advantage_rejects_bad_inputs():
+    check_k_step_rejects_bad_inputs("k_step_advantage")

@@ -38,7 +38,7 @@ PPO_CASES = [
 
 
 @pytest.mark.parametrize("adv, ratio, objective, binds", PPO_CASES)
-def test_eq15_clip_cases_value_and_gradient(adv, ratio, objective, binds):
+def test_policy_loss_eq15_clip_cases_value_and_gradient(adv, ratio, objective, binds):
     old = torch.tensor([[math.log(0.3)]], dtype=D)
     logprobs = (old + math.log(ratio)).requires_grad_(True)
     loss, stats = ppo_loss.policy_loss(logprobs, old, torch.tensor([[adv]], dtype=D), torch.ones(1, 1, dtype=D), EPS)
@@ -47,10 +47,10 @@ def test_eq15_clip_cases_value_and_gradient(adv, ratio, objective, binds):
     # d(−ρA)/d log π = −ρA inside or on the pessimistic side; exactly 0 where the clip binds
     expected_grad = 0.0 if binds else -ratio * adv
     torch.testing.assert_close(logprobs.grad, torch.tensor([[expected_grad]], dtype=D), **EXACT)
-    assert stats["clipfrac"] == (1.0 if binds else 0.0)
+    assert stats["clipfrac"] == (1.0 if binds else 0.0), f"clipfrac: expected {float(binds)}, got {stats['clipfrac']}"
 
 
-def test_eq15_no_clip_is_mean_ratio_times_advantage():
+def test_policy_loss_eq15_no_clip_is_mean_ratio_times_advantage():
     g = torch.Generator().manual_seed(0)
     old = torch.randn(3, 4, generator=g, dtype=D)
     logprobs = old + 0.5 * torch.randn(3, 4, generator=g, dtype=D)  # ratios far outside [0.8, 1.2]
@@ -58,10 +58,10 @@ def test_eq15_no_clip_is_mean_ratio_times_advantage():
     mask = torch.ones(3, 4, dtype=D)
     loss, stats = ppo_loss.policy_loss(logprobs, old, adv, mask, clip_eps=None)
     torch.testing.assert_close(loss, -(torch.exp(logprobs - old) * adv).mean(), **EXACT)
-    assert stats["clipfrac"] == 0.0
+    assert stats["clipfrac"] == 0.0, f"clipfrac without a clip: expected 0.0, got {stats['clipfrac']}"
 
 
-def test_eq15_token_level_mean_ragged_mask_matches_loop():
+def test_policy_loss_eq15_token_level_mean_ragged_mask_matches_loop():
     g = torch.Generator().manual_seed(1)
     B, T, lengths = 3, 5, [5, 2, 3]
     old = torch.randn(B, T, generator=g, dtype=D)
@@ -95,7 +95,7 @@ def test_eq15_token_level_mean_ragged_mask_matches_loop():
     assert abs(-sum(per_seq) / B - loss.item()) > 1e-3
 
 
-def test_eq15_ratio_one_gives_minus_mean_advantage_and_zero_kl():
+def test_policy_loss_eq15_ratio_one_gives_minus_mean_advantage_and_zero_kl():
     old = torch.randn(2, 3, dtype=D)
     adv = torch.randn(2, 3, dtype=D)
     mask = torch.ones(2, 3, dtype=D)
@@ -104,17 +104,32 @@ def test_eq15_ratio_one_gives_minus_mean_advantage_and_zero_kl():
     assert stats["approx_kl"] == 0.0 and stats["ratio"] == pytest.approx(1.0) and stats["clipfrac"] == 0.0
 
 
-def test_eq15_shape_mismatch_is_an_error():
+def test_policy_loss_rejects_mismatched_shapes_and_negative_clip_eps():
     x = torch.zeros(2, 3, dtype=D)
     with pytest.raises(ValueError, match="advantages"):
         ppo_loss.policy_loss(x, x, torch.zeros(2, 1, dtype=D), torch.ones(2, 3, dtype=D), EPS)
+    with pytest.raises(ValueError, match="clip_eps"):
+        ppo_loss.policy_loss(x, x, x, torch.ones(2, 3, dtype=D), -0.1)
+
+
+def test_policy_loss_treats_old_logprobs_and_advantages_as_constants():
+    """The docstring: old_logprobs and advantages are treated as constants; only logprobs gets a gradient."""
+    g = torch.Generator().manual_seed(12)
+    old = torch.randn(2, 4, generator=g, dtype=D).requires_grad_(True)
+    logprobs = (old.detach() + 0.3 * torch.randn(2, 4, generator=g, dtype=D)).requires_grad_(True)
+    adv = torch.randn(2, 4, generator=g, dtype=D).requires_grad_(True)
+    loss, _ = ppo_loss.policy_loss(logprobs, old, adv, ragged_mask([4, 2], 4), EPS)
+    loss.backward()
+    assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0, "expected a gradient into logprobs, got none"
+    assert old.grad is None, f"expected no gradient into old_logprobs (a constant), got {old.grad.tolist()}"
+    assert adv.grad is None, f"expected no gradient into advantages (a constant), got {adv.grad.tolist()}"
 
 
 # ----------------------------------------------------------------------------------------------------
 # Value loss (Eq. 16)
 # ----------------------------------------------------------------------------------------------------
 
-def test_eq16_value_loss_clipping_matches_loop():
+def test_value_loss_eq16_clipping_matches_loop():
     g = torch.Generator().manual_seed(2)
     B, T, lengths, c = 3, 4, [4, 1, 3], 0.2
     values = torch.randn(B, T, generator=g, dtype=D)
@@ -136,7 +151,7 @@ def test_eq16_value_loss_clipping_matches_loop():
     assert stats["vf_clipfrac"] == pytest.approx(n_clip / n, abs=1e-12)
 
 
-def test_eq16_value_loss_no_clip_is_masked_mse_without_half():
+def test_value_loss_eq16_no_clip_is_masked_mse_without_half():
     g = torch.Generator().manual_seed(3)
     values = torch.randn(2, 5, generator=g, dtype=D)
     returns = torch.randn(2, 5, generator=g, dtype=D)
@@ -144,58 +159,96 @@ def test_eq16_value_loss_no_clip_is_masked_mse_without_half():
     loss, stats = ppo_loss.value_loss(values, values + 1.0, returns, mask)  # old_values unused without clip
     sel = mask.bool()
     torch.testing.assert_close(loss, F.mse_loss(values[sel], returns[sel]), **EXACT)
-    assert stats["vf_clipfrac"] == 0.0
+    assert stats["vf_clipfrac"] == 0.0, f"vf_clipfrac without a clip: expected 0.0, got {stats['vf_clipfrac']}"
     expected_ev = 1 - torch.var(returns[sel] - values[sel], unbiased=False) / torch.var(returns[sel], unbiased=False)
     assert stats["vf_explained_var"] == pytest.approx(expected_ev.item(), abs=1e-12)
 
 
-def test_eq16_value_clipping_zero_gradient_outside_clip_region():
+def test_value_loss_eq16_clipping_zero_gradient_outside_clip_region():
     # V moved 0.5 away from V_old (beyond c = 0.2) in the direction away from R: the clipped term wins.
     values = torch.tensor([[1.5]], dtype=D, requires_grad=True)
     loss, _ = ppo_loss.value_loss(values, torch.tensor([[1.0]], dtype=D), torch.tensor([[3.0]], dtype=D),
                                   torch.ones(1, 1, dtype=D), clip_range=0.2)
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor((1.2 - 3.0) ** 2, dtype=D), **EXACT)
-    assert values.grad.item() == 0.0
+    assert values.grad.item() == 0.0, f"the clipped term wins: expected gradient 0, got {values.grad.item()}"
+
+
+def test_value_loss_explained_var_is_nan_for_constant_returns():
+    values = torch.tensor([[0.1, 0.4, -0.2]], dtype=D)
+    loss, stats = ppo_loss.value_loss(values, values, torch.full((1, 3), 2.0, dtype=D), torch.ones(1, 3, dtype=D))
+    assert math.isnan(stats["vf_explained_var"]), f"expected NaN for constant returns, got {stats['vf_explained_var']}"
+    torch.testing.assert_close(loss, ((values - 2.0) ** 2).mean(), **EXACT)
+
+
+def test_value_loss_treats_old_values_and_returns_as_constants():
+    g = torch.Generator().manual_seed(13)
+    values = torch.randn(2, 3, generator=g, dtype=D).requires_grad_(True)
+    old_values = (values.detach() + 0.5 * torch.randn(2, 3, generator=g, dtype=D)).requires_grad_(True)
+    returns = torch.randn(2, 3, generator=g, dtype=D).requires_grad_(True)
+    loss, _ = ppo_loss.value_loss(values, old_values, returns, torch.ones(2, 3, dtype=D), clip_range=0.2)
+    loss.backward()
+    assert values.grad is not None and values.grad.abs().sum() > 0, "expected a gradient into values, got none"
+    assert old_values.grad is None, f"expected no gradient into old_values (a constant), got {old_values.grad}"
+    assert returns.grad is None, f"expected no gradient into returns (a constant), got {returns.grad}"
+
+
+def test_value_loss_rejects_mismatched_shapes():
+    x = torch.zeros(2, 3, dtype=D)
+    with pytest.raises(ValueError, match="returns"):
+        ppo_loss.value_loss(x, x, torch.zeros(2, 1, dtype=D), torch.ones(2, 3, dtype=D))
 
 
 # ----------------------------------------------------------------------------------------------------
 # KL (Eq. 3, 19)
 # ----------------------------------------------------------------------------------------------------
 
-def test_eq19_kl_full_matches_torch_distributions():
+def test_kl_full_eq19_matches_torch_distributions():
     g = torch.Generator().manual_seed(4)
     logits = 3 * torch.randn(2, 5, 7, generator=g, dtype=D)
     ref_logits = 3 * torch.randn(2, 5, 7, generator=g, dtype=D)
     expected = kl_divergence(Categorical(logits=logits), Categorical(logits=ref_logits))  # (2, 5)
     torch.testing.assert_close(ppo_loss.kl_full(logits, ref_logits), expected, rtol=1e-10, atol=1e-12)
-    assert (ppo_loss.kl_full(logits, ref_logits) >= 0).all()
+    kl = ppo_loss.kl_full(logits, ref_logits)
+    assert (kl >= 0).all(), f"an exact KL is ≥ 0: got {kl.min().item()}"
 
 
-def test_eq19_kl_full_zero_for_equal_logits_and_shift_invariant():
+def test_kl_full_eq19_zero_for_equal_logits_and_shift_invariant():
     logits = torch.randn(3, 4, 11, dtype=D)
     torch.testing.assert_close(ppo_loss.kl_full(logits, logits), torch.zeros(3, 4, dtype=D), rtol=0, atol=1e-14)
     torch.testing.assert_close(ppo_loss.kl_full(logits, logits + 100.0), torch.zeros(3, 4, dtype=D), rtol=0, atol=1e-12)
 
 
-def test_eq19_kl_full_stable_for_large_logits():
+def test_kl_full_eq19_stable_for_large_logits():
     logits = torch.tensor([[[1000.0, 0.0, -1000.0]]], dtype=torch.float32)
     ref_logits = torch.zeros(1, 1, 3)
     kl = ppo_loss.kl_full(logits, ref_logits)
     torch.testing.assert_close(kl, torch.tensor([[math.log(3)]]), rtol=1e-6, atol=1e-6)  # KL(δ_0 ‖ uniform) = log 3
 
 
-def test_eq19_k2_k3_nonnegative_k1_can_be_negative():
+def test_kl_full_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="ref_logits"):
+        ppo_loss.kl_full(torch.zeros(1, 2, 5, dtype=D), torch.zeros(1, 2, 4, dtype=D))
+
+
+def test_kl_sampled_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        ppo_loss.kl_sampled(torch.zeros(2, 3, dtype=D), torch.zeros(2, 1, dtype=D), "k3")
+
+
+def test_kl_sampled_eq19_k2_k3_nonnegative_k1_can_be_negative():
     g = torch.Generator().manual_seed(5)
     logprobs = torch.randn(4, 50, generator=g, dtype=D)
     ref_logprobs = torch.randn(4, 50, generator=g, dtype=D)
-    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k3") >= 0).all()
-    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k2") >= 0).all()
-    assert (ppo_loss.kl_sampled(logprobs, ref_logprobs, "k1") < 0).any()
+    for kind in ("k2", "k3"):
+        k = ppo_loss.kl_sampled(logprobs, ref_logprobs, kind)
+        assert (k >= 0).all(), f"{kind} is ≥ 0 for every token: got {k.min().item()}"
+    k1 = ppo_loss.kl_sampled(logprobs, ref_logprobs, "k1")
+    assert (k1 < 0).any(), f"k1 = log π − log π_ref is negative where π < π_ref: got min {k1.min().item()}"
     torch.testing.assert_close(ppo_loss.kl_sampled(logprobs, logprobs, "k3"), torch.zeros(4, 50, dtype=D), **EXACT)
 
 
-def test_eq19_k1_k3_monte_carlo_mean_approaches_exact_kl():
+def test_kl_sampled_eq19_k1_k3_monte_carlo_mean_approaches_exact_kl():
     # Tokens sampled from π: the means of k1 and k3 are unbiased for KL(π ‖ π_ref). N = 200,000 samples,
     # fixed seed; tolerance = 4 standard errors of each estimator (measured from the same samples).
     # π_ref is a perturbation of π (KL ≈ 0.06), the regime of RLHF, where k3 has the lower variance.
@@ -210,14 +263,15 @@ def test_eq19_k1_k3_monte_carlo_mean_approaches_exact_kl():
     for kind in ("k1", "k3"):
         k = ppo_loss.kl_sampled(logprobs, ref_logprobs, kind)
         stderr = (k.std() / math.sqrt(N)).item()
-        assert abs(k.mean().item() - exact) < 4 * stderr, (kind, k.mean().item(), exact, stderr)
+        assert abs(k.mean().item() - exact) < 4 * stderr, \
+            f"{kind}: Monte Carlo mean expected {exact:.5f} ± {4 * stderr:.5f} (the exact KL), got {k.mean().item():.5f}"
     assert 0.01 < exact < 0.2
     # k3 has lower variance than k1 when π ≈ π_ref (Schulman 2020); far apart it need not
     k1, k3 = (ppo_loss.kl_sampled(logprobs, ref_logprobs, kind) for kind in ("k1", "k3"))
-    assert k3.std() < k1.std()
+    assert k3.std() < k1.std(), f"k3 has the lower variance when π ≈ π_ref: std k3 {k3.std():.4f}, k1 {k1.std():.4f}"
 
 
-def test_eq19_kl_sampled_formulas():
+def test_kl_sampled_eq19_formulas():
     lp, ref = torch.tensor([[-0.5]], dtype=D), torch.tensor([[-1.25]], dtype=D)
     log_r = 0.75
     torch.testing.assert_close(ppo_loss.kl_sampled(lp, ref, "k1"), torch.tensor([[log_r]], dtype=D), **EXACT)
@@ -243,6 +297,26 @@ def test_entropy_matches_torch_distributions():
     torch.testing.assert_close(ppo_loss.entropy(logits), Categorical(logits=logits).entropy(), rtol=1e-12, atol=1e-12)
 
 
+# float32 logits with large gaps, as a peaked policy gives: e^{−150} underflows to 0 in float32, so log(softmax)
+# gives log 0 = −inf for the last token, and 0·(−inf) = NaN in the entropy. log_softmax gives −150.
+GAP_LOGITS = [30.0, 0.0, -120.0]
+
+
+def log_softmax_by_hand(logits: list[float]) -> list[float]:
+    """log π(v) = l_v − (max + log Σ exp(l − max)) in python floats (float64)."""
+    top = max(logits)
+    lse = top + math.log(sum(math.exp(l - top) for l in logits))
+    return [l - lse for l in logits]
+
+
+def test_entropy_finite_in_float32_at_large_logit_gaps():
+    logp = log_softmax_by_hand(GAP_LOGITS)
+    expected = -sum(math.exp(lp) * lp for lp in logp)  # ≈ 30 e^{−30} ≈ 2.8e-12
+    h = ppo_loss.entropy(torch.tensor([[GAP_LOGITS]], dtype=torch.float32))
+    assert torch.isfinite(h).all(), f"entropy of float32 logits {GAP_LOGITS}: expected {expected:.3g}, got {h.item()}"
+    torch.testing.assert_close(h, torch.tensor([[expected]], dtype=torch.float32), rtol=0, atol=1e-6)
+
+
 def test_entropy_bonus_zero_gradient_above_clip_nonzero_below():
     V = 8
     mask = ragged_mask([3, 1], 3)
@@ -250,22 +324,24 @@ def test_entropy_bonus_zero_gradient_above_clip_nonzero_below():
     high = (0.01 * torch.randn(2, 3, V, dtype=D)).requires_grad_(True)
     loss, stats = ppo_loss.entropy_bonus_loss(high, mask, coef=0.01, clip=1.5)
     loss.backward()
-    assert stats["entropy"] > 1.5 and stats["entropy_bonus_active"] == 0.0
-    assert loss.item() == 0.0
-    assert torch.count_nonzero(high.grad) == 0
+    assert stats["entropy"] > 1.5, f"near-uniform logits over 8 tokens: expected H̄ ≈ log 8, got {stats['entropy']}"
+    assert stats["entropy_bonus_active"] == 0.0
+    assert loss.item() == 0.0, f"H̄ above the clip: expected loss 0, got {loss.item()}"
+    assert torch.count_nonzero(high.grad) == 0, "H̄ above the clip: expected zero gradient, got a nonzero one"
 
     # peaked logits: H̄ < clip → the gradient equals that of the unclipped bonus −coef·H̄, nonzero
     low = (5 * torch.randn(2, 3, V, dtype=D)).requires_grad_(True)
     loss, stats = ppo_loss.entropy_bonus_loss(low, mask, coef=0.01, clip=1.5)
-    assert stats["entropy"] < 1.5 and stats["entropy_bonus_active"] == 1.0
+    assert stats["entropy"] < 1.5, f"peaked logits: expected H̄ < 1.5, got {stats['entropy']}"
+    assert stats["entropy_bonus_active"] == 1.0
     (grad_clipped,) = torch.autograd.grad(loss, low)
     mean_h = (Categorical(logits=low).entropy() * mask).sum() / mask.sum()  # independent H̄
     (grad_unclipped,) = torch.autograd.grad(-0.01 * mean_h, low)
-    assert grad_clipped.abs().max() > 0
+    assert grad_clipped.abs().max() > 0, "H̄ below the clip: expected a gradient, got zero"
     torch.testing.assert_close(grad_clipped, grad_unclipped, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(loss, 0.01 * (1.5 - mean_h.detach()), **EXACT)
     # padding positions (mask 0) get no gradient
-    assert torch.count_nonzero(grad_clipped[1, 1:]) == 0
+    assert torch.count_nonzero(grad_clipped[1, 1:]) == 0, "expected no gradient at padding positions, got some"
 
 
 def test_entropy_bonus_no_clip_is_minus_coef_mean_entropy():
@@ -289,6 +365,35 @@ def test_masked_mean_matches_loop():
     torch.testing.assert_close(ppo_loss.masked_mean(x, mask), torch.tensor(sum(vals) / len(vals), dtype=D), **EXACT)
     rows = torch.tensor([sum(x[b, :n].tolist()) / n for b, n in enumerate(lengths)], dtype=D)
     torch.testing.assert_close(ppo_loss.masked_mean(x, mask, dim=1), rows, **EXACT)
+
+
+def test_masked_mean_empty_mask_is_zero_not_nan():
+    x = torch.randn(2, 3, dtype=D)
+    got = ppo_loss.masked_mean(x, torch.zeros(2, 3, dtype=D))
+    assert got.item() == 0.0, f"all-zero mask: expected 0, got {got.item()}"
+    rows = ppo_loss.masked_mean(x, ragged_mask([3, 0], 3), dim=1)  # an all-zero row along dim
+    expected = torch.tensor([x[0].mean().item(), 0.0], dtype=D)
+    assert torch.isfinite(rows).all(), f"all-zero row along dim: expected {expected.tolist()}, got {rows.tolist()}"
+    torch.testing.assert_close(rows, expected, **EXACT)
+
+
+def test_masked_mean_ignores_nan_and_inf_at_masked_positions():
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(3, 4, generator=g, dtype=D)
+    mask = ragged_mask([4, 1, 2], 4)
+    expected = ppo_loss.masked_mean(x, mask), ppo_loss.masked_mean(x, mask, dim=1)
+    junk = x.clone()
+    junk[1, 1:] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=D)  # e.g. padding logprobs
+    junk[2, 2:] = float("nan")
+    got = ppo_loss.masked_mean(junk, mask)
+    assert torch.isfinite(got), f"NaN/inf at masked positions leaked: expected {expected[0].item():.6g}, got {got.item()}"
+    torch.testing.assert_close(got, expected[0], **EXACT)
+    torch.testing.assert_close(ppo_loss.masked_mean(junk, mask, dim=1), expected[1], **EXACT)
+
+
+def test_masked_mean_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="mask"):
+        ppo_loss.masked_mean(torch.zeros(2, 3, dtype=D), torch.ones(2, 1, dtype=D))
 
 
 def test_masked_var_ddof():
@@ -318,6 +423,29 @@ def test_masked_whiten_zero_mean_unit_variance_padding_untouched():
     torch.testing.assert_close(torch.var(w2[mask.bool()], unbiased=False), one, rtol=0, atol=1e-7)
 
 
+def test_masked_whiten_padding_unchanged_and_never_in_the_statistics():
+    """Masked entries are returned as they are (even NaN / inf) and never enter μ or σ²."""
+    g = torch.Generator().manual_seed(15)
+    x = 3.0 + 2.0 * torch.randn(2, 5, generator=g, dtype=D)
+    mask = ragged_mask([5, 2], 5)
+    sel = x[mask.bool()]
+    expected = (sel - sel.mean()) / torch.sqrt(torch.var(sel, unbiased=False) + 1e-8)  # μ, σ² of the real entries
+    x[1, 2:] = torch.tensor([7.0, float("nan"), float("inf")], dtype=D)
+    w = ppo_loss.masked_whiten(x, mask)
+    torch.testing.assert_close(w[mask.bool()], expected, **EXACT)
+    torch.testing.assert_close(w[mask == 0], x[mask == 0], rtol=0, atol=0, equal_nan=True)
+
+
+def test_masked_whiten_eps_inside_the_square_root():
+    """(x − μ) / sqrt(σ² + eps): with σ² = 2.5e-9 the eps = 1e-8 of the default changes the result a lot."""
+    x = torch.tensor([[0.0, 1e-4]], dtype=D)
+    mask = torch.ones(1, 2, dtype=D)
+    expected = torch.tensor([[-5e-5, 5e-5]], dtype=D) / math.sqrt(2.5e-9 + 1e-8)  # ±0.4472
+    torch.testing.assert_close(ppo_loss.masked_whiten(x, mask), expected, rtol=1e-10, atol=0)
+    torch.testing.assert_close(ppo_loss.masked_whiten(x, mask, eps=1e-6), expected * math.sqrt(1.25e-8 / 1.0025e-6),
+                               rtol=1e-10, atol=0)
+
+
 def test_logprobs_from_logits_matches_categorical_log_prob():
     g = torch.Generator().manual_seed(10)
     logits = 4 * torch.randn(2, 5, 13, generator=g, dtype=D)
@@ -328,11 +456,19 @@ def test_logprobs_from_logits_matches_categorical_log_prob():
         ppo_loss.logprobs_from_logits(logits, tokens[:, :4])
 
 
+def test_logprobs_from_logits_finite_in_float32_at_large_logit_gaps():
+    expected = log_softmax_by_hand(GAP_LOGITS)  # ≈ [−9.4e-14, −30, −150]
+    logits = torch.tensor([[GAP_LOGITS] * 3], dtype=torch.float32)  # (1, 3, 3): every token of the vocabulary
+    got = ppo_loss.logprobs_from_logits(logits, torch.tensor([[0, 1, 2]]))
+    assert torch.isfinite(got).all(), f"log π of float32 logits {GAP_LOGITS}: expected {expected}, got {got.tolist()}"
+    torch.testing.assert_close(got, torch.tensor([expected], dtype=torch.float32), rtol=1e-6, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------------
 # PPO-ptx (Eq. 17)
 # ----------------------------------------------------------------------------------------------------
 
-def test_eq17_ptx_loss_matches_cross_entropy_on_unmasked_positions():
+def test_ptx_loss_eq17_matches_cross_entropy_on_unmasked_positions():
     g = torch.Generator().manual_seed(11)
     B, L, V = 3, 6, 10
     logits = torch.randn(B, L, V, generator=g, dtype=D)
@@ -356,7 +492,7 @@ def test_eq17_ptx_loss_matches_cross_entropy_on_unmasked_positions():
 # The worked example printed by `python ppo_loss.py`
 # ----------------------------------------------------------------------------------------------------
 
-def test_worked_example_numbers():
+def test_policy_loss_worked_example_numbers():
     old = torch.log(torch.full((2, 3), 0.5, dtype=D))
     ratio = torch.tensor([[1.1, 1.5, 0.9], [0.5, 1.3, 1.0]], dtype=D)
     adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, 0.5, 0.0]], dtype=D)
@@ -369,6 +505,8 @@ def test_worked_example_numbers():
     loss, _ = ppo_loss.policy_loss(old + ratio.log(), old, adv, mask, clip_eps=None)
     assert loss.item() == pytest.approx(-0.370000, abs=1e-6)
 
+
+def test_value_loss_worked_example_numbers():
     values = torch.tensor([[1.0, 0.5, -0.3]], dtype=D)
     old_values = torch.tensor([[0.5, 0.6, 0.0]], dtype=D)
     returns = torch.tensor([[2.0, 0.0, 0.2]], dtype=D)
@@ -378,19 +516,38 @@ def test_worked_example_numbers():
     assert stats["vf_clipfrac"] == pytest.approx(0.333333, abs=1e-6)
     assert ppo_loss.value_loss(values, old_values, returns, vmask)[0].item() == pytest.approx(0.5, abs=1e-6)
 
-    logits = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=D)
-    ref_logits = torch.zeros(1, 1, 3, dtype=D)
-    tok = torch.zeros(1, 1, dtype=torch.long)
-    lp, ref_lp = ppo_loss.logprobs_from_logits(logits, tok), ppo_loss.logprobs_from_logits(ref_logits, tok)
-    assert ppo_loss.kl_full(logits, ref_logits).item() == pytest.approx(0.266217, abs=1e-6)
+
+# the worked example's V = 3 distribution; the sampled token is token 0
+WE_LOGITS = torch.tensor([[[2.0, 1.0, 0.0]]], dtype=D)
+WE_REF_LOGITS = torch.zeros(1, 1, 3, dtype=D)
+
+
+def test_kl_full_worked_example_numbers():
+    assert ppo_loss.kl_full(WE_LOGITS, WE_REF_LOGITS).item() == pytest.approx(0.266217, abs=1e-6)
+
+
+def test_kl_sampled_worked_example_numbers():
+    lp = torch.tensor([[2.0 - math.log(math.exp(2) + math.exp(1) + 1)]], dtype=D)  # log π(0) of logits [2, 1, 0]
+    ref_lp = torch.tensor([[-math.log(3)]], dtype=D)  # log π_ref(0), uniform over 3
     assert ppo_loss.kl_sampled(lp, ref_lp, "k1").item() == pytest.approx(0.691006, abs=1e-6)
     assert ppo_loss.kl_sampled(lp, ref_lp, "k2").item() == pytest.approx(0.238745, abs=1e-6)
     assert ppo_loss.kl_sampled(lp, ref_lp, "k3").item() == pytest.approx(0.192078, abs=1e-6)
-    assert ppo_loss.entropy(logits).item() == pytest.approx(0.832396, abs=1e-6)
-    assert ppo_loss.entropy(ref_logits).item() == pytest.approx(1.098612, abs=1e-6)
-    loss, _ = ppo_loss.entropy_bonus_loss(logits, torch.ones(1, 1, dtype=D), coef=0.01, clip=1.0)
+
+
+def test_logprobs_from_logits_worked_example_numbers():
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    assert ppo_loss.logprobs_from_logits(WE_LOGITS, tok).item() == pytest.approx(-0.407606, abs=1e-6)
+    assert ppo_loss.logprobs_from_logits(WE_REF_LOGITS, tok).item() == pytest.approx(-math.log(3), abs=1e-12)
+
+
+def test_entropy_worked_example_numbers():
+    assert ppo_loss.entropy(WE_LOGITS).item() == pytest.approx(0.832396, abs=1e-6)
+    assert ppo_loss.entropy(WE_REF_LOGITS).item() == pytest.approx(1.098612, abs=1e-6)
+    loss, _ = ppo_loss.entropy_bonus_loss(WE_LOGITS, torch.ones(1, 1, dtype=D), coef=0.01, clip=1.0)
     assert loss.item() == pytest.approx(0.001676, abs=1e-6)
 
+
+def test_ptx_loss_worked_example_numbers():
     ptx_logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0], [1.0, 1.0, 1.0]]], dtype=D)
     loss, stats = ppo_loss.ptx_loss(ptx_logits, torch.tensor([[0, 1, 2, 0]]), torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
     assert loss.item() == pytest.approx(2.239545, abs=1e-6)  # log(e² + 2)

@@ -21,47 +21,51 @@ def sigmoid(z: float) -> float:
 
 
 # ----------------------------------------------------------------------------------- Bradley–Terry (Eq. 1)
-def test_bradley_terry_equal_rewards_is_log2():
+def test_bradley_terry_loss_equal_rewards_is_log2():
     r = torch.tensor([0.0, 1.5, -2.0, 7.0], dtype=torch.float64)
     loss, stats = rm.bradley_terry_loss(r, r.clone())
     torch.testing.assert_close(loss, torch.tensor(math.log(2), dtype=torch.float64), rtol=0, atol=1e-12)
-    assert stats["accuracy"] == 0.5 and stats["margin"] == 0.0
+    assert (stats["accuracy"], stats["margin"]) == (0.5, 0.0), \
+        f"equal rewards: expected accuracy 0.5 and margin 0.0, got {stats['accuracy']} and {stats['margin']}"
 
 
-def test_bradley_terry_textbook_exercise():
+def test_bradley_terry_loss_textbook_exercise():
     # r_w = 3.2, r_l = 1.5: P(y_w ≻ y_l) = 1 / (1 + e^{−1.7}) ≈ 0.8455 (textbook exercise; __main__ prints 0.845535)
     p = 1.0 / (1.0 + math.exp(-(3.2 - 1.5)))
     assert abs(p - 0.845535) < 1e-6 and round(p, 3) == 0.846
     loss, stats = rm.bradley_terry_loss(torch.tensor([3.2], dtype=torch.float64), torch.tensor([1.5], dtype=torch.float64))
     torch.testing.assert_close(loss.item(), -math.log(p), rtol=0, atol=1e-12)
-    assert abs(loss.item() - 0.167786) < 1e-6          # number printed by `python reward_model.py`
-    assert stats["accuracy"] == 1.0 and abs(stats["margin"] - 1.7) < 1e-12
+    assert abs(loss.item() - 0.167786) < 1e-6, f"expected 0.167786, got {loss.item():.6f}"  # `python reward_model.py`
+    assert stats["accuracy"] == 1.0 and abs(stats["margin"] - 1.7) < 1e-12, \
+        f"expected accuracy 1.0 and margin 1.7, got {stats['accuracy']} and {stats['margin']}"
 
 
-def test_bradley_terry_worked_example_batch():
+def test_bradley_terry_loss_worked_example_batch():
     # __main__: margins 1, 0, −1, 2000 -> loss 0.579918, accuracy 0.625 (tie = ½), margin 500.00
     loss, stats = rm.bradley_terry_loss(torch.tensor([1.0, 0.0, 2.0, 1000.0], dtype=torch.float64),
                                         torch.tensor([0.0, 0.0, 3.0, -1000.0], dtype=torch.float64))
     by_hand = -sum(math.log(sigmoid(m)) for m in (1.0, 0.0, -1.0, 2000.0)) / 4
     torch.testing.assert_close(loss.item(), by_hand, rtol=0, atol=1e-12)
-    assert abs(loss.item() - 0.579918) < 1e-6
-    assert stats["accuracy"] == 0.625 and stats["margin"] == 500.0
+    assert abs(loss.item() - 0.579918) < 1e-6, f"expected 0.579918, got {loss.item():.6f}"
+    assert stats["accuracy"] == 0.625 and stats["margin"] == 500.0, \
+        f"expected accuracy 0.625 (a tie counts ½) and margin 500.0, got {stats['accuracy']} and {stats['margin']}"
 
 
-def test_bradley_terry_stable_at_large_margins():
+def test_bradley_terry_loss_stable_at_large_margins():
     for dtype in (torch.float32, torch.float64):
         r_w = torch.tensor([1000.0, -1000.0], dtype=dtype, requires_grad=True)
         r_l = torch.zeros(2, dtype=dtype)
         loss, _ = rm.bradley_terry_loss(r_w, r_l)
         loss.backward()
-        assert torch.isfinite(loss) and torch.isfinite(r_w.grad).all()
+        assert torch.isfinite(loss) and torch.isfinite(r_w.grad).all(), \
+            f"{dtype} margins ±1000: expected a finite loss and gradient, got {loss.item()} and {r_w.grad.tolist()}"
         # −log σ(1000) = log(1 + e^{−1000}) ≈ 0; −log σ(−1000) = 1000 + log(1 + e^{−1000}) ≈ 1000
         torch.testing.assert_close(loss.item(), (0.0 + 1000.0) / 2, rtol=1e-6, atol=0)
         # d/dr_w of −log σ(m)/B is −(1 − σ(m))/B: 0 for m = 1000, −½ for m = −1000
         torch.testing.assert_close(r_w.grad, torch.tensor([0.0, -0.5], dtype=dtype), rtol=0, atol=1e-6)
 
 
-def test_bradley_terry_gradient_matches_autograd_of_hand_formula():
+def test_bradley_terry_loss_gradient_matches_autograd_of_hand_formula():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(6, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
     x1, y1 = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -86,9 +90,11 @@ def test_accuracy_counts_ties_as_half():
     assert rm.accuracy(r_w, r_l) == by_loop == 0.6
 
 
-def test_bradley_terry_rejects_mismatched_shapes():
+def test_bradley_terry_loss_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="same shape"):
         rm.bradley_terry_loss(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"\(B,\)"):  # one score per pair: (B, 1) would broadcast silently elsewhere
+        rm.bradley_terry_loss(torch.zeros(3, 1), torch.zeros(3, 1))
 
 
 # ------------------------------------------------------------------------------- LM term and RM loss (Eq. 2)
@@ -124,7 +130,57 @@ def test_response_lm_loss_ignores_prompt_and_padding_positions():
     # ...while the last prompt position, which predicts the first response token, does count
     moved = logits.clone()
     moved[0, 1] += 5 * torch.randn(11, dtype=torch.float64)
-    assert abs(rm.response_lm_loss(moved, ids, mask).item() - base.item()) > 1e-6
+    assert abs(rm.response_lm_loss(moved, ids, mask).item() - base.item()) > 1e-6, \
+        "the last prompt position predicts the first response token: it must count, but changing it changed nothing"
+
+
+def test_response_lm_loss_token_level_mean_over_ragged_responses():
+    """The mean is over all selected tokens of the batch, so a 4-token response weighs 4 times a 1-token one."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 6, 7, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 7, (2, 6), generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0]])  # responses of 4 and 1 tokens
+    nll = [[F.cross_entropy(logits[b, t - 1][None], ids[b, t][None]).item() for t in range(1, 6) if mask[b, t]]
+           for b in range(2)]
+    token_mean = sum(nll[0] + nll[1]) / 5
+    per_sequence = (sum(nll[0]) / 4 + nll[1][0]) / 2
+    assert abs(token_mean - per_sequence) > 1e-3  # the example tells the two means apart
+    torch.testing.assert_close(rm.response_lm_loss(logits, ids, mask).item(), token_mean, rtol=0, atol=1e-12)
+
+
+def test_response_lm_loss_nonfinite_logits_outside_the_mask_do_not_leak():
+    logits, ids, mask = _lm_batch()
+    base = rm.response_lm_loss(logits, ids, mask)
+    unused = torch.ones(2, 7, dtype=torch.bool)
+    unused[:, :-1] = mask[:, 1:] == 0        # positions whose prediction is not a response token
+    junk = logits.clone()
+    junk[0][unused[0]] = float("nan")
+    junk[1][unused[1]] = float("inf")
+    got = rm.response_lm_loss(junk, ids, mask)
+    assert torch.isfinite(got), f"NaN / inf logits outside the mask leaked: expected {base.item():.6f}, got {got.item()}"
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-12)
+
+
+def test_response_lm_loss_upcasts_half_precision_logits():
+    logits, ids, mask = _lm_batch()
+    bf16 = logits.to(torch.bfloat16)
+    got = rm.response_lm_loss(bf16, ids, mask)
+    assert got.dtype == torch.float32, f"bf16 logits: expected a float32 loss, got {got.dtype}"
+    terms = [F.cross_entropy(bf16[b, t].double()[None], ids[b, t + 1][None]).item()   # the same bf16 numbers, float64
+             for b in range(2) for t in range(6) if mask[b, t + 1] == 1]
+    expected = torch.tensor(sum(terms) / len(terms), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+    assert rm.response_lm_loss(logits, ids, mask).dtype == torch.float64, "float64 logits: expected a float64 loss"
+
+
+def test_response_lm_loss_rejects_bad_shapes_and_empty_selection():
+    logits, ids, mask = _lm_batch()
+    with pytest.raises(ValueError, match="response_mask"):
+        rm.response_lm_loss(logits, ids, mask[:, :-1])
+    empty = torch.zeros_like(mask)
+    empty[:, 0] = 1                          # only position 0, which nothing predicts
+    with pytest.raises(ValueError, match="no predicted token"):
+        rm.response_lm_loss(logits, ids, empty)
 
 
 def test_reward_model_loss_is_lambda_bt_plus_beta_lm():
@@ -135,8 +191,10 @@ def test_reward_model_loss_is_lambda_bt_plus_beta_lm():
     bt = -(math.log(sigmoid(0.2)) + math.log(sigmoid(-1.6))) / 2
     lm = rm.response_lm_loss(logits, ids, mask).item()   # proven against a loop above
     torch.testing.assert_close(loss.item(), 0.7 * bt + 2.5 * lm, rtol=0, atol=1e-12)
-    assert abs(stats["bt"] - bt) < 1e-12 and abs(stats["lm"] - lm) < 1e-12
-    assert stats["accuracy"] == 0.5 and abs(stats["margin"] - (0.2 - 1.6) / 2) < 1e-12
+    assert abs(stats["bt"] - bt) < 1e-12 and abs(stats["lm"] - lm) < 1e-12, \
+        f"stats: expected bt {bt:.6f} and lm {lm:.6f}, got {stats['bt']:.6f} and {stats['lm']:.6f}"
+    assert stats["accuracy"] == 0.5 and abs(stats["margin"] - (0.2 - 1.6) / 2) < 1e-12, \
+        f"stats: expected accuracy 0.5 and margin -0.7, got {stats['accuracy']} and {stats['margin']}"
     default, _ = rm.reward_model_loss(r_w, r_l, logits, ids, mask)
     torch.testing.assert_close(default.item(), bt + lm, rtol=0, atol=1e-12)
 
