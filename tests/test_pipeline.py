@@ -214,3 +214,23 @@ def test_tensorboard_holds_every_metric_of_metrics_jsonl(base_dir):
 def run_base(base_dir, name) -> Path:
     base = Path(json.loads((base_dir / name / "summary.json").read_text())["base"])
     return base if base.is_absolute() else base_dir / base
+
+
+@pytest.mark.slow
+def test_redirected_output_is_a_few_true_lines(base_dir):
+    """Into a file or a pipe (no TTY): whole lines, no progress-bar redraws, no library loading bars or DeepSpeed
+    warning, no line for a stage that is off (vanilla has no critic pre-training), and stage times only for stages
+    that ran here (the base is cached by the first run)."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, str(Path(train.__file__)), *TINY, "--preset", "vanilla", "--critic-pretrain-steps", "0"]
+    for name in ("first", "second"):
+        proc = subprocess.run(cmd + ["--out", str(base_dir / f"quiet-{name}")], cwd=base_dir, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout + proc.stderr
+    assert "\r" not in text and len(text) < 6000, (len(text), text[-1500:])
+    assert "Loading weights" not in text and "Writing model shards" not in text and "accelerator" not in text
+    assert "critic pre-training" not in text
+    timings = next(l for l in proc.stdout.splitlines() if l.startswith("stage seconds:"))
+    assert "sft" not in timings and "reward_model" not in timings and "ppo" in timings, timings
