@@ -38,6 +38,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,9 +451,10 @@ def make_out_dir(run: RunConfig) -> Path:
     """The run's own directory, the first thing written, so that an unwritable --out fails before any stage."""
     try:
         Path(run.out).mkdir(parents=True, exist_ok=True)
-        probe = Path(run.out) / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        # a probe of its own: under the launcher every rank probes the same --out at once, and with one shared name
+        # one rank's unlink removed the other's probe (FileNotFoundError, read as "cannot write": exit 2)
+        with tempfile.NamedTemporaryFile(dir=run.out, prefix=".write-test-"):
+            pass
     except OSError as e:
         fail(f"--out {run.out}: cannot write there ({e.strerror or e})")
     return Path(run.out)
