@@ -60,8 +60,8 @@ import ppo_max
 import scale
 import toy_world
 from cli import arg, fail
-from pipeline import (STAGES, Inputs, last_stage, ppo_inputs, real_model_stages, resolve_real_models,
-                      stop_after_stages, use_bf16, write_json)
+from pipeline import (STAGES, Inputs, fit_context, last_stage, ppo_inputs, real_model_records, real_model_stages,
+                      resolve_real_models, stop_after_stages, use_bf16, write_json)
 from reward_model import RMConfig, ScalarHeadModel
 from sft import SFTConfig, tiny_llama_config
 
@@ -109,8 +109,11 @@ class RunConfig:
     heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts",
                               "(0,1)")
     vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only", ">=1")
-    max_prompt_tokens: int = arg(128, "with --data: P limit; longer prompts keep their latest turns", ">=1")
-    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted",
+    max_prompt_tokens: int = arg(128, "with --data: P limit on the query as the model reads it (BOS or chat template "
+                                      "included); longer prompts keep their latest turns; lowered to fit a real "
+                                      "--model's positions", ">=1")
+    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted; "
+                                       "lowered to fit a real --model's positions",
                                    ">=2")
     judge_frac: float = arg(0.5, "with --data: fraction of the training pairs held back for a second reward model, "
                                  "the judge of the win rate, which PPO never optimises; 0 = judge by the proxy",
@@ -121,12 +124,14 @@ class RunConfig:
     sft_model: str = arg("", "real --model: an SFT model, so stage 1 is skipped (policy and reference init); without "
                              "it, stage sft trains --model on --sft-data or --data, and with neither --model itself is "
                              "the SFT model")
-    sft_data: str = arg("", "real --model: SFT data ({prompt,response}, {messages} or {text} lines) instead of the "
+    sft_data: str = arg("", "SFT and ptx data ({prompt,response}, {messages} or {text} lines) instead of the "
                             "chosen responses of --data")
     reward_model: str = arg("", "real --model: a reward model directory, so stage 2 is skipped (ours, or an "
                                 "AutoModelForSequenceClassification with num_labels 1)")
     critic_model: str = arg("", "real --model: the critic init (default: the reward model, as PPO-max)")
-    prompts: str = arg("", "real --model: a .jsonl[.gz] of {\"prompt\"} lines for the rollouts (or use --data's)")
+    prompts: str = arg("", "a .jsonl[.gz] of {\"prompt\"} lines for the rollouts instead of --data's training prompts "
+                           "(lines that are --data's held-out or judge prompts are left out); without --data it is "
+                           "split by --heldout-frac into rollout and evaluation prompts")
     deepspeed: bool = arg(False, "DeepSpeed engines even in one process (automatic under the `deepspeed` launcher)")
     deepspeed_config: str = arg("", "DeepSpeed JSON for policy and critic (e.g. ds_config_zero2.json) instead of the "
                                     "one built from these flags; its micro batch is set to minibatch / ranks")
@@ -564,16 +569,14 @@ class Judge:
     reward, or on real data a second reward model trained on pairs the proxy never saw."""
     name: str                                   # "gold" | "held-out reward model"
     key: str                                    # its metrics.jsonl key: "reward/gold" | "reward/judge"
-    score: Callable[[str, str, bool], float]    # (prompt, response text, finished) → reward
-    model: object | None = None                 # the judge's reward model: scores the rollout's own ids in one batch
+    score: Callable                             # an eval.py judge: (prompts, texts, finished, ids, mask) → rewards
+    model: object | None = None                 # the judge's reward model, if it is one
 
     @torch.no_grad()
     def rewards(self, prompts: list[str], texts: list[str], finished, ids, mask) -> list[float]:
         """The judge's reward of each response of a batch: a reward model reads the very ids (B, L) the proxy
-        scored, in one batch; gold reads the text."""
-        if self.model is not None:
-            return self.model.score(ids, mask).float().tolist()
-        return [self.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
+        scored, with the same mask, in one batch; gold reads the text. The final evaluation calls the same judge."""
+        return self.score(prompts, texts, finished, ids, mask)
 
 
 def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None
@@ -588,7 +591,7 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, q
                                          quantization=quantization)
     rm = lm.disable_dropout(rm).eval().requires_grad_(False)
     rm = rm if quantization else rm.to(device)
-    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer), rm)
+    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm), rm)
 
 
 @dataclass
@@ -685,11 +688,13 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, his
              judge: Judge | None, device: torch.device) -> dict:
     """The held-out comparison of the final policy with the SFT model, sampled as the paper evaluates, judged by
     gold in the synthetic world; on real data by the held-out judge and, side by side, by the proxy reward model
-    PPO optimised (optimistic by construction); the summary's numbers."""
+    PPO optimised (optimistic by construction); the summary's numbers. Only the held-out part of the run's one
+    split is sampled (inp.data["prompts_heldout"]), and every judge scores the sampled ids with the masks of
+    training, as in step (2) of the loop."""
     from transformers import AutoModelForCausalLM
     sft_model = AutoModelForCausalLM.from_pretrained(inp.base / "sft").to(device).eval() if inp.base else m.ref
     heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
-    proxy = evaluation.rm_judge(m.reward_model, inp.tokenizer)
+    proxy = evaluation.rm_judge(m.reward_model)
     report = evaluation.compare(engine.unwrap(m.policy).eval(), sft_model, m.ref, m.reward_model, inp.tokenizer,
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
                                 judge=judge.score if judge else proxy,
@@ -785,6 +790,8 @@ def main(argv=None) -> dict | None:
         return None
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
+    if dirs:  # every text a stage builds must fit every model's positions
+        run, cfg = fit_context(run, cfg, dirs)
     check_data_files(run)
     check_lora(run, sft_cfg, dirs)
     out = make_out_dir(run)
@@ -795,12 +802,13 @@ def main(argv=None) -> dict | None:
     t_start = time.time()
 
     # 1-2. SFT and reward model (cached), or the given models
-    stage_timings = {}
-    if dirs:
-        dirs = real_model_stages(run, cfg, sft_cfg, rm_cfg, dirs, rank, world, device, stage_timings)
+    stage_timings, records = {}, None
+    if dirs:  # one split of --data for every stage (pipeline.run_records)
+        records = real_model_records(run, dirs)
+        dirs = real_model_stages(run, cfg, sft_cfg, rm_cfg, dirs, rank, world, device, stage_timings, records)
     if last_stage(run) in ("sft", "rm"):
         return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank)
-    inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0)
+    inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0, records)
     inp.timings.update(stage_timings)
     if cfg.ptx_coef and not inp.data["sft"]:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
