@@ -164,3 +164,30 @@ def test_the_ptx_batch_of_the_hh_sample_fits_a_128_position_table(tmp_path, caps
         _, query, query_mask = batches.prompts(len(records["prompts_train"]))  # and every rollout prompt
         assert query.shape[1] + cfg.max_new_tokens <= 128
         policy(input_ids=query, attention_mask=query_mask, position_ids=lm.position_ids_from_mask(query_mask))
+
+
+def test_the_evaluation_scores_the_sampled_ids(tmp_path, pairs):
+    """Every judge of the final evaluation (proxy, held-out judge, a sequence-classification RM: all rm_judge) scores
+    the ids that were sampled, with the masks of training: equal to each sequence scored alone from its real
+    tokens. Decoding and encoding again would not give those ids back for a random byte-level BPE model."""
+    import eval as evaluation
+    from transformers import AutoModelForCausalLM
+    model = tiny("gpt2", tmp_path, pairs)
+    tok = data.load_tokenizer(model)
+    policy = AutoModelForCausalLM.from_pretrained(model).eval()
+    reward = ScalarHeadModel.from_pretrained(model, seed=3).eval()
+    prompts = [p.prompt for p in data.load_pairs(pairs)[:12]]
+    samples = evaluation.sample(policy, tok, prompts, 2, seed=0, max_new_tokens=12)
+    metrics, judged = evaluation.measure(policy, policy, reward, samples, judge=evaluation.rm_judge(reward))
+    alone, sampled = [], []
+    with torch.no_grad():
+        for q, qm, r, m in zip(samples["query"], samples["query_mask"], samples["response"], samples["mask"]):
+            for i in range(len(q)):
+                ids = torch.cat([q[i][qm[i].bool()], r[i][m[i].bool()]])
+                sampled.append(ids.tolist())
+                alone.append(reward.score(ids[None], torch.ones(1, len(ids))).item())
+    torch.testing.assert_close(torch.tensor(judged), torch.tensor(alone), atol=1e-5, rtol=1e-5)
+    assert metrics["reward"] == pytest.approx(sum(alone) / len(alone), abs=1e-5)  # the proxy's column too
+    again = [data.query_ids(p, tok) + data.token_ids(t, tok) + ([data.stop_id(tok)] if f else [])
+             for p, t, f in zip(samples["prompts"], samples["texts"], samples["finished"])]
+    assert sum(a != b for a, b in zip(again, sampled)) >= len(sampled) // 4  # what scoring text would have read
