@@ -345,3 +345,31 @@ def test_sequence_classification_rm_scores_as_transformers_does(arch, pad_is_eos
     with torch.no_grad():
         torch.testing.assert_close(torch.cat([again.score(torch.tensor([s]), torch.ones(1, len(s))) for s in seqs]),
                                    theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_classification_rm_beside_a_lora_critic_reads_where_it_did(seqcls_texts, tmp_path):
+    """PPO-max starts the critic from the reward model; under LoRA the reward model is the critic's backbone with its
+    adapters off and its own head (lora.reward_beside_critic). From a sequence-classification RM whose pad id is the
+    EOS, that reward model still reads before the final EOS, as transformers does."""
+    import copy
+    from types import SimpleNamespace
+    import data
+    import lora
+    import tiny_model
+    rows, texts = seqcls_texts
+    tok = tiny_model.build_tokenizer("llama", texts, tmp_path / "rm", 300)
+    cfg = tiny_model.model_config("llama", tok, hidden=32)
+    cfg.num_labels, cfg.pad_token_id = 1, tok.eos_token_id
+    torch.manual_seed(0)
+    seq = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
+    seq.save_pretrained(tmp_path / "rm")
+    critic = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
+    head = copy.deepcopy(critic.head)
+    run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="auto", lora_bits=16)
+    critic = lora.add_adapters(critic, run, seed=0, dropout=0.0)
+    beside = lora.reward_beside_critic(critic, head)
+    seqs = [data.query_ids(p, tok) + data.response_ids(r, tok) for p, r in rows]
+    ids, mask = _pad(seqs, "right", pad=tok.eos_token_id, L=max(map(len, seqs)))
+    with torch.no_grad():
+        theirs = seq(input_ids=ids, attention_mask=mask).logits[:, 0]
+        torch.testing.assert_close(beside.score(ids, mask).float(), theirs, atol=1e-5, rtol=1e-5)
