@@ -1,8 +1,9 @@
 """A real Hugging Face model through every stage: `train.py --model DIR --data PAIRS` runs SFT, the reward model
 (Eq. 2), critic pre-training and PPO-max on tiny random-init LLaMA, Qwen2, Mistral, GPT-2 and GPT-NeoX models, each
 with its own tokenizer (tools/tiny_model.py: no pad token, EOS as BOS, no BOS, a chat template whose end of turn is not
-the EOS). Plus: --stages, restarts that reuse finished stages, --bf16 on the CPU, sequence-classification reward
-models, and the clear errors for a wrong directory or a mismatched tokenizer."""
+the EOS). Plus: --stages, restarts that reuse finished stages, --bf16 on the CPU, the HH sample's ptx rows on a
+128-position learned table, the evaluation scoring the sampled ids, and the clear errors for a wrong directory or a
+mismatched tokenizer. (Sequence-classification reward models against transformers: tests/test_reward_model.py.)"""
 import json
 from pathlib import Path
 
