@@ -275,8 +275,8 @@ def given_flags(argv) -> set[str]:
 
 # --data: the same stages on real text. A small budget so that the whole run (PPO included) takes minutes on
 # 2 CPU cores; each value applies only when its flag is not given on the command line. Measured on
-# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared (loaded) cores: 3 min 19 s in all (data 2 s, SFT 74 s,
-# RM 27 s, critic pre-training 58 s, PPO 27 s, eval 5 s); held-out RM accuracy 0.614 on 83 pairs.
+# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared cores at load ~7: 4 min 56 s in all (data 3 s, SFT 47 s,
+# RM 52 s, judge 47 s, critic pre-training 19 s, PPO 98 s, eval 19 s); held-out RM accuracy 0.539 on 89 pairs.
 REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4,
                           steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1)
 
