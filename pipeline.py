@@ -203,6 +203,10 @@ def run_records(run, tokenizer, report: data.DataReport | None = None, splits: d
             out["prompts_heldout"] = held
             forbidden |= {data.text_key(r["prompt"]) for r in held}
         out["prompts_train"] = data.distinct_prompts(prompts)
+        if not out["prompts_train"] or not out["prompts_heldout"]:
+            raise data.DataError(run.prompts, None, None, "all_skipped", (
+                "every prompt is a held-out or judge prompt of --data" if run.data else
+                "fewer than 2 distinct prompts: some are held out for the evaluation") + f" ({report.summary()})")
         print(f"[data] --prompts {run.prompts}: {len(out['prompts_train'])} rollout prompts"
               + (f", {len(rows) - len(prompts)} left out (a held-out or judge prompt of --data)" if run.data else
                  f", {len(out['prompts_heldout'])} held out for the evaluation"))

@@ -339,3 +339,15 @@ def test_prompts_without_data_are_split_for_the_evaluation(tmp_path):
     held = {r["prompt"] for r in rec["prompts_heldout"]}
     assert len(held) == 4 and not held & {r["prompt"] for r in rec["prompts_train"]}
     assert len(rec["prompts_train"]) == 36 and not held & {r["prompt"] for r in rec["sft"]} and len(rec["sft"]) == 36
+
+
+def test_prompts_that_leave_nothing_to_train_or_evaluate_fail_clearly(tmp_path):
+    import pipeline
+    import tiny_model
+    model = tiny_model.build_model("llama", ["Question 1 2 3? Yes."] * 20, tmp_path / "m", hidden=16, layers=1,
+                                   vocab_size=300)
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "\n\nHuman: Only one?\n\nAssistant:"}] * 3)
+    run = train.parse_configs(["--model", str(model), "--prompts", str(one)])[0]
+    with pytest.raises(data.DataError, match="fewer than 2 distinct prompts") as info:
+        pipeline.real_model_records(run, {"model": str(model), "sft": None})
+    assert str(info.value).startswith(str(one))
