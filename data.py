@@ -9,11 +9,16 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     split_hh_transcript x = shared prefix up to and including the last "\\n\\nAssistant:"  (HH-RLHF)
     load_prompts        the prompts x that PPO samples responses for                         (Eq. 3, 15)
     load_texts          SFT text and D_pretrain of PPO-ptx                                    (Eq. 17)
-    encode_pair / truncate_prompt / encode_text
-                        token ids; a too-long prompt keeps its latest turns, a too-long
-                        response is dropped and counted, never cut
-    pair_records / prompt_records / prompt_text
-                        those limits applied once, kept as text records for the stages
+    train_heldout_split the seeded split; with a key, every pair of one prompt on one side
+    fit_example         THE truncation rule for every text a model sees (SFT, reward model, judge,
+                        ptx, PPO and evaluation prompts): the query ([BOS] or chat template + x)
+                        keeps ≤ P tokens, latest turns first (fit_prompt); a response with its stop
+                        token ≤ T tokens, else dropped and counted, or cut when scoring (fit_response)
+    context_limits      P, T and the sampled length N lowered to fit a model's positions
+    pair_records / text_records / prompt_records
+                        fit_example applied once, kept as text records for the stages
+    text_key / prompt_keys / distinct_prompts
+                        what "the same prompt" means when training and evaluation are kept apart
     token_ids / query_ids / response_ids / pad / lm_batch / pair_batch
                         the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
                         (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
@@ -31,14 +36,14 @@ Conventions (one choice, used everywhere):
     - A response is kept exactly as written, leading space included: for an HH transcript
       prompt + response == transcript, character for character (byte-level BPE then tokenizes
       " Sure" as it would inside the transcript). "Empty" and "identical" compare after .strip().
-    - Token ids come from tokenizer.encode(text, add_special_tokens=False): no BOS is added; every
-      response ends with the tokenizer's EOS id.
-    - Truncation (prompts only): drop whole earliest "\\n\\nHuman:" turns until the prompt fits
-      max_prompt_tokens; if its last turn alone is still too long, keep its last max_prompt_tokens
-      tokens. A last turn that cannot fit the model's context with one response token
-      (len(last turn) + 1 > context_len) is a DataError (prompt_too_long). A response longer than
-      max_response_tokens (EOS included) is never cut: the example is dropped and counted
-      (report.dropped["response_too_long"]).
+    - Token ids come from tokenizer.encode(text, add_special_tokens=False); query_ids adds the BOS
+      (or renders the chat template), response_ids the stop token (EOS, or the template's end of turn).
+    - Limits count what the model reads: len(query_ids(x)) ≤ max_prompt_tokens (BOS / template
+      included) and len(response_ids(y)) ≤ max_response_tokens, so a sequence has at most P + T
+      tokens. A too-long prompt drops whole earliest "\n\nHuman:" turns, then keeps the latest tokens
+      of its last turn between that turn's markers (report.truncated). A too-long response is never
+      cut for training: the example is dropped and counted (report.dropped["response_too_long"]);
+      scoring (cut=True) keeps its first tokens instead (report.truncated_responses).
 
 Run: python data.py data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
 References: Bai et al. 2022, "Training a Helpful and Harmless Assistant with RLHF" (HH-RLHF,
@@ -473,13 +478,19 @@ def load_texts(path, skip_bad: bool = False, report: DataReport | None = None,
     return items if with_source else [(p, r) for p, r, _ in items]
 
 
-def train_heldout_split(items: list, heldout_frac: float = 0.1, seed: int = 0) -> tuple[list, list]:
-    """A seeded shuffle cut into (train, held-out); at least one held-out item when there are ≥ 2."""
-    order = list(range(len(items)))
+def train_heldout_split(items: list, heldout_frac: float = 0.1, seed: int = 0,
+                        key: Callable | None = None) -> tuple[list, list]:
+    """A seeded shuffle cut into (train, held-out), in the items' order; at least one held-out item when there are ≥ 2.
+    With `key`, items of one key (pairs of one prompt) form a group that goes to one side whole, so no prompt is on
+    both; the fraction then counts groups (items when every key is distinct, and the same cut as without it)."""
+    groups: dict = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item) if key else i, []).append(i)
+    order = list(groups.values())
     random.Random(seed).shuffle(order)
-    n_held = max(1, round(heldout_frac * len(items))) if len(items) >= 2 else 0
-    held = sorted(order[:n_held])
-    train = sorted(order[n_held:])
+    n_held = max(1, round(heldout_frac * len(order))) if len(order) >= 2 else 0
+    held = sorted(i for g in order[:n_held] for i in g)
+    train = sorted(i for g in order[n_held:] for i in g)
     return [items[i] for i in train], [items[i] for i in held]
 
 
@@ -496,172 +507,182 @@ def hh_to_messages(prompt: str) -> list[dict]:
         parts = chunk.split(ASSISTANT)
         messages.append({"role": "user", "content": parts[0].strip()})
         messages += [{"role": "assistant", "content": p.strip()} for p in parts[1:] if p.strip()]
-    return messages
+    return messages or [{"role": "user", "content": ""}]  # an empty prompt is an empty user turn
 
 
 # ----------------------------------------------------------------------------------------------
-# Token ids with truncation
+# The one truncation rule: every text a model sees (SFT, reward model, judge, ptx, PPO and evaluation prompts)
 # ----------------------------------------------------------------------------------------------
 def token_ids(text: str, tokenizer) -> list[int]:
     """The ids of `text` with no special tokens added."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def truncate_prompt(prompt: str, tokenizer, max_prompt_tokens: int, context_len: int | None = None,
-                  source: str = "", report: DataReport | None = None) -> list[int]:
-    """Prompt ids (P ≤ max_prompt_tokens), keeping the latest turns.
+def _decode(ids: list[int], tokenizer) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    1. fits → as is;  2. drop whole earliest "\\n\\nHuman:" turns until it fits;  3. the last turn
-    alone too long → keep its last max_prompt_tokens tokens. Steps 2–3 count report.truncated.
-    If the last turn + one response token cannot fit context_len → DataError prompt_too_long.
+
+def context_limits(max_prompt_tokens: int, max_response_tokens: int, max_new_tokens: int,
+                   context: int | None) -> tuple[int, int, int]:
+    """(P, T, N) within a model's context of `context` positions: every sequence a stage builds is a query of at most
+    P tokens and a response of at most T (training) or N (sampling) tokens, so P + max(T, N) ≤ context. Limits that fit
+    stay; otherwise the prompt gives way first (prompts keep their latest turns, while a too-long response is dropped),
+    down to half the context, then the responses take what is left."""
+    if context is None or max_prompt_tokens + max(max_response_tokens, max_new_tokens) <= context:
+        return max_prompt_tokens, max_response_tokens, max_new_tokens
+    p = min(max_prompt_tokens, max(context - max(max_response_tokens, max_new_tokens), context // 2))
+    return p, min(max_response_tokens, context - p), min(max_new_tokens, context - p)
+
+
+def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
+               report: DataReport | None = None) -> str:
+    """The prompt x, cut so that the query the model reads (data.query_ids: [BOS] + x, or the chat template's
+    rendering of it) has at most max_prompt_tokens tokens, BOS and template included.
+
+    1. fits → as is;  2. drop whole earliest turns (at "\\n\\nHuman:") until it fits;  3. its last turn alone too
+    long → keep that turn's "\\n\\nHuman:" and closing "\\n\\nAssistant:" markers and the latest tokens between them;
+    4. not even the markers fit → the latest tokens of the text. Steps 2-4 count report.truncated. A limit that cannot
+    hold even the BOS or the template's own tokens is a DataError (prompt_too_long).
     """
-    ids = token_ids(prompt, tokenizer)  # (P,)
-    if len(ids) <= max_prompt_tokens:
-        return ids
+    def fits(text: str) -> bool:
+        return len(query_ids(text, tokenizer)) <= max_prompt_tokens
+
+    if fits(prompt):
+        return prompt
+    if report is not None:
+        report.truncated += 1
     starts = []  # character offsets of the "\n\nHuman:" turns that can start a shorter prompt
     i = prompt.find(HUMAN, 1)
     while i > 0:
         starts.append(i)
         i = prompt.find(HUMAN, i + 1)
-    last_turn = prompt[starts[-1]:] if starts else prompt
-    last_ids = token_ids(last_turn, tokenizer) if starts else ids
-    if context_len is not None and len(last_ids) + 1 > context_len:
-        path, line = _split_source(source)
-        raise DataError(path, line, "prompt", "prompt_too_long",
-                        f"prompt has {len(ids)} tokens and its last turn alone {len(last_ids)}, longer than the "
-                        f"model's context of {context_len} tokens minus 1 response token, even after truncation")
-    if report is not None:
-        report.truncated += 1
     for s in starts:  # earliest cut first: keep as many of the latest turns as fit
-        kept = token_ids(prompt[s:], tokenizer)
-        if len(kept) <= max_prompt_tokens:
-            return kept
-    return last_ids[-max_prompt_tokens:]  # left cut at token level, keeping the end
+        if fits(prompt[s:]):
+            return prompt[s:]
+    last = prompt[starts[-1]:] if starts else prompt
+    head = HUMAN if last.startswith(HUMAN) else ""
+    tail = ASSISTANT if last.endswith(ASSISTANT) and len(last) >= len(head) + len(ASSISTANT) else ""
+    for head, body, tail in ((head, last[len(head):len(last) - len(tail)], tail), ("", prompt, "")):
+        ids = token_ids(body, tokenizer)
+        room = max_prompt_tokens - len(query_ids(head + tail, tokenizer))  # what BOS / template and markers leave
+        # a token-level cut can start inside a word or a UTF-8 character and re-encode longer: keep one token fewer
+        for k in range(min(len(ids), room + 2), 0, -1):
+            text = head + _decode(ids[len(ids) - k:], tokenizer) + tail
+            if fits(text):
+                return text
+    path, line = _split_source(source)
+    raise DataError(path, line, "prompt", "prompt_too_long",
+                    f"--max-prompt-tokens {max_prompt_tokens} leaves no room for any prompt text: the query's own "
+                    f"tokens (BOS, chat template) take {len(query_ids('', tokenizer))} or more")
 
 
-def _encode_response(text: str, tokenizer, max_response_tokens: int, cut: bool = False) -> list[int] | None:
-    """Response ids (T ≤ max_response_tokens, the stop token last); an over-long one is None (training drops it) or,
-    with cut, its first max_response_tokens − 1 tokens and the stop token (scoring keeps every pair)."""
-    ids = response_ids(text, tokenizer)  # (T,)  EOS ends every response
-    if len(ids) <= max_response_tokens:
-        return ids
-    return ids[:max_response_tokens - 1] + ids[-1:] if cut else None
-
-
-def encode_pair(pair: PreferencePair, tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                context_len: int | None = None, report: DataReport | None = None, cut: bool = False) -> dict | None:
-    """{"prompt_ids", "chosen_ids", "rejected_ids", "source"}, or None when a response (EOS included)
-    is longer than max_response_tokens: dropped and counted, never cut (training). With cut (scoring), over-long
-    responses are cut and counted instead, and a last turn longer than the context keeps its latest tokens.
-    context_len defaults to max_prompt_tokens + max_response_tokens."""
-    context_len = context_len if context_len is not None else max_prompt_tokens + max_response_tokens
-    chosen_ids = _encode_response(pair.chosen, tokenizer, max_response_tokens, cut)  # (T_w,)
-    rejected_ids = _encode_response(pair.rejected, tokenizer, max_response_tokens, cut)  # (T_l,)
-    if chosen_ids is None or rejected_ids is None:
-        if report is not None:
-            report.drop("response_too_long", pair.source)
+def fit_response(response: str, tokenizer, max_response_tokens: int, cut: bool = False) -> str | None:
+    """The response y, whose ids with their stop token (data.response_ids) must be at most max_response_tokens: as
+    written if it fits; else None (training drops it: a cut answer would teach stopping mid-sentence) or, with cut
+    (scoring), the text of its first tokens."""
+    if len(response_ids(response, tokenizer)) <= max_response_tokens:
+        return response
+    if not cut:
         return None
-    if cut and report is not None:
-        report.truncated_responses += sum(len(response_ids(t, tokenizer)) > max_response_tokens
-                                          for t in (pair.chosen, pair.rejected))
-    context_len = None if cut else context_len
-    prompt_ids = truncate_prompt(pair.prompt, tokenizer, max_prompt_tokens, context_len, pair.source, report)  # (P,)
-    return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "source": pair.source}
-
-
-def response_text(ids: list[int], tokenizer, max_response_tokens: int) -> str:
-    """The text of cut response ids (the stop token last, dropped here) that re-encodes, with its stop token, to at
-    most max_response_tokens tokens: a cut inside a UTF-8 character can re-encode longer, so drop one more."""
-    ids = list(ids[:-1])
-    while True:
-        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    ids = token_ids(response.strip() if has_chat_template(tokenizer) else response, tokenizer)[:max_response_tokens - 1]
+    while True:  # a cut inside a UTF-8 character can re-encode longer: drop one more token
+        text = _decode(ids, tokenizer)
         if len(response_ids(text, tokenizer)) <= max_response_tokens or not ids:
             return text
         ids = ids[:-1]
 
 
-def encode_text(prompt: str, response: str, tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                context_len: int | None = None, source: str = "", report: DataReport | None = None,
-                cut: bool = False) -> dict | None:
-    """{"prompt_ids", "response_ids", "source"} for SFT / ptx, same rules as encode_pair (cut: as for scoring)."""
-    context_len = None if cut else context_len if context_len is not None else max_prompt_tokens + max_response_tokens
-    resp_ids = _encode_response(response, tokenizer, max_response_tokens, cut)  # (T,)
-    if resp_ids is None:
+def fit_example(prompt: str, responses: tuple[str, ...], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
+                cut: bool = False, source: str = "", report: DataReport | None = None
+                ) -> tuple[str, list[str]] | None:
+    """THE truncation rule, for every text a model sees: (x, [y, …]) → (fitted x, [fitted y, …]) such that each
+    sequence [query_ids(x) + response_ids(y)] has at most max_prompt_tokens + max_response_tokens tokens (fit_prompt,
+    fit_response). None when a response is too long for training (dropped, counted as response_too_long); with cut
+    (scoring) such a response is cut instead and counted in report.truncated_responses. A prompt of "" (a {"text"}
+    row: all of it is the response) stays "". Records keep TEXT; every stage re-encodes exactly these tokens."""
+    kept = [fit_response(r, tokenizer, max_response_tokens, cut) for r in responses]
+    if any(k is None for k in kept):
         if report is not None:
             report.drop("response_too_long", source)
         return None
-    if cut and report is not None and resp_ids != response_ids(response, tokenizer):
-        report.truncated_responses += 1
-    prompt_ids = truncate_prompt(prompt, tokenizer, max_prompt_tokens, context_len, source, report) if prompt else []
-    return {"prompt_ids": prompt_ids, "response_ids": resp_ids, "source": source}
+    if cut and report is not None:
+        report.truncated_responses += sum(k != r for k, r in zip(kept, responses))
+    return (fit_prompt(prompt, tokenizer, max_prompt_tokens, source, report) if prompt else prompt), kept
 
 
-def encode_pairs(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                 context_len: int | None = None, skip_bad: bool = False,
-                 report: DataReport | None = None, cut: bool = False) -> list[dict]:
-    """encode_pair over a list: dropped pairs left out; prompt_too_long raised, or skipped with skip_bad."""
+def _fit_all(items: list, fit: Callable, skip_bad: bool, report: DataReport | None) -> list[dict]:
     out = []
-    for pair in pairs:
+    for item in items:
         try:
-            enc = encode_pair(pair, tokenizer, max_prompt_tokens, max_response_tokens, context_len, report, cut)
+            rec = fit(item)
         except DataError as err:
             if not skip_bad:
                 raise
             if report is not None:
                 report.skip(err)
             continue
-        if enc is not None:
-            out.append(enc)
+        if rec is not None:
+            out.append(rec)
     return out
 
 
 def pair_records(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
                  skip_bad: bool, report: DataReport, cut: bool = False) -> list[dict]:
-    """Preference pairs as the text records {"prompt", "chosen", "rejected", "source"} the stages read.
-
-    encode_pairs applies the limits (latest turns kept, over-long responses dropped and counted, prompt_too_long
-    raised or skipped); the kept prompt ids are decoded back to TEXT, so every stage re-encodes exactly those
-    tokens: [BOS] + prompt + response + [EOS], L ≤ 1 + max_prompt_tokens + max_response_tokens.
-    """
-    encoded = encode_pairs(pairs, tokenizer, max_prompt_tokens, max_response_tokens, skip_bad=skip_bad, report=report,
-                           cut=cut)
-    by_source = {p.source: p for p in pairs}
-
-    def text(e: dict, side: str) -> str:  # the response as written, or (cut) the text of its kept tokens
-        original = getattr(by_source[e["source"]], side)
-        kept = e[f"{side}_ids"]
-        return original if kept == response_ids(original, tokenizer) else response_text(kept, tokenizer,
-                                                                                         max_response_tokens)
-    return [{"prompt": prompt_text(e["prompt_ids"], tokenizer, max_prompt_tokens), "chosen": text(e, "chosen"),
-             "rejected": text(e, "rejected"), "source": e["source"]} for e in encoded]
+    """Preference pairs through fit_example, as the text records {"prompt", "chosen", "rejected", "source"} the
+    reward model and the judge read (Eq. 1-2); over-long responses dropped and counted (cut, with cut)."""
+    def fit(p: PreferencePair) -> dict | None:
+        got = fit_example(p.prompt, (p.chosen, p.rejected), tokenizer, max_prompt_tokens, max_response_tokens, cut,
+                          p.source, report)
+        return None if got is None else {"prompt": got[0], "chosen": got[1][0], "rejected": got[1][1],
+                                         "source": p.source}
+    return _fit_all(pairs, fit, skip_bad, report)
 
 
-def prompt_text(prompt_ids: list[int], tokenizer, max_prompt_tokens: int) -> str:
-    """The text of truncated prompt ids, re-encoding to at most max_prompt_tokens tokens.
-
-    Byte-level BPE decodes losslessly, so an untruncated prompt, or one cut at a "\\n\\nHuman:" turn, comes
-    back character for character. A token-level cut (a single over-long last turn) can start inside a word
-    or a UTF-8 character and re-encode differently: drop one more leading token until it fits.
-    """
-    ids = list(prompt_ids)
-    while True:
-        text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if len(token_ids(text, tokenizer)) <= max_prompt_tokens:
-            return text
-        ids = ids[1:]
+def text_records(rows: list[tuple[str, str, str]], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
+                 skip_bad: bool, report: DataReport, cut: bool = False) -> list[dict]:
+    """(prompt, response, source) rows (load_texts(..., with_source=True)) through fit_example, as the records
+    {"prompt", "response", "source"} of SFT and of the ptx term (Eq. 17)."""
+    def fit(row) -> dict | None:
+        got = fit_example(row[0], (row[1],), tokenizer, max_prompt_tokens, max_response_tokens, cut, row[2], report)
+        return None if got is None else {"prompt": got[0], "response": got[1][0], "source": row[2]}
+    return _fit_all(rows, fit, skip_bad, report)
 
 
-def prompt_records(prompts_path, texts_path, tokenizer, max_prompt_tokens: int, heldout_frac: float, seed: int,
-                   skip_bad: bool) -> dict[str, list[dict]]:
-    """The PPO data of a given model: prompts (a train / held-out split; long ones keep their latest turns) from
-    `prompts_path` ({"prompt"} lines or pairs), and the SFT text of the ptx term (Eq. 17) from `texts_path`."""
-    prompts = load_prompts(prompts_path, skip_bad=skip_bad)
-    texts = load_texts(texts_path, skip_bad=skip_bad) if texts_path else []
-    prompts = [prompt_text(truncate_prompt(p, tokenizer, max_prompt_tokens), tokenizer, max_prompt_tokens)
-               for p in prompts]
-    train, heldout = train_heldout_split(prompts, heldout_frac, seed)
-    return {"prompts_train": [{"prompt": p} for p in train], "prompts_heldout": [{"prompt": p} for p in heldout],
-            "sft": [{"prompt": p, "response": r} for p, r in texts]}
+def prompt_records(prompts: list[tuple[str, str]], tokenizer, max_prompt_tokens: int, skip_bad: bool,
+                   report: DataReport) -> list[dict]:
+    """(prompt, source) rows (load_prompts(..., with_source=True)) through fit_example, as the records
+    {"prompt", "source"} of PPO's rollouts and of the evaluation."""
+    def fit(row) -> dict:
+        return {"prompt": fit_example(row[0], (), tokenizer, max_prompt_tokens, 1, source=row[1],
+                                      report=report)[0], "source": row[1]}
+    return _fit_all(prompts, fit, skip_bad, report)
+
+
+def text_key(text: str) -> str:
+    """What "the same prompt" means when splits and files are kept apart: the text with its whitespace collapsed."""
+    return " ".join(text.split())
+
+
+def prompt_keys(prompt: str, response: str = "") -> set[str]:
+    """The prompts an example trains a response for, as text_key()s: its prompt; for a {"text"} row (prompt "", all of
+    it trained) every prefix of the text that ends with "\\n\\nAssistant:" (an HH transcript inside it)."""
+    if prompt:
+        return {text_key(prompt)}
+    keys, i = set(), response.find(ASSISTANT)
+    while i >= 0:
+        keys.add(text_key(response[:i + len(ASSISTANT)]))
+        i = response.find(ASSISTANT, i + 1)
+    return keys
+
+
+def distinct_prompts(records: list[dict]) -> list[dict]:
+    """{"prompt", "source"} of each distinct prompt of `records` (text_key), in order of first appearance."""
+    seen, out = set(), []
+    for r in records:
+        if text_key(r["prompt"]) not in seen:
+            seen.add(text_key(r["prompt"]))
+            out.append({"prompt": r["prompt"], "source": r.get("source", "")})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

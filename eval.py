@@ -4,7 +4,7 @@ Implements: no equation; the monitoring metrics of §5.2 and the win rate of Fig
   sample()        responses with the paper's evaluation sampling (top-p 0.9, temperature 0.8, repetition penalty 1.1)
   measure()       reward-model score, gold reward, per-token KL to the reference, perplexity, length
   compare()       the above for a policy and the SFT model, plus win / tie / lose judged by gold (synthetic world)
-                  or by the reward model (real data, where no gold judge exists: rm_judge())
+                  or by a reward model (real data, where no gold judge exists: rm_judge(), on the sampled ids)
   score()         r(x, y) of every pair or response of a data file with a saved reward model: pairwise accuracy
                   (Eq. 1; Fig. 3) and the histogram of r(x, y_w) − r(x, y_l) (Fig. 2)
   plot()          §5.2's panels of any runs, one line per run: reward-model score, gold or judge reward, KL to the
@@ -35,16 +35,28 @@ from ppo_loss import kl_full, logprobs_from_logits
 EVAL_SAMPLING = dict(top_p=0.9, temperature=0.8, repetition_penalty=1.1)
 
 
-def rm_judge(reward_model, tokenizer):
-    """A judge for compare() when no gold exists (real data): r(x, y) of the reward model, on
-    [BOS] + prompt + response (+ EOS if the sample finished), the encoding the RM was trained on."""
+# A judge scores one batch of samples: judge(prompts, texts, finished, ids (B, L), mask (B, L)) → [reward, …], where
+# ids = query + response exactly as sampled and mask = query mask + response mask, the tensors PPO's step (2) scores.
+def rm_judge(reward_model):
+    """A judge when no gold exists (real data): r(x, y) of a reward model on the very ids that were sampled, with
+    the masks of training (never the text decoded and encoded again: byte-level BPE re-encodes most sampled
+    responses to other ids)."""
     @torch.no_grad()
-    def judge(prompt: str, text: str, finished: bool) -> float:
-        ids = (data.query_ids(prompt, tokenizer) + data.token_ids(text, tokenizer)
-               + ([data.stop_id(tokenizer)] if finished else []))
+    def judge(prompts, texts, finished, ids, mask) -> list[float]:
         device = next(reward_model.parameters()).device
-        return reward_model.score(torch.tensor([ids], device=device), torch.ones(1, len(ids), device=device)).item()
+        return reward_model.score(ids.to(device), mask.to(device)).float().tolist()
     return judge
+
+
+def judge_samples(judge, samples: dict) -> list[float]:
+    """`judge` over every batch of sample()'s output, in order: one reward per sampled response."""
+    out, i = [], 0
+    for q, qm, r, m in zip(samples["query"], samples["query_mask"], samples["response"], samples["mask"]):
+        j = i + len(q)
+        out += judge(samples["prompts"][i:j], samples["texts"][i:j], samples["finished"][i:j], torch.cat([q, r], 1),
+                     torch.cat([qm, m], 1))
+        i = j
+    return out
 
 
 @torch.no_grad()
@@ -70,21 +82,22 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
 
 
 @torch.no_grad()
-def measure(model, ref, reward_model, samples: dict, judge=toy_world.gold_reward) -> dict:
+def measure(model, ref, reward_model, samples: dict, judge=toy_world.gold_judge) -> dict:
     """Mean metrics over the sampled responses. KL and perplexity use the models' own (temperature 1)
     distributions at the visited positions: kl = mean over response tokens of Σ_v π log(π/π_ref);
-    perplexity = exp(mean NLL of the sampled tokens under the model)."""
+    perplexity = exp(mean NLL of the sampled tokens under the model). The reward model and the judge score the
+    sampled ids with the masks of training (judge_samples)."""
     kl_sum = nll_sum = tokens = 0.0
-    scores, lengths = [], []
+    lengths = []
     for q, qm, r, m in zip(samples["query"], samples["query_mask"], samples["response"], samples["mask"]):
         logits = ppo_max.policy_logits(model, q, qm, r, m)                              # (B, T, V)
         ref_logits = ppo_max.policy_logits(ref, q, qm, r, m)                            # (B, T, V)
         kl_sum += (kl_full(logits, ref_logits) * m).sum().item()
         nll_sum += -(logprobs_from_logits(logits, r) * m).sum().item()
         tokens += m.sum().item()
-        scores += reward_model.score(torch.cat([q, r], 1), torch.cat([qm, m], 1)).tolist()
         lengths += m.sum(1).tolist()
-    gold = [judge(p, t, f) for p, t, f in zip(samples["prompts"], samples["texts"], samples["finished"])]
+    scores = judge_samples(rm_judge(reward_model), samples)                             # r(x, y) of the proxy
+    gold = judge_samples(judge, samples)
     return {"reward": sum(scores) / len(scores), "gold_reward": sum(gold) / len(gold), "kl": kl_sum / tokens,
             "perplexity": math.exp(nll_sum / tokens), "response_length": sum(lengths) / len(lengths),
             "finished": sum(samples["finished"]) / len(samples["finished"])}, gold
@@ -100,9 +113,10 @@ def win_rate(a: list[float], b: list[float]) -> dict:
 
 
 def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
-            judge=toy_world.gold_reward, extra_judges: dict | None = None) -> dict:
+            judge=toy_world.gold_judge, extra_judges: dict | None = None) -> dict:
     """The policy against the SFT model on the same prompts and sampling seed: metrics of each, and the win rate
-    by `judge` (and by every one of `extra_judges`, {name: judge}, on the same samples: "win_rates")."""
+    by `judge` (and by every one of `extra_judges`, {name: judge}, on the same samples: "win_rates"). Every judge
+    scores the sampled ids (see toy_world.gold_judge for the signature)."""
     s_pol = sample(policy, tokenizer, prompts, n, seed, max_new_tokens)
     s_sft = sample(sft, tokenizer, prompts, n, seed, max_new_tokens)
     m_pol, g_pol = measure(policy, ref, reward_model, s_pol, judge)
@@ -111,8 +125,8 @@ def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: in
                 list(zip(s_pol["prompts"], s_pol["texts"], s_sft["texts"]))[::max(n, 1)][:8]]
     out = {"policy": m_pol, "sft": m_sft, "win_rate": win_rate(g_pol, g_sft), "examples": examples}
     if extra_judges:
-        score = lambda j, s: [j(p, t, f) for p, t, f in zip(s["prompts"], s["texts"], s["finished"])]  # noqa: E731
-        out["win_rates"] = {name: win_rate(score(j, s_pol), score(j, s_sft)) for name, j in extra_judges.items()}
+        out["win_rates"] = {name: win_rate(judge_samples(j, s_pol), judge_samples(j, s_sft))
+                            for name, j in extra_judges.items()}
     return out
 
 
@@ -180,13 +194,17 @@ def load_scorer(model_dir: str):
     except (OSError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise data.DataError(model_dir, None, None, "no_model", f"cannot load the reward model ({first})") from None
+    return rm, tokenizer, model_limits(model_dir, rm.config)
+
+
+def model_limits(model_dir, config) -> dict:
+    """The limits a reward model was trained with (data_limits.json, written by train.py --data); without it (a
+    synthetic-world RM) the model's context split 2:1 between the query and the response."""
     limits_file = Path(model_dir) / "data_limits.json"
     if limits_file.is_file():
-        limits = json.loads(limits_file.read_text())
-    else:
-        context = rm.config.max_position_embeddings - 1  # [BOS] takes one position
-        limits = {"max_prompt_tokens": 2 * context // 3, "max_response_tokens": context - 2 * context // 3}
-    return rm, tokenizer, limits
+        return json.loads(limits_file.read_text())
+    context = config.max_position_embeddings  # a query (BOS included) and a response share it
+    return {"max_prompt_tokens": 2 * context // 3, "max_response_tokens": context - 2 * context // 3}
 
 
 @torch.no_grad()
@@ -260,19 +278,9 @@ def score(argv=None) -> dict:
         print(f"{len(rows)} pairs: pairwise accuracy {result['accuracy']:.3f}, mean margin r(chosen) − r(rejected) "
               f"{result['mean_margin']:+.3f}; histogram {result['hist']}")
     else:
-        rows = []
-        for prompt, response, source in data.load_texts(a.data, a.skip_bad, report, with_source=True):
-            try:
-                enc = data.encode_text(prompt, response, tokenizer, P, T, source=source, report=report, cut=True)
-            except data.DataError as err:
-                if not a.skip_bad:
-                    raise
-                report.skip(err)
-                continue
-            if enc is not None:
-                cut = enc["response_ids"] != data.response_ids(response, tokenizer)
-                rows.append((data.prompt_text(enc["prompt_ids"], tokenizer, P) if prompt else "",
-                             data.response_text(enc["response_ids"], tokenizer, T) if cut else response, source))
+        rows = data.text_records(data.load_texts(a.data, a.skip_bad, report, with_source=True), tokenizer, P, T,
+                                 a.skip_bad, report, cut=True)  # every record, cut to fit
+        rows = [(r["prompt"], r["response"], r["source"]) for r in rows]
         if not rows:
             raise data.DataError(a.data, None, None, "all_skipped", f"no record fits the limits P={P}, T={T} ({report.summary()})")
         s = score_texts(rm, tokenizer, [(x, y) for x, y, _ in rows], a.batch)
@@ -381,9 +389,10 @@ def main(argv=None) -> None:
         a.policy = a.policy or str(Path(a.run) / "policy")
         a.sft = a.sft or (str(base / "sft") if base else models.get("sft"))
         a.reward_model = a.reward_model or (str(base / "reward_model") if base else models.get("reward"))
-        a.prompts = a.prompts or (str(base / "data" / "prompts_heldout.jsonl") if base else None)
+        held = (base if base else Path(a.run)) / "data" / "prompts_heldout.jsonl"  # a real --model: in its run
+        a.prompts = a.prompts or (str(held) if held.is_file() else None)
         if not a.prompts:
-            cli.fail(f"--run {a.run}: a run of a real --model keeps no held-out prompts; pass --prompts")
+            cli.fail(f"--run {a.run}: no held-out prompts in {held}; pass --prompts")
     for flag, path in (("--policy", a.policy), ("--sft", a.sft), ("--reward-model", a.reward_model)):
         if not path or not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
@@ -391,10 +400,15 @@ def main(argv=None) -> None:
     policy = AutoModelForCausalLM.from_pretrained(a.policy).eval()
     sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
-    prompts = data.load_prompts(a.prompts)  # {"prompt"} lines, or the prompts of pairs
-    judge = toy_world.gold_reward if judge_name == "gold" else rm_judge(
-        ScalarHeadModel.from_pretrained(judge_dir).eval() if judge_dir else rm, tok)
-    extra = {"reward model (proxy)": rm_judge(rm, tok)} if judge_dir else None
+    # {"prompt"} lines, or the prompts of pairs, cut as in training (data.fit_example) to fit every model
+    limits = model_limits(a.reward_model, rm.config)
+    P, _, a.max_new_tokens = data.context_limits(limits["max_prompt_tokens"], limits["max_response_tokens"],
+                                                 a.max_new_tokens, policy.config.max_position_embeddings)
+    prompts = [r["prompt"] for r in data.prompt_records(data.load_prompts(a.prompts, with_source=True), tok, P, False,
+                                                        data.DataReport())]
+    judge = toy_world.gold_judge if judge_name == "gold" else rm_judge(
+        ScalarHeadModel.from_pretrained(judge_dir).eval() if judge_dir else rm)
+    extra = {"reward model (proxy)": rm_judge(rm)} if judge_dir else None
     rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge,
                   extra_judges=extra)
     print(format_table({"sft": rep["sft"], "final": rep["policy"], "win_rate_vs_sft": rep["win_rate"],

@@ -4,9 +4,14 @@ Implements (no equation: the order and the files around the stage functions of s
 ppo_max.py):
     build_base(run, sft_cfg, rm_cfg, world_cfg)  → stages 1-2 of the tiny world or --data, cached once under
                                                    runs/_base/<name>-<hash>/ (checkpoint.build_once)
-    split_pairs / encode_splits                  → --data's pairs: held out, the proxy reward model's, the judge's
-    resolve_real_models / real_model_stages      → a real --model: the directories given, and stages 1-2 trained
-                                                   into --out/sft/, --out/reward_model/, --out/judge_model/
+    split_pairs / encode_splits                  → --data's pairs: held out, the proxy reward model's, the judge's,
+                                                   split by prompt: the one split of the run
+    run_records                                  → every stage's records from that split, each taking its part by
+                                                   name; --sft-data / --prompts rows on evaluation prompts left out
+    resolve_real_models / fit_context            → a real --model: the directories given, and the limits lowered to
+                                                   fit the models' positions
+    real_model_records / real_model_stages       → its records, and stages 1-2 trained into --out/sft/,
+                                                   --out/reward_model/, --out/judge_model/
     ppo_inputs → Inputs                          → what the PPO stage loads: four model directories, the tokenizer,
                                                    the prompts and SFT text
     stop_after_stages                            → --stages sft or sft,rm: the trained directories, and stop
@@ -53,11 +58,14 @@ def base_key(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
         key = [dataclasses.asdict(c) for c in (world_cfg, sft_cfg, rm_cfg)]
         return f"seed{run.seed}-{checkpoint.config_hash(key)}", key
     limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
-              "bos": True, "note": "ids = [BOS] + prompt (latest turns kept) + response + [EOS]"}
-    key = {"data": data.fingerprint(data_source(run, run.data)),
+              "note": "ids = query_ids(prompt) ([BOS] + prompt, latest turns kept) ≤ P + response + [EOS] ≤ T"}
+    key = {"data": data.fingerprint(data_source(run, run.data)), "split": "by prompt",
            "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
            "judge_frac": run.judge_frac,
            "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg)}
+    for flag in ("sft_data", "prompts"):  # the SFT/ptx rows and PPO prompts are written into the base too
+        if getattr(run, flag):
+            key[flag] = data.fingerprint(data_source(run, getattr(run, flag)))
     return f"real-seed{run.seed}-{checkpoint.config_hash(key)}", key
 
 
@@ -116,19 +124,31 @@ def data_source(run, path: str):
 
 
 def split_pairs(run, report: data.DataReport) -> dict[str, list]:
-    """--data's pairs in three disjoint parts: held out (RM accuracy, evaluation prompts), the proxy reward model's
-    training pairs, and (--judge-frac > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022)."""
+    """--data's pairs in three disjoint parts, the ONE split of the run: held out (RM accuracy, evaluation prompts),
+    the proxy reward model's training pairs (and with them SFT, PPO's prompts and the ptx text), and (--judge-frac
+    > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022). Pairs of one prompt go to one part
+    together, so no prompt is both trained on and evaluated."""
     pairs = data.load_pairs(data_source(run, run.data), skip_bad=run.skip_bad, report=report)  # DataError: exit 2
-    train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed)
-    proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1) if run.judge_frac else (
+    key = lambda p: data.text_key(p.prompt)  # noqa: E731
+    train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed, key)
+    proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1, key) if run.judge_frac else (
         train_pairs, [])
     return {"pairs_train": proxy, "pairs_judge": judge, "pairs_heldout": heldout}
 
 
 def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataReport) -> dict[str, list]:
-    """The limits applied once to every split (data.pair_records), and a clear error when one is left empty."""
+    """The limits applied once to every split (data.pair_records), and a clear error when one is left empty. A pair
+    whose prompt, once cut to the limits, reads like a prompt of a later part (held out, then the judge's) leaves its
+    part too, counted as same_prompt_as_heldout / same_prompt_as_judge: cut prompts keep only their latest turns,
+    so two different prompts can become one."""
     lim = (run.max_prompt_tokens, run.max_response_tokens)
     out = {name: data.pair_records(pairs, tokenizer, *lim, run.skip_bad, report) for name, pairs in splits.items()}
+    raw = {name: {data.text_key(p.prompt) for p in pairs} for name, pairs in splits.items()}
+    held = raw["pairs_heldout"] | {data.text_key(r["prompt"]) for r in out["pairs_heldout"]}
+    out["pairs_judge"] = keep_apart(out["pairs_judge"], held, "same_prompt_as_heldout", report)
+    judge = raw["pairs_judge"] | {data.text_key(r["prompt"]) for r in out["pairs_judge"]}
+    out["pairs_train"] = keep_apart(keep_apart(out["pairs_train"], held, "same_prompt_as_heldout", report), judge,
+                                    "same_prompt_as_judge", report)
     print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
           f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
     for name, what in (("pairs_train", "training"), ("pairs_heldout", "held-out"), ("pairs_judge", "judge")):
@@ -138,25 +158,91 @@ def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataRepo
     return out
 
 
+def keep_apart(records: list[dict], forbidden: set[str], reason: str, report: data.DataReport) -> list[dict]:
+    """The records that train on none of the `forbidden` prompts (data.text_key of held-out or judge prompts): each
+    one left out is counted in report.dropped[reason] with its file and line."""
+    kept = []
+    for r in records:
+        if data.prompt_keys(r["prompt"], r.get("response", "")) & forbidden:
+            report.drop(reason, r.get("source", "?"))
+        else:
+            kept.append(r)
+    return kept
+
+
+def run_records(run, tokenizer, report: data.DataReport | None = None, splits: dict | None = None) -> dict:
+    """Every record the run's stages read, from ONE split of --data (split_pairs), each stage taking its part by name
+    and every text cut by the one rule (data.fit_example):
+
+        pairs_train     the proxy reward model (Eq. 2)          pairs_judge     the judge
+        pairs_heldout   RM accuracy (Fig. 3)                    prompts_heldout the final evaluation (its prompts)
+        sft             SFT and the ptx term (Eq. 17)           prompts_train   PPO's rollouts
+
+    sft: --sft-data when given, else the chosen responses of pairs_train. prompts_train: --prompts when given, else
+    the prompts of pairs_train. Rows of --sft-data or --prompts that train on a held-out or judge prompt are left out
+    and counted (printed). The evaluation prompts are --data's held-out prompts; with --prompts and no --data,
+    --prompts itself is split (--heldout-frac) into rollout and evaluation prompts."""
+    report = report if report is not None else data.DataReport()
+    P, T = run.max_prompt_tokens, run.max_response_tokens
+    out = {"pairs_train": [], "pairs_judge": [], "pairs_heldout": [], "prompts_heldout": []}
+    forbidden = set()  # the prompts of the evaluation and of the judge, as written and as cut (data.text_key)
+    if run.data:
+        splits = splits or split_pairs(run, report)
+        out.update(encode_splits(run, splits, tokenizer, report))
+        out["prompts_heldout"] = data.distinct_prompts(out["pairs_heldout"])
+        forbidden |= {data.text_key(p.prompt) for p in splits["pairs_heldout"] + splits["pairs_judge"]}
+        forbidden |= {data.text_key(r["prompt"]) for r in out["pairs_heldout"] + out["pairs_judge"]}
+    if run.prompts:
+        rows = data.load_prompts(data_source(run, run.prompts), skip_bad=run.skip_bad, with_source=True)
+        rows = data.prompt_records(rows, tokenizer, P, run.skip_bad, report)
+        if run.data:
+            prompts = keep_apart(rows, forbidden, "prompt_heldout_or_judge", report)
+        else:
+            prompts, held = data.train_heldout_split(data.distinct_prompts(rows), run.heldout_frac, run.seed,
+                                                     lambda r: data.text_key(r["prompt"]))
+            out["prompts_heldout"] = held
+            forbidden |= {data.text_key(r["prompt"]) for r in held}
+        out["prompts_train"] = data.distinct_prompts(prompts)
+        if not out["prompts_train"] or not out["prompts_heldout"]:
+            raise data.DataError(run.prompts, None, None, "all_skipped", (
+                "every prompt is a held-out or judge prompt of --data" if run.data else
+                "fewer than 2 distinct prompts: some are held out for the evaluation") + f" ({report.summary()})")
+        print(f"[data] --prompts {run.prompts}: {len(out['prompts_train'])} rollout prompts"
+              + (f", {len(rows) - len(prompts)} left out (a held-out or judge prompt of --data)" if run.data else
+                 f", {len(out['prompts_heldout'])} held out for the evaluation"))
+    else:
+        out["prompts_train"] = data.distinct_prompts(out["pairs_train"])
+    if run.sft_data:
+        rows = data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad, with_source=True)
+        fitted = data.text_records(rows, tokenizer, P, T, run.skip_bad, report)
+        out["sft"] = keep_apart(fitted, forbidden, "prompt_heldout_or_judge", report)
+        print(f"[data] --sft-data {run.sft_data}: {len(out['sft'])} SFT / ptx rows; {len(fitted) - len(out['sft'])} "
+              f"left out (they train on a held-out or judge prompt); {len(rows) - len(fitted)} beyond the limits")
+        if not out["sft"]:
+            raise data.DataError(run.sft_data, None, None, "all_skipped", f"no SFT row left within the limits, apart "
+                                                                          f"from the evaluation ({report.summary()})")
+    else:
+        out["sft"] = [{"prompt": r["prompt"], "response": r["chosen"], "source": r["source"]}
+                      for r in out["pairs_train"]]  # SFT on y_w
+    return out
+
+
 def real_data(tmp: Path, run, limits: dict):
-    """--data's pairs: split, a byte-level BPE trained on the training splits only, the limits applied once, the
-    records written to tmp/data. Returns (tokenizer, records, the model's context [BOS] + P + T)."""
+    """--data's pairs: split, a byte-level BPE trained on the training splits only, every record of the run
+    (run_records) written to tmp/data. Returns (tokenizer, records, the model's context P + T)."""
     report = data.DataReport()
     splits = split_pairs(run, report)
     train_pairs = splits["pairs_train"] + splits["pairs_judge"]
     tokenizer = data.train_bpe_tokenizer([p.prompt + p.chosen for p in train_pairs] + [p.rejected for p in train_pairs],
                                          tmp / "tokenizer", run.vocab_size)
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)  # tiny_llama's ids
-    records = encode_splits(run, splits, tokenizer, report)
-    records.update(prompts_train=[{"prompt": r["prompt"]} for r in records["pairs_train"]],
-                   prompts_heldout=[{"prompt": r["prompt"]} for r in records["pairs_heldout"]],
-                   sft=[{"prompt": r["prompt"], "response": r["chosen"]} for r in records["pairs_train"]])  # SFT on y_w
+    records = run_records(run, tokenizer, report, splits)
     toy_world.write_dataset(records, tmp / "data")
     write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(), "file": run.data,
                                           **{k: len(records[k]) for k in ("pairs_train", "pairs_judge",
                                                                           "pairs_heldout")}})
     write_json(tmp / "data_limits.json", limits)
-    return tokenizer, records, 1 + run.max_prompt_tokens + run.max_response_tokens
+    return tokenizer, records, run.max_prompt_tokens + run.max_response_tokens
 
 
 def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig, rm_cfg: RMConfig, seed: int,
@@ -256,29 +342,46 @@ def resolve_real_models(run, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
     for path in (run.data, run.sft_data, run.prompts):
         if path and not Path(path).exists() and data.looks_like_a_path(path):
             raise data.DataError(path, None, None, "not_found", "no such file")
-    check_context(dirs["sft"] or dirs["model"], run, cfg)
     return dirs
 
 
-def check_context(model_dir, run, cfg) -> None:
-    """The longest sequence a stage builds must fit the model's positions: [BOS/template] + P + T for SFT and the
-    reward model, and + max_new_tokens for PPO's rollouts. One line naming the flags when it does not."""
+def model_context(model_dir) -> tuple[int | None, bool]:
+    """(positions, learned) of a model directory's config.json: n_positions / max_position_embeddings / …, and
+    whether they are a learned table (GPT-2, OPT: an index beyond it is an IndexError) rather than rotary (the model
+    was never trained beyond them). (None, False) when the config names none."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return  # resolve_model found a directory; transformers will say what is wrong with it
-    context = next((config[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length",
-                                        "seq_length") if isinstance(config.get(k), int)), None)
-    margin = 16  # BOS and a chat template's role markers
-    need = run.max_prompt_tokens + max(run.max_response_tokens, cfg.max_new_tokens) + margin
-    if context is None or need <= context:
-        return
-    what = (f"--max-prompt-tokens {run.max_prompt_tokens} + --max-response-tokens {run.max_response_tokens} / "
-            f"--max-new-tokens {cfg.max_new_tokens} (+ {margin} for BOS and a chat template) = {need} tokens, more "
-            f"than the model's {context} positions ({model_dir}/config.json)")
-    if "n_positions" in config or config.get("model_type") == "opt":  # a learned position table: a hard limit
-        fail(f"{what}; lower them")
-    print(f"[context] {what}: rotary positions run past it, but the model never saw them in training")
+        return None, False  # resolve_model found a directory; transformers will say what is wrong with it
+    config = {**config.get("text_config", {}), **config}
+    context = next((config[k] for k in ("n_positions", "max_position_embeddings", "max_sequence_length",
+                                        "seq_length", "n_ctx") if isinstance(config.get(k), int)), None)
+    return context, "n_positions" in config or config.get("model_type") == "opt"
+
+
+def fit_context(run, cfg: ppo_max.PPOConfig, dirs: dict) -> tuple:
+    """(run, cfg) with --max-prompt-tokens, --max-response-tokens and --max-new-tokens lowered, where they must be, to
+    fit the shortest context among the models that read the run's sequences (data.context_limits): every text a
+    stage builds then fits every model, learned position tables and rotary ones alike. Printed when it changes them;
+    a context too short for any prompt and answer ends the run with one line."""
+    given = [d for d in (dirs.get("sft") or dirs["model"], dirs.get("reward"), dirs.get("critic")) if d]
+    contexts = [(model_context(d), d) for d in given]
+    contexts = [(c, learned, d) for (c, learned), d in contexts if c is not None]
+    if not contexts:
+        return run, cfg
+    context, learned, where = min(contexts, key=lambda x: x[0])
+    if context < 8:
+        fail(f"{where}/config.json: a context of {context} positions leaves no room for a prompt and an answer")
+    old = (run.max_prompt_tokens, run.max_response_tokens, cfg.max_new_tokens)
+    p, t, n = data.context_limits(*old, context)
+    if (p, t, n) == old:
+        return run, cfg
+    kind = "a learned position table" if learned else "the positions it was trained on"
+    print(f"[context] {where}: {context} positions ({kind}); --max-prompt-tokens {old[0]} → {p}, "
+          f"--max-response-tokens {old[1]} → {t}, --max-new-tokens {old[2]} → {n}, so that every sequence fits "
+          f"(P + max(T, N) ≤ {context}); pass smaller values to choose the split yourself")
+    return (dataclasses.replace(run, max_prompt_tokens=p, max_response_tokens=t),
+            dataclasses.replace(cfg, max_new_tokens=n))
 
 
 def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int, timings: dict, key: str, label: str) -> Path:
@@ -293,14 +396,20 @@ def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int, timings: d
     return path
 
 
+def real_model_records(run, dirs: dict) -> dict[str, list[dict]]:
+    """A real --model's records (run_records, with the model's tokenizer): the one split every stage reads."""
+    if not (run.data or run.sft_data or run.prompts):
+        return {}
+    return run_records(run, data.load_tokenizer(dirs["sft"] or dirs["model"]))
+
+
 def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, dirs: dict,
-                      rank: int, world: int, device: torch.device, timings: dict) -> dict:
+                      rank: int, world: int, device: torch.device, timings: dict, records: dict) -> dict:
     """Stages 1-2 on a real Hugging Face model (the same sft.train_sft and reward_model.train_reward_model as the
-    tiny world), each into --out/<stage>/ unless a directory for it was given. Returns every model's directory;
-    the stages' seconds go into `timings`."""
+    tiny world), each into --out/<stage>/ unless a directory for it was given, on their parts of `records`
+    (real_model_records). Returns every model's directory; the stages' seconds go into `timings`."""
     out, stages = Path(run.out), run.stages.split(",")
     tokenizer = data.load_tokenizer(dirs["sft"] or dirs["model"])
-    records = real_records(run, tokenizer) if run.data or run.sft_data else {}
     bf16 = use_bf16(run, device)
     for name, n in (("sft_batch", sft_cfg.sft_batch), ("rm_batch", rm_cfg.rm_batch)):
         if n % world:  # each rank takes an equal slice of every batch
@@ -338,25 +447,6 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
         same_tokenizer(dirs["sft"], dirs["reward"])
     dirs["critic"] = dirs["critic"] or (dirs["reward"] if cfg.critic_init == "rm" else dirs["sft"])
     return dirs
-
-
-def real_records(run, tokenizer) -> dict[str, list[dict]]:
-    """--data's pairs (split_pairs, the limits applied once) and the SFT rows: --sft-data, or the chosen responses
-    of the proxy's training pairs."""
-    report = data.DataReport()
-    lim = (run.max_prompt_tokens, run.max_response_tokens)
-    out = encode_splits(run, split_pairs(run, report), tokenizer, report) if run.data else {}
-    if run.sft_data:
-        rows = data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad, report=report, with_source=True)
-        enc = [(p, r, data.encode_text(p, r, tokenizer, *lim, source=src, report=report)) for p, r, src in rows]
-        out["sft"] = [{"prompt": data.prompt_text(e["prompt_ids"], tokenizer, lim[0]) if p else "", "response": r}
-                      for p, r, e in enc if e is not None]
-        if not out["sft"]:
-            raise data.DataError(run.sft_data, None, None, "all_skipped", f"no SFT row fits the limits "
-                                                                          f"({report.summary()})")
-    else:
-        out["sft"] = [{"prompt": r["prompt"], "response": r["chosen"]} for r in out["pairs_train"]]  # SFT on y_w
-    return out
 
 
 def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
@@ -415,15 +505,18 @@ class Inputs:
 
 
 def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
-               world_cfg: toy_world.WorldConfig, dirs: dict | None, main_rank: bool) -> Inputs:
-    """A real --model: its directories and --prompts/--data. Otherwise stages 1-2 first (cached): rank 0 builds
-    them while the other ranks wait at the barrier, then they read the cache."""
+               world_cfg: toy_world.WorldConfig, dirs: dict | None, main_rank: bool,
+               records: dict | None = None) -> Inputs:
+    """A real --model: its directories and its parts of the run's records (real_model_records: PPO's prompts, the
+    ptx text, the evaluation's prompts), the held-out prompts also written to --out/data/ for `eval.py --run`.
+    Otherwise stages 1-2 first (cached): rank 0 builds them while the other ranks wait at the barrier, then they
+    read the cache."""
     from transformers import AutoTokenizer
     if dirs:
         tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
-        records = data.prompt_records(data_source(run, run.prompts or run.data),
-                                      data_source(run, run.sft_data or run.data), tokenizer, run.max_prompt_tokens,
-                                      run.heldout_frac, run.seed, run.skip_bad)
+        records = {k: records.get(k, []) for k in ("prompts_train", "prompts_heldout", "sft")}
+        if main_rank:  # read by nobody during the run: no other rank waits for it
+            toy_world.write_dataset({"prompts_heldout": records["prompts_heldout"]}, Path(run.out) / "data")
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
                       judge=dirs.get("judge"))
     if not main_rank:

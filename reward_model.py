@@ -6,8 +6,10 @@ Implements (equation numbers as in Zheng et al. 2023, see docs/paper.md):
     response_lm_loss(logits, input_ids, mask)     −E[log r'(x, y_w)], per chosen-response token  (Eq. 2, LM term)
     reward_model_loss(...)                        λ·BT + β_rm·NLL(y_w | x)                        (Eq. 2)
     ScalarHeadModel.score(input_ids, mask)        r(x, y): head on the last real token            (Eq. 1–2, 18–19)
+                                                  (a sequence-classification RM: where transformers reads it)
     ScalarHeadModel.forward(input_ids, mask)      V(s_t): head on every token (the critic)        (Eq. 8–11, 16)
     last_token_index(attention_mask)              index of the last position where mask == 1
+    score_index(input_ids, mask, pad_token_id)    transformers' *ForSequenceClassification pooling, on real tokens
     train_reward_model(rm, tokenizer, pairs, ..)  stage 2: Eq. 2 on the training pairs, held-out accuracy along
                                                   the way (Fig. 3); one process or a DeepSpeed engine
 
@@ -155,6 +157,26 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (L - 1) - real.flip(-1).int().argmax(dim=-1)           # (B,)  first 1 seen from the right
 
 
+def score_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """Where a reward model trained as a transformers *ForSequenceClassification reads its score, per row: (B,).
+
+    transformers pools at the last token whose id is not config.pad_token_id (its only way to know padding). When the
+    pad id is also the EOS (GPT-2 or LLaMA tokenizers without a pad token, as TRL's RewardTrainer then sets), a
+    sequence that ends with EOS is read BEFORE that EOS, so such a model was trained there. Here padding is known by
+    the mask: the same rule on the real tokens only, so a padded row is read where transformers reads the row alone.
+    pad_token_id None: the last real token (transformers' rule for one unpadded row). No real token but pad ids: the
+    first real token (transformers' argmax of all zeros, 0, on the row alone)."""
+    last_real = last_token_index(attention_mask)                  # (B,)  (a row without any real token: ValueError)
+    if pad_token_id is None:
+        return last_real
+    real = attention_mask.bool()                                  # (B, L)
+    read = real & (input_ids != pad_token_id)                     # (B, L) real tokens transformers does not skip
+    L = read.shape[-1]
+    last = (L - 1) - read.flip(-1).int().argmax(dim=-1)           # (B,)  the last of them
+    first_real = real.int().argmax(dim=-1)                        # (B,)
+    return torch.where(read.any(dim=-1), last, first_real)
+
+
 def reward_model_kind(path: str | os.PathLike) -> str | None:
     """"scalar-head" (ours: value_head.safetensors), "sequence-classification" (transformers' format), or None (no
     reward head: a plain causal LM, whose head would be random). Reads file names and config.json only."""
@@ -184,9 +206,13 @@ class ScalarHeadModel(torch.nn.Module):
     prompt followed by a right-padded response), as long as the 1s of each mask row are contiguous.
     """
 
-    def __init__(self, lm: torch.nn.Module, head: torch.nn.Linear | None = None, seed: int | None = 0):
+    def __init__(self, lm: torch.nn.Module, head: torch.nn.Linear | None = None, seed: int | None = 0,
+                 score_pad_id: int | None = None):
         super().__init__()
         self.lm = lm
+        # None: score() reads the last real token (our reward models). A sequence-classification reward model's
+        # config.pad_token_id: score() reads where transformers does (score_index), the token it was trained on.
+        self.score_pad_id = score_pad_id
         hidden = lm.config.hidden_size
         if head is None:
             head = torch.nn.Linear(hidden, 1)
@@ -226,10 +252,11 @@ class ScalarHeadModel(torch.nn.Module):
         return (values, out.logits) if return_logits else values  # logits (B, L, V)
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_logits: bool = False):
-        """r(x, y) (B,): the value at the last real token of each sequence (and the LM logits if asked)."""
+        """r(x, y) (B,): the value at the last real token of each sequence (and the LM logits if asked); for a
+        sequence-classification reward model, at the token transformers reads (score_index)."""
         out = self.forward(input_ids, attention_mask, return_logits=return_logits)
         values, logits = out if return_logits else (out, None)  # (B, L), (B, L, V) or None
-        idx = last_token_index(attention_mask)                    # (B,)
+        idx = score_index(input_ids, attention_mask, self.score_pad_id)  # (B,)
         scores = values.gather(1, idx[:, None]).squeeze(1)        # (B,)  r(x, y) read at the last real token
         return (scores, logits) if return_logits else scores
 
@@ -245,8 +272,11 @@ class ScalarHeadModel(torch.nn.Module):
         out_dir = Path(out_dir)
         state = {k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}
         safetensors.torch.save_file(state, str(out_dir / VALUE_HEAD_WEIGHTS))
+        reads = ("score(): the last position where attention_mask == 1" if self.score_pad_id is None else
+                 f"score(): the last position where attention_mask == 1 and the id is not {self.score_pad_id} "
+                 f"(transformers' sequence-classification pooling)")
         meta = {"hidden_size": self.lm.config.hidden_size, "dtype": str(self.head.weight.dtype).removeprefix("torch."),
-                "reads": "score(): the last position where attention_mask == 1; forward(): every position",
+                "reads": reads + "; forward(): every position", "score_pad_id": self.score_pad_id,
                 "weights": VALUE_HEAD_WEIGHTS}
         (out_dir / VALUE_HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -257,8 +287,10 @@ class ScalarHeadModel(torch.nn.Module):
         """Load from a local Hugging Face directory: the LM, and the head from value_head.safetensors.
 
         A reward model saved by other libraries as AutoModelForSequenceClassification (num_labels = 1) loads with its
-        own score head (weight copied, bias 0): the backbone is the same network and the head reads the same last
-        hidden state, so the scores are the same. Without either head (a reward model or critic initialised from an
+        own score head (weight copied, bias 0 where it has none) on the same backbone, and score() reads it where
+        transformers does (score_index: the last real token that is not config.pad_token_id, so before a final EOS
+        that is also the pad id): its scores equal transformers' own forward on each sequence, whatever the padding
+        (tested to 1e-5). Without either head (a reward model or critic initialised from an
         SFT directory) the head is fresh: N(0, 1/(H+1)) weights, zero bias, drawn with `seed` (None: torch's global
         RNG); with require_head=True (a --reward-model) that is a ValueError instead, never a random head.
         `torch_dtype` is passed to transformers as `dtype`, `quantization` (lora.quantization: 8-/4-bit frozen
@@ -290,7 +322,9 @@ class ScalarHeadModel(torch.nn.Module):
                              f"and bias (1,) for the model's hidden size {hidden}")
         head = torch.nn.Linear(hidden, 1)
         head.load_state_dict(state)
-        return cls(lm, head=head)
+        meta = path / VALUE_HEAD_CONFIG  # a sequence-classification RM saved here keeps where it reads its score
+        pad_id = json.loads(meta.read_text()).get("score_pad_id") if meta.is_file() else None
+        return cls(lm, head=head, score_pad_id=pad_id)
 
     @classmethod
     def _from_sequence_classification(cls, path: Path, kwargs: dict) -> "ScalarHeadModel":
@@ -308,7 +342,7 @@ class ScalarHeadModel(torch.nn.Module):
         with torch.no_grad():
             head.weight.copy_(score.weight.float())
             head.bias.copy_(score.bias.float() if getattr(score, "bias", None) is not None else torch.zeros(1))
-        return cls(lm.to(seq.dtype), head=head)
+        return cls(lm.to(seq.dtype), head=head, score_pad_id=seq.config.get_text_config().pad_token_id)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -369,7 +403,8 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
         B = len(idx)
         ids, attn, resp = (t.to(device) for t in data.pair_batch([train_rows[i] for i in idx], tokenizer))
         values, logits = trained(ids, attn, return_logits=True)                      # (2B, L), (2B, L, V)
-        scores = values.gather(1, last_token_index(attn)[:, None]).squeeze(1)        # (2B,)  r at the last real token
+        idx = score_index(ids, attn, rm.score_pad_id)                                # (2B,)  the last real token
+        scores = values.gather(1, idx[:, None]).squeeze(1)                           # (2B,)  r(x, y)
         loss, stats = reward_model_loss(scores[:B], scores[B:], logits[:B], ids[:B], resp[:B],
                                         lam=1.0, beta_rm=cfg.rm_lm_coef)             # Eq. 2
         engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.rm_lr))

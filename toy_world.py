@@ -158,6 +158,13 @@ def gold_reward(prompt: str, response: str, finished: bool = True) -> float:
     return g
 
 
+def gold_judge(prompts: list[str], texts: list[str], finished, ids=None, mask=None) -> list[float]:
+    """gold_reward over a batch, in the signature of every judge of eval.py and train.py (prompts, response texts,
+    finished flags, and the sampled ids and mask, which gold does not need: its tokens are whole words, so the text
+    is the ids)."""
+    return [gold_reward(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Demonstrations and preference pairs
 # ---------------------------------------------------------------------------------------------------------

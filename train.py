@@ -38,6 +38,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,8 @@ import ppo_max
 import scale
 import toy_world
 from cli import arg, fail
-from pipeline import (STAGES, Inputs, last_stage, ppo_inputs, real_model_stages, resolve_real_models,
-                      stop_after_stages, use_bf16, write_json)
+from pipeline import (STAGES, Inputs, fit_context, last_stage, ppo_inputs, real_model_records, real_model_stages,
+                      resolve_real_models, stop_after_stages, use_bf16, write_json)
 from reward_model import RMConfig, ScalarHeadModel
 from sft import SFTConfig, tiny_llama_config
 
@@ -110,8 +111,11 @@ class RunConfig:
     heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts",
                               "(0,1)")
     vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only", ">=1")
-    max_prompt_tokens: int = arg(128, "with --data: P limit; longer prompts keep their latest turns", ">=1")
-    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted",
+    max_prompt_tokens: int = arg(128, "with --data: P limit on the query as the model reads it (BOS or chat template "
+                                      "included); longer prompts keep their latest turns; lowered to fit a real "
+                                      "--model's positions", ">=1")
+    max_response_tokens: int = arg(64, "with --data: T limit (EOS included); longer pairs are dropped and counted; "
+                                       "lowered to fit a real --model's positions",
                                    ">=2")
     judge_frac: float = arg(0.5, "with --data: fraction of the training pairs held back for a second reward model, "
                                  "the judge of the win rate, which PPO never optimises; 0 = judge by the proxy",
@@ -122,12 +126,14 @@ class RunConfig:
     sft_model: str = arg("", "real --model: an SFT model, so stage 1 is skipped (policy and reference init); without "
                              "it, stage sft trains --model on --sft-data or --data, and with neither --model itself is "
                              "the SFT model")
-    sft_data: str = arg("", "real --model: SFT data ({prompt,response}, {messages} or {text} lines) instead of the "
+    sft_data: str = arg("", "SFT and ptx data ({prompt,response}, {messages} or {text} lines) instead of the "
                             "chosen responses of --data")
     reward_model: str = arg("", "real --model: a reward model directory, so stage 2 is skipped (ours, or an "
                                 "AutoModelForSequenceClassification with num_labels 1)")
     critic_model: str = arg("", "real --model: the critic init (default: the reward model, as PPO-max)")
-    prompts: str = arg("", "real --model: a .jsonl[.gz] of {\"prompt\"} lines for the rollouts (or use --data's)")
+    prompts: str = arg("", "a .jsonl[.gz] of {\"prompt\"} lines for the rollouts instead of --data's training prompts "
+                           "(lines that are --data's held-out or judge prompts are left out); without --data it is "
+                           "split by --heldout-frac into rollout and evaluation prompts")
     deepspeed: bool = arg(False, "DeepSpeed engines even in one process (automatic under the `deepspeed` launcher)")
     deepspeed_config: str = arg("", "DeepSpeed JSON for policy and critic (e.g. ds_config_zero2.json) instead of the "
                                     "one built from these flags; its micro batch is set to minibatch / ranks")
@@ -271,8 +277,8 @@ def given_flags(argv) -> set[str]:
 
 # --data: the same stages on real text. A small budget so that the whole run (PPO included) takes minutes on
 # 2 CPU cores; each value applies only when its flag is not given on the command line. Measured on
-# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared (loaded) cores: 3 min 19 s in all (data 2 s, SFT 74 s,
-# RM 27 s, critic pre-training 58 s, PPO 27 s, eval 5 s); held-out RM accuracy 0.614 on 83 pairs.
+# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared cores at load ~7: 4 min 56 s in all (data 3 s, SFT 47 s,
+# RM 52 s, judge 47 s, critic pre-training 19 s, PPO 98 s, eval 19 s); held-out RM accuracy 0.539 on 89 pairs.
 REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4,
                           steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1)
 
@@ -452,9 +458,10 @@ def make_out_dir(run: RunConfig) -> Path:
     """The run's own directory, the first thing written, so that an unwritable --out fails before any stage."""
     try:
         Path(run.out).mkdir(parents=True, exist_ok=True)
-        probe = Path(run.out) / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        # a probe of its own: under the launcher every rank probes the same --out at once, and with one shared name
+        # one rank's unlink removed the other's probe (FileNotFoundError, read as "cannot write": exit 2)
+        with tempfile.NamedTemporaryFile(dir=run.out, prefix=".write-test-"):
+            pass
     except OSError as e:
         fail(f"--out {run.out}: cannot write there ({e.strerror or e})")
     return Path(run.out)
@@ -564,16 +571,14 @@ class Judge:
     reward, or on real data a second reward model trained on pairs the proxy never saw."""
     name: str                                   # "gold" | "held-out reward model"
     key: str                                    # its metrics.jsonl key: "reward/gold" | "reward/judge"
-    score: Callable[[str, str, bool], float]    # (prompt, response text, finished) → reward
-    model: object | None = None                 # the judge's reward model: scores the rollout's own ids in one batch
+    score: Callable                             # an eval.py judge: (prompts, texts, finished, ids, mask) → rewards
+    model: object | None = None                 # the judge's reward model, if it is one
 
     @torch.no_grad()
     def rewards(self, prompts: list[str], texts: list[str], finished, ids, mask) -> list[float]:
         """The judge's reward of each response of a batch: a reward model reads the very ids (B, L) the proxy
-        scored, in one batch; gold reads the text."""
-        if self.model is not None:
-            return self.model.score(ids, mask).float().tolist()
-        return [self.score(p, t, bool(f)) for p, t, f in zip(prompts, texts, finished)]
+        scored, with the same mask, in one batch; gold reads the text. The final evaluation calls the same judge."""
+        return self.score(prompts, texts, finished, ids, mask)
 
 
 def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None
@@ -581,14 +586,14 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, q
     """Gold in the synthetic world; on real data the held-out reward model, one more frozen model (quantized like
     the others under --lora-bits)."""
     if synthetic:
-        return Judge("gold", "reward/gold", toy_world.gold_reward)
+        return Judge("gold", "reward/gold", toy_world.gold_judge)
     if not inp.judge:
         return None
     rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
                                          quantization=quantization)
     rm = lm.disable_dropout(rm).eval().requires_grad_(False)
     rm = rm if quantization else rm.to(device)
-    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm, inp.tokenizer), rm)
+    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm), rm)
 
 
 @dataclass
@@ -724,11 +729,13 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, his
              judge: Judge | None, device: torch.device) -> dict:
     """The held-out comparison of the final policy with the SFT model, sampled as the paper evaluates, judged by
     gold in the synthetic world; on real data by the held-out judge and, side by side, by the proxy reward model
-    PPO optimised (optimistic by construction); the summary's numbers."""
+    PPO optimised (optimistic by construction); the summary's numbers. Only the held-out part of the run's one
+    split is sampled (inp.data["prompts_heldout"]), and every judge scores the sampled ids with the masks of
+    training, as in step (2) of the loop."""
     from transformers import AutoModelForCausalLM
     sft_model = AutoModelForCausalLM.from_pretrained(inp.base / "sft").to(device).eval() if inp.base else m.ref
     heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
-    proxy = evaluation.rm_judge(m.reward_model, inp.tokenizer)
+    proxy = evaluation.rm_judge(m.reward_model)
     report = evaluation.compare(engine.unwrap(m.policy).eval(), sft_model, m.ref, m.reward_model, inp.tokenizer,
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
                                 judge=judge.score if judge else proxy,
@@ -830,6 +837,8 @@ def main(argv=None) -> dict | None:
         return None
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
+    if dirs:  # every text a stage builds must fit every model's positions
+        run, cfg = fit_context(run, cfg, dirs)
     check_data_files(run)
     check_lora(run, sft_cfg, dirs)
     out = make_out_dir(run)
@@ -840,12 +849,13 @@ def main(argv=None) -> dict | None:
     t_start = time.time()
 
     # 1-2. SFT and reward model (cached), or the given models
-    stage_timings = {}
-    if dirs:
-        dirs = real_model_stages(run, cfg, sft_cfg, rm_cfg, dirs, rank, world, device, stage_timings)
+    stage_timings, records = {}, None
+    if dirs:  # one split of --data for every stage (pipeline.run_records)
+        records = real_model_records(run, dirs)
+        dirs = real_model_stages(run, cfg, sft_cfg, rm_cfg, dirs, rank, world, device, stage_timings, records)
     if last_stage(run) in ("sft", "rm"):
         return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank)
-    inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0)
+    inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0, records)
     inp.timings.update(stage_timings)
     if cfg.ptx_coef and not inp.data["sft"]:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")

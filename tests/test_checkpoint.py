@@ -259,11 +259,34 @@ def test_graceful_exit_sigterm_sets_flag_and_restores():
 
 
 def test_graceful_exit_sigint_does_not_raise():
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN when started in the background
     with GracefulExit() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         _wait_for(lambda: stop.requested)
         assert stop.signal_name == "SIGINT"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("previous", [signal.SIG_IGN, signal.SIG_DFL, signal.default_int_handler])
+def test_graceful_exit_restores_whatever_handler_was_there(previous):
+    """A shell starts a background job with SIGINT ignored; GracefulExit hands back exactly the handler it found,
+    after one signal and after two (the second goes to that handler; with SIG_IGN, nothing happens)."""
+    old = signal.signal(signal.SIGINT, previous)
+    try:
+        with GracefulExit() as stop:
+            assert signal.getsignal(signal.SIGINT) is not previous
+            os.kill(os.getpid(), signal.SIGINT)
+            _wait_for(lambda: stop.requested)
+        assert signal.getsignal(signal.SIGINT) is previous
+        if previous is signal.SIG_IGN:
+            with GracefulExit() as stop:
+                os.kill(os.getpid(), signal.SIGINT)
+                _wait_for(lambda: stop.requested)
+                os.kill(os.getpid(), signal.SIGINT)  # the second one goes to SIG_IGN
+                _wait_for(lambda: signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def test_nonfinite_guard_nan_and_consecutive():

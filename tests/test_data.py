@@ -115,21 +115,6 @@ def test_read_jsonl_not_utf8(tmp_path):
     assert "not UTF-8 at byte 16" in str(expect_error(p, "not_utf8", 2))
 
 
-def test_encode_pair_prompt_too_long_even_after_truncation(tmp_path):
-    long_last = f"{H} " + "x" * 50 + A  # one turn of 63 characters = 63 tokens
-    p = write(tmp_path / "d.jsonl", [{"prompt": f"{H} a{A} b" + long_last, "chosen": " c", "rejected": " d"}])
-    pair = data.load_pairs(p)[0]
-    with pytest.raises(DataError) as info:
-        data.encode_pair(pair, CharTok(), max_prompt_tokens=16, max_response_tokens=8, context_len=40)
-    err = info.value
-    assert err.reason == "prompt_too_long" and err.line == 1 and err.field == "prompt"
-    assert str(err).startswith(f"{p}:1: field 'prompt':") and "context of 40" in str(err)
-    # skip_bad counts it instead of raising
-    report = DataReport()
-    assert data.encode_pairs([pair], CharTok(), 16, 8, context_len=40, skip_bad=True, report=report) == []
-    assert report.skipped == {"prompt_too_long": 1} and report.first["prompt_too_long"] == f"{p}:1"
-
-
 def test_read_jsonl_bad_gzip(tmp_path):
     p = tmp_path / "d.jsonl.gz"
     p.write_bytes(b"not gzip at all\n")
@@ -229,58 +214,105 @@ def test_load_pairs_real_hh_sample():
 
 # ------------------------------------------------------------------------- truncation (one token per character)
 class CharTok:
-    """One token per character (id = code point + 10), EOS id 2: token counts are len(text)."""
+    """One token per character (id = code point + 10), BOS id 1 when given, EOS id 2: token counts are len(text),
+    and a query is [BOS] + x: one more."""
 
     eos_token_id = 2
+
+    def __init__(self, bos: bool = False):
+        self.bos_token_id = 1 if bos else None
 
     def encode(self, text, add_special_tokens=False):
         return [ord(ch) + 10 for ch in text]
 
-    def decode(self, ids):
+    def decode(self, ids, **kwargs):
         return "".join(chr(i - 10) for i in ids if i >= 10)
 
 
-def test_encode_prompt_fits_untouched():
+def test_fit_prompt_fits_untouched():
     report = DataReport()
     prompt = f"{H} a{A} b{H} c{A}"
-    assert CharTok().decode(data.truncate_prompt(prompt, CharTok(), len(prompt), report=report)) == prompt
+    assert data.fit_prompt(prompt, CharTok(), len(prompt), report=report) == prompt
     assert report.truncated == 0
 
 
-def test_encode_prompt_truncation_keeps_latest_turns_and_counts():
-    t1, t2, t3 = f"{H} first{A} one.", f"{H} second{A} two.", f"{H} third{A}"
+def test_fit_prompt_keeps_latest_turns_then_the_end_of_the_last_and_counts():
+    t1, t2, t3 = f"{H} first{A} one.", f"{H} second{A} two.", f"{H} a third question{A}"
     prompt = t1 + t2 + t3
     report = DataReport()
-    ids = data.truncate_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3), report=report)
-    assert CharTok().decode(ids) == t2 + t3  # earliest whole turn dropped
-    ids = data.truncate_prompt(prompt, CharTok(), max_prompt_tokens=len(t2 + t3) - 1, report=report)
-    assert CharTok().decode(ids) == t3  # only the last turn fits
-    ids = data.truncate_prompt(prompt, CharTok(), max_prompt_tokens=10, report=report)
-    assert CharTok().decode(ids) == t3[-10:] and len(ids) == 10  # then cut from the left, keeping the end
-    assert report.truncated == 3
+    assert data.fit_prompt(prompt, CharTok(), len(t2 + t3), report=report) == t2 + t3  # earliest whole turn dropped
+    assert data.fit_prompt(prompt, CharTok(), len(t2 + t3) - 1, report=report) == t3   # only the last turn fits
+    # the last turn alone is too long: its markers stay, the latest characters between them fill what is left
+    assert data.fit_prompt(prompt, CharTok(), len(H + A) + 6, report=report) == f"{H}estion{A}"
+    # not even the markers fit: the latest characters of the text
+    assert data.fit_prompt(prompt, CharTok(), 10, report=report) == prompt[-10:]
+    assert report.truncated == 4
 
 
-def test_encode_pair_truncated_prompt_and_eos(tmp_path):
+def test_fit_prompt_counts_the_bos_the_model_reads():
+    """The limit is on the query as the model reads it: [BOS] + x has one more token than x."""
+    prompt = f"{H} hello{A}"
+    assert data.fit_prompt(prompt, CharTok(bos=True), len(prompt) + 1) == prompt
+    cut = data.fit_prompt(prompt, CharTok(bos=True), len(prompt))
+    assert len(data.query_ids(cut, CharTok(bos=True))) == len(prompt) and cut == f"{H}hello{A}"
+    with pytest.raises(DataError) as info:  # a limit that holds nothing but the BOS
+        data.fit_prompt(prompt, CharTok(bos=True), 1, source="f.jsonl:3")
+    assert (info.value.reason, info.value.line, info.value.field) == ("prompt_too_long", 3, "prompt")
+
+
+def test_fit_example_truncated_prompt_and_responses_intact():
     prompt = f"{H} long old turn{A} ok.{H} new?{A}"
-    pair = PreferencePair(prompt, " yes", " no", "f.jsonl:4")
     report = DataReport()
-    enc = data.encode_pair(pair, CharTok(), max_prompt_tokens=len(f"{H} new?{A}"), max_response_tokens=5, report=report)
-    assert CharTok().decode(enc["prompt_ids"]) == f"{H} new?{A}"
-    assert enc["chosen_ids"] == CharTok().encode(" yes") + [2] and enc["rejected_ids"] == CharTok().encode(" no") + [2]
-    assert enc["source"] == "f.jsonl:4" and report.truncated == 1
+    got = data.fit_example(prompt, (" yes", " no"), CharTok(), len(f"{H} new?{A}"), 5, source="f.jsonl:4",
+                           report=report)
+    assert got == (f"{H} new?{A}", [" yes", " no"]) and report.truncated == 1
+    (rec,) = data.pair_records([PreferencePair(prompt, " yes", " no", "f.jsonl:4")], CharTok(), len(f"{H} new?{A}"), 5,
+                               False, DataReport())
+    assert rec == {"prompt": f"{H} new?{A}", "chosen": " yes", "rejected": " no", "source": "f.jsonl:4"}
+    assert data.response_ids(rec["chosen"], CharTok()) == CharTok().encode(" yes") + [2]  # EOS ends every response
 
 
-def test_encode_pair_response_never_cut_dropped_and_counted():
+def test_fit_example_response_never_cut_for_training_dropped_and_counted():
     pairs = [PreferencePair("Q?", " short", " tiny", "f:1"),
              PreferencePair("Q?", " this one is far too long", " no", "f:2"),
              PreferencePair("Q?", " ok", " this rejected one too, far too long", "f:3")]
     report = DataReport()
-    out = data.encode_pairs(pairs, CharTok(), max_prompt_tokens=8, max_response_tokens=7, report=report)
-    assert [e["source"] for e in out] == ["f:1"]
-    assert out[0]["chosen_ids"] == CharTok().encode(" short") + [2]  # 6 + EOS = 7: fits exactly, intact
+    out = data.pair_records(pairs, CharTok(), 8, 7, False, report)
+    assert [r["source"] for r in out] == ["f:1"] and out[0]["chosen"] == " short"  # 6 + EOS = 7: fits exactly
     assert report.dropped == {"response_too_long": 2} and report.first["response_too_long"] == "f:2"
-    assert data.encode_text("", " far too long", CharTok(), 8, 7, report=report) is None
+    assert data.text_records([("", " far too long", "f:4")], CharTok(), 8, 7, False, report) == []
     assert report.dropped["response_too_long"] == 3
+    # scoring cuts instead: the first tokens and the EOS, counted
+    (rec,) = data.pair_records(pairs[1:2], CharTok(), 8, 7, False, report, cut=True)
+    assert rec["chosen"] == " this " and len(data.response_ids(rec["chosen"], CharTok())) == 7
+    assert report.truncated_responses == 1
+
+
+def test_context_limits_fit_the_positions_prompt_first():
+    assert data.context_limits(128, 64, 32, 512) == (128, 64, 32)   # fits: unchanged
+    assert data.context_limits(128, 64, 32, None) == (128, 64, 32)
+    assert data.context_limits(128, 64, 32, 128) == (64, 64, 32)     # the prompt gives way first
+    assert data.context_limits(128, 64, 96, 128) == (64, 64, 64)     # down to half the context, then the responses
+    assert data.context_limits(128, 64, 32, 48) == (24, 24, 24)
+    for ctx in range(8, 300, 7):  # brute force: every result fits and never exceeds what was asked
+        p, t, n = data.context_limits(128, 64, 32, ctx)
+        assert p + max(t, n) <= ctx and p <= 128 and t <= 64 and n <= 32
+
+
+def test_split_by_prompt_keeps_a_prompt_on_one_side():
+    items = [("p" + str(i % 7), i) for i in range(40)]  # 7 prompts, several pairs each
+    for seed in range(5):
+        train, held = data.train_heldout_split(items, 0.3, seed, key=lambda x: x[0])
+        assert {k for k, _ in train}.isdisjoint({k for k, _ in held}) and len(train) + len(held) == 40
+        assert len({k for k, _ in held}) == 2  # round(0.3 · 7) prompts held out, with all their pairs
+    distinct = [(str(i), i) for i in range(30)]  # every key distinct: the same cut as without a key
+    assert data.train_heldout_split(distinct, 0.2, 3, key=lambda x: x[0]) == data.train_heldout_split(distinct, 0.2, 3)
+
+
+def test_prompt_keys_find_a_transcript_inside_a_text_row():
+    text = f"{H} a{A} b.{H} c{A} d."
+    assert data.prompt_keys("", text) == {data.text_key(f"{H} a{A}"), data.text_key(f"{H} a{A} b.{H} c{A}")}
+    assert data.prompt_keys(f"{H}  a {A}") == {data.text_key(f"{H} a{A}")}  # whitespace does not make it new
 
 
 # ------------------------------------------------------------------------- tokenizers
@@ -303,8 +335,9 @@ def test_train_bpe_tokenizer_roundtrip_and_special_ids(bpe_dir):
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text  # byte-level: even unseen characters round-trip
     assert len(tok.encode("the cat sat on a mat", add_special_tokens=False)) < len("the cat sat on a mat")  # merges learned
-    enc = data.encode_pair(PreferencePair("the cat", " sat", " ran", "x:1"), tok, 16, 16)
-    assert enc["chosen_ids"][-1] == tok.eos_token_id and tok.decode(enc["chosen_ids"][:-1]) == " sat"
+    (rec,) = data.pair_records([PreferencePair("the cat", " sat", " ran", "x:1")], tok, 16, 16, False, DataReport())
+    ids = data.response_ids(rec["chosen"], tok)
+    assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == " sat"
 
 
 def test_train_bpe_tokenizer_deterministic(bpe_dir):

@@ -144,7 +144,13 @@ def test_train_data_end_to_end_rm_judge(real_run):
     report = json.loads((base / "data_report.json").read_text())
     assert report["kept"] == 120 and report["skipped"] == {"empty_response": 1}
     n = report["pairs_train"] + report["pairs_judge"] + report["pairs_heldout"]
-    assert n + sum(report["dropped"].values()) == 120 and abs(report["pairs_train"] - report["pairs_judge"]) <= 2
+    assert n + sum(report["dropped"].values()) == 120
+    # split by prompt (24 distinct prompts here): half of the training prompts each, none on two sides
+    by_part = {k: {r["prompt"] for r in data.read_records(base / "data" / f"{k}.jsonl")}
+               for k in ("pairs_train", "pairs_judge", "pairs_heldout")}
+    assert abs(len(by_part["pairs_train"]) - len(by_part["pairs_judge"])) <= 1
+    assert not (by_part["pairs_train"] & by_part["pairs_judge"] or by_part["pairs_heldout"] & (
+        by_part["pairs_train"] | by_part["pairs_judge"]))
     assert 0.0 <= summary["rm"]["accuracy"] <= 1.0
     # the win rate is judged by a second reward model on pairs the proxy never saw, and by the proxy beside it
     assert summary["judge"] == "held-out reward model" and summary["peak"] is None
@@ -157,11 +163,11 @@ def test_train_data_end_to_end_rm_judge(real_run):
     assert all(isinstance(m["reward/judge"], float) for m in metrics)  # the proxy-vs-judge gap, step by step
     table = evaluation.format_table(summary)
     assert "judge: held-out reward model" in table and "judge: reward model (proxy)" in table
-    # every prompt written for PPO fits the limit when re-encoded ([BOS] added by data.query_ids)
+    # every prompt written for PPO fits the limit as the model reads it ([BOS] added by data.query_ids)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(base / "tokenizer")
     for line in (base / "data" / "prompts_train.jsonl").read_text().splitlines():
-        assert len(data.token_ids(json.loads(line)["prompt"], tok)) <= 48
+        assert len(data.query_ids(json.loads(line)["prompt"], tok)) <= 48
 
 
 @pytest.mark.slow
@@ -242,3 +248,106 @@ def test_train_data_as_a_parquet_file_and_a_saved_dataset(tmp_path, monkeypatch)
     assert a["rm_heldout_accuracy"] == b["rm_heldout_accuracy"]
     with pytest.raises(data.DataError, match=r"saved\[dev\]: no split 'dev' \(it has test\)"):  # exit 2 on the CLI
         train.main(TINY + ["--data", "saved", "--data-split", "dev", "--out", "c"])
+
+
+# ----------------------------------------------------------------------------------------------
+# What trains never sees what evaluates: the run's records, built as train.py builds them
+# ----------------------------------------------------------------------------------------------
+def leak_files(d: Path) -> dict[str, Path]:
+    """Pairs whose prompts repeat (the generator has 24 distinct prompts for 200 pairs, so a split by pair would put
+    one prompt on both sides), and --sft-data / --prompts files that deliberately hold some of those prompts."""
+    rows = hh_pairs(200)
+    pairs = write_jsonl(d / "pairs.jsonl", rows)
+    topics = ["bake bread", "fix a bike", "learn chess", "grow tomatoes", "write a poem", "save money"]
+    sft = [{"prompt": f"\n\nHuman: How do I {t}?\n\nAssistant:", "response": f" Carefully, {t}."} for t in topics]
+    sft += [{"text": r["chosen"]} for r in rows[:30]]              # whole transcripts: prompt and answer in the text
+    sft += [{"prompt": "\n\nHuman: What is a good name for a cat?\n\nAssistant:", "response": " Tom."}]  # on no prompt
+    prompts = [{"prompt": f"\n\nHuman: How do I {t}?\n\nAssistant:"} for t in topics]
+    prompts += [{"prompt": "\n\nHuman: Where is the moon?\n\nAssistant:"}]
+    return {"pairs": pairs, "sft": write_jsonl(d / "sft.jsonl", sft), "prompts": write_jsonl(d / "prompts.jsonl", prompts)}
+
+
+def assert_no_leak(records: dict, pairs_file: Path) -> None:
+    """No training set (SFT, proxy RM, ptx, PPO prompts) holds a held-out or judge prompt, as written or as cut, nor
+    the text of a held-out or judge pair; checked by substring search against the raw lines of the file."""
+    from pipeline import data as pdata  # the same module
+    raw = {p.source: p for p in pdata.load_pairs(pairs_file, skip_bad=True)}
+    key = data.text_key
+    banned = set()
+    for part in ("pairs_heldout", "pairs_judge"):
+        for r in records[part]:
+            banned |= {key(r["prompt"]), key(raw[r["source"]].prompt)}
+    assert records["pairs_heldout"] and banned
+    eval_pairs = [raw[r["source"]] for part in ("pairs_heldout", "pairs_judge") for r in records[part]]
+    assert {key(r["prompt"]) for r in records["prompts_heldout"]} <= banned  # the evaluation samples held-out only
+    training = {"rm": [(r["prompt"], r["chosen"]) for r in records["pairs_train"]]
+                      + [(raw[r["source"]].prompt, r["rejected"]) for r in records["pairs_train"]],
+                "sft / ptx": [(r["prompt"], r["response"]) for r in records["sft"]],
+                "ppo prompts": [(r["prompt"], "") for r in records["prompts_train"]]}
+    for name, rows in training.items():
+        assert rows, name
+        for prompt, response in rows:
+            text = key(prompt + response)
+            assert key(prompt) not in banned or not prompt, (name, prompt)
+            for p in eval_pairs:  # a held-out or judge prompt (or pair) anywhere inside a trained text
+                assert key(p.prompt) not in text or (not prompt and key(p.prompt) not in key(response)), (name, prompt)
+                assert key(p.prompt + p.chosen) not in text and key(p.prompt + p.rejected) not in text, (name, prompt)
+
+
+@pytest.mark.parametrize("extra", [[], ["sft"], ["prompts"], ["sft", "prompts"]])
+def test_the_runs_records_keep_evaluation_out_of_training(extra, tmp_path, capsys):
+    """train.py's records on the tiny --data path (runs/_base, its own BPE) and on the real --model path (a GPT-2-style
+    tokenizer), with and without --sft-data and --prompts: no held-out prompt and no held-out or judge pair in any
+    training set. The files hold such prompts on purpose, and the rows left out are counted and printed."""
+    import tiny_model
+    import pipeline
+    files = leak_files(tmp_path)
+    flags = ["--data", str(files["pairs"]), "--max-prompt-tokens", "24", "--max-response-tokens", "40",
+             "--vocab-size", "400", "--out", str(tmp_path / "run")]
+    for name in extra:
+        flags += ["--sft-data" if name == "sft" else "--prompts", str(files[name])]
+    run = train.parse_configs(flags)[0]
+    records = pipeline.real_data(tmp_path / "base", run, {})[1]    # the tiny path (build_base's data step)
+    assert_no_leak(records, files["pairs"])
+    model = tiny_model.build_model("gpt2", [json.dumps(r) for r in hh_pairs(50)], tmp_path / "gpt2", hidden=16,
+                                   layers=1, vocab_size=300)
+    run = train.parse_configs(flags + ["--model", str(model)])[0]
+    records = pipeline.real_model_records(run, {"model": str(model), "sft": None})  # the real --model path
+    assert_no_leak(records, files["pairs"])
+    out = capsys.readouterr().out
+    if "sft" in extra:  # the topics' prompts and transcripts are held out or judged in part: some rows left out
+        left = [int(l.split("SFT / ptx rows; ")[1].split(" left out")[0]) for l in out.splitlines() if "--sft-data" in l]
+        assert left and all(n > 0 for n in left) and len({r["prompt"] for r in records["sft"]}) > 1
+    if "prompts" in extra:
+        assert "moon?" in " ".join(r["prompt"] for r in records["prompts_train"])  # (cut to 24 tokens)
+        assert all("left out" in l for l in out.splitlines() if l.startswith("[data] --prompts"))
+
+
+def test_prompts_without_data_are_split_for_the_evaluation(tmp_path):
+    """--prompts alone (PPO from a given reward model): its own held-out part is the evaluation's, and --sft-data
+    rows on those prompts are left out."""
+    import pipeline
+    import tiny_model
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:"} for i in range(40)]
+                          + [{"prompt": "\n\nHuman: Question 3?\n\nAssistant:"}])
+    sft = write_jsonl(tmp_path / "s.jsonl", [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": " Yes."}
+                                             for i in range(40)])
+    model = tiny_model.build_model("llama", ["Question 1 2 3? Yes."] * 20, tmp_path / "m", hidden=16, layers=1,
+                                   vocab_size=300)
+    run = train.parse_configs(["--model", str(model), "--prompts", str(prompts), "--sft-data", str(sft)])[0]
+    rec = pipeline.real_model_records(run, {"model": str(model), "sft": None})
+    held = {r["prompt"] for r in rec["prompts_heldout"]}
+    assert len(held) == 4 and not held & {r["prompt"] for r in rec["prompts_train"]}
+    assert len(rec["prompts_train"]) == 36 and not held & {r["prompt"] for r in rec["sft"]} and len(rec["sft"]) == 36
+
+
+def test_prompts_that_leave_nothing_to_train_or_evaluate_fail_clearly(tmp_path):
+    import pipeline
+    import tiny_model
+    model = tiny_model.build_model("llama", ["Question 1 2 3? Yes."] * 20, tmp_path / "m", hidden=16, layers=1,
+                                   vocab_size=300)
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "\n\nHuman: Only one?\n\nAssistant:"}] * 3)
+    run = train.parse_configs(["--model", str(model), "--prompts", str(one)])[0]
+    with pytest.raises(data.DataError, match="fewer than 2 distinct prompts") as info:
+        pipeline.real_model_records(run, {"model": str(model), "sft": None})
+    assert str(info.value).startswith(str(one))

@@ -1,8 +1,9 @@
 """A real Hugging Face model through every stage: `train.py --model DIR --data PAIRS` runs SFT, the reward model
 (Eq. 2), critic pre-training and PPO-max on tiny random-init LLaMA, Qwen2, Mistral, GPT-2 and GPT-NeoX models, each
 with its own tokenizer (tools/tiny_model.py: no pad token, EOS as BOS, no BOS, a chat template whose end of turn is not
-the EOS). Plus: --stages, restarts that reuse finished stages, --bf16 on the CPU, sequence-classification reward
-models, and the clear errors for a wrong directory or a mismatched tokenizer."""
+the EOS). Plus: --stages, restarts that reuse finished stages, --bf16 on the CPU, the HH sample's ptx rows on a
+128-position learned table, the evaluation scoring the sampled ids, and the clear errors for a wrong directory or a
+mismatched tokenizer. (Sequence-classification reward models against transformers: tests/test_reward_model.py.)"""
 import json
 from pathlib import Path
 
@@ -77,25 +78,6 @@ def test_bf16_on_the_cpu_runs_every_stage(tmp_path, pairs, monkeypatch):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").dtype == torch.bfloat16
 
 
-def test_sequence_classification_reward_model_loads_with_its_head(tmp_path, pairs):
-    """A reward model saved by another library (AutoModelForSequenceClassification, num_labels = 1) gives the
-    same scores through ScalarHeadModel as through transformers itself."""
-    from transformers import AutoModelForSequenceClassification
-    tok = tiny_model.build_tokenizer("llama", [p + r for p, r in data.load_texts(pairs)], tmp_path / "rm", 300)
-    cfg = tiny_model.model_config("llama", tok, hidden=32)
-    cfg.num_labels, cfg.pad_token_id = 1, 2  # HF pools at the last token that is not the pad id: use a distinct one
-    torch.manual_seed(0)
-    seq = AutoModelForSequenceClassification.from_config(cfg).eval()
-    seq.save_pretrained(tmp_path / "rm")
-    rm = ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
-    ids, attn, _ = data.lm_batch([(p.prompt, p.chosen) for p in data.load_pairs(pairs)[:4]], tok)  # right-padded
-    ids = ids.masked_fill(attn == 0, 2)  # right padding with the id HF's pooling looks for
-    with torch.no_grad():
-        theirs = seq(input_ids=ids, attention_mask=attn).logits.squeeze(-1)
-        ours = rm.score(ids, attn)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-
-
 def test_wrong_kind_of_reward_model_directory_fails_clearly(tmp_path, pairs, capsys):
     model = tiny("gpt2", tmp_path, pairs)  # a causal LM: no value head, not a sequence classifier
     capsys.readouterr()
@@ -146,14 +128,67 @@ def test_chat_template_ends_a_response_with_its_end_of_turn_token(tmp_path):
     assert q == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_context_too_short_for_the_limits_fails_before_any_work(tmp_path, pairs, capsys):
-    """GPT-2's learned position table is a hard limit: P + T beyond it is one line naming the flags."""
+HH_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
+
+
+def test_the_ptx_batch_of_the_hh_sample_fits_a_128_position_table(tmp_path, capsys):
+    """GPT-2's learned position table is a hard limit (an id past it is `IndexError: index out of range`). With the
+    README's limits (P 128, T 64) on a 128-position model the limits are lowered to fit, and every ptx row of the HH
+    sample (the longest ~2,000 tokens as written) runs through the policy as ppo_update runs it."""
+    import lm
+    import pipeline
+    import ppo_loss
+    from transformers import AutoModelForCausalLM
+    texts = [p + r for p, r in data.load_texts(HH_SAMPLE, skip_bad=True)]
+    tok = tiny_model.build_tokenizer("gpt2", texts, tmp_path / "gpt2", 300)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_model.model_config("gpt2", tok, hidden=16, layers=1, heads=2,
+                                                             max_positions=128)).save_pretrained(tmp_path / "gpt2")
+    run, _, _, cfg, _ = train.parse_configs(["--model", str(tmp_path / "gpt2"), "--data", str(HH_SAMPLE), "--skip-bad",
+                                             "--max-new-tokens", "32"])
+    dirs = pipeline.resolve_real_models(run, cfg)
+    run, cfg = pipeline.fit_context(run, cfg, dirs)
+    assert "[context]" in capsys.readouterr().out
+    assert run.max_prompt_tokens + max(run.max_response_tokens, cfg.max_new_tokens) <= 128
+    records = pipeline.real_model_records(run, dirs)
+    assert max(len(data.token_ids(p + r, tok)) for p, r in data.load_texts(HH_SAMPLE, skip_bad=True)) > 1000
+    rows = [(r["prompt"], r["response"]) for r in records["sft"]]
+    batches = data.RolloutBatches([r["prompt"] for r in records["prompts_train"]], rows, tok, seed=0)
+    batches.rng.shuffle(rows)
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").eval()
+    with torch.no_grad():
+        for i in range(0, len(rows), 128):  # every ptx row, as ppo_update feeds them (Eq. 17)
+            ids, attn, resp = data.lm_batch(rows[i:i + 128], tok)
+            assert ids.shape[1] <= 128
+            loss, _ = ppo_loss.ptx_loss(policy(input_ids=ids, attention_mask=attn).logits, ids, resp)
+            assert torch.isfinite(loss)
+        _, query, query_mask = batches.prompts(len(records["prompts_train"]))  # and every rollout prompt
+        assert query.shape[1] + cfg.max_new_tokens <= 128
+        policy(input_ids=query, attention_mask=query_mask, position_ids=data.position_ids_from_mask(query_mask))
+
+
+def test_the_evaluation_scores_the_sampled_ids(tmp_path, pairs):
+    """Every judge of the final evaluation (proxy, held-out judge, a sequence-classification RM: all rm_judge) scores
+    the ids that were sampled, with the masks of training: equal to each sequence scored alone from its real
+    tokens. Decoding and encoding again would not give those ids back for a random byte-level BPE model."""
+    import eval as evaluation
+    from transformers import AutoModelForCausalLM
     model = tiny("gpt2", tmp_path, pairs)
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "n_positions": 64}))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        train.main(["--model", str(model), "--data", str(pairs), "--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "--max-prompt-tokens 128" in err[0] and "64 positions" in err[0]
-    assert not (tmp_path / "run").exists()
+    tok = data.load_tokenizer(model)
+    policy = AutoModelForCausalLM.from_pretrained(model).eval()
+    reward = ScalarHeadModel.from_pretrained(model, seed=3).eval()
+    prompts = [p.prompt for p in data.load_pairs(pairs)[:12]]
+    samples = evaluation.sample(policy, tok, prompts, 2, seed=0, max_new_tokens=12)
+    metrics, judged = evaluation.measure(policy, policy, reward, samples, judge=evaluation.rm_judge(reward))
+    alone, sampled = [], []
+    with torch.no_grad():
+        for q, qm, r, m in zip(samples["query"], samples["query_mask"], samples["response"], samples["mask"]):
+            for i in range(len(q)):
+                ids = torch.cat([q[i][qm[i].bool()], r[i][m[i].bool()]])
+                sampled.append(ids.tolist())
+                alone.append(reward.score(ids[None], torch.ones(1, len(ids))).item())
+    torch.testing.assert_close(torch.tensor(judged), torch.tensor(alone), atol=1e-5, rtol=1e-5)
+    assert metrics["reward"] == pytest.approx(sum(alone) / len(alone), abs=1e-5)  # the proxy's column too
+    again = [data.query_ids(p, tok) + data.token_ids(t, tok) + ([data.stop_id(tok)] if f else [])
+             for p, t, f in zip(samples["prompts"], samples["texts"], samples["finished"])]
+    assert sum(a != b for a, b in zip(again, sampled)) >= len(sampled) // 4  # what scoring text would have read

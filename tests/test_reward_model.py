@@ -326,3 +326,108 @@ def test_config_and_gradient_checkpointing_pass_through(tiny):
     fresh = rm.ScalarHeadModel(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)))
     fresh.gradient_checkpointing_enable()
     assert getattr(fresh.lm, "is_activation_checkpointing", None) or fresh.lm.is_gradient_checkpointing
+
+
+# ------------------------------------------------------------------- sequence-classification reward models
+def test_score_index_matches_transformers_rule_by_loop():
+    """transformers' rule by a loop: on each row alone (its real tokens), the last position whose id is not the pad
+    id; position 0 of the row when every id is the pad id; the last position when there is no pad id."""
+    ids = torch.tensor([[0, 0, 5, 6, 2, 2],      # left-padded, ends with EOS = pad (2)
+                        [5, 2, 6, 7, 0, 0],      # a pad id inside, right-padded
+                        [0, 2, 2, 0, 0, 0],      # nothing but pad ids
+                        [5, 6, 7, 8, 9, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    for pad in (2, None):
+        want = []
+        for row, m in zip(ids.tolist(), mask.tolist()):
+            real = [t for t in range(6) if m[t]]
+            kept = [t for t in real if pad is None or row[t] != pad]
+            want.append(kept[-1] if kept else real[0])
+        assert rm.score_index(ids, mask, pad).tolist() == want
+
+
+@pytest.fixture(scope="module")
+def seqcls_texts(tmp_path_factory):
+    """Prompt/response rows of a tiny dialogue, half of them cut short (no EOS at the end, as an unfinished sample)."""
+    rows = [(f"\n\nHuman: How do I {t}?\n\nAssistant:", f" Start slowly with {t} and practise{' daily' * k}.")
+            for k, t in enumerate(["bake bread", "fix a bike", "learn chess", "grow tomatoes", "cook rice"])]
+    return rows, [p + r for p, r in rows] * 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("pad_is_eos", [True, False])
+def test_sequence_classification_rm_scores_as_transformers_does(arch, pad_is_eos, seqcls_texts, tmp_path):
+    """A reward model saved with AutoModelForSequenceClassification (num_labels 1) scores, through ScalarHeadModel,
+    what transformers' own forward gives for each sequence alone (1e-5), when the pad id is the EOS (read before the
+    final EOS) and when it is not, batched with left, right or two-sided padding and one at a time; and a right-padded
+    batch equals transformers' own batched forward with its attention mask."""
+    import data
+    import tiny_model
+    rows, texts = seqcls_texts
+    tok = tiny_model.build_tokenizer(arch, texts, tmp_path / "rm", 300)
+    cfg = tiny_model.model_config(arch, tok, hidden=32)
+    cfg.num_labels = 1
+    cfg.pad_token_id = tok.eos_token_id if pad_is_eos else len(tok) - 1  # any id that is not the EOS
+    torch.manual_seed(0)
+    seq = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
+    with torch.no_grad():
+        seq.score.weight.normal_()  # a head that tells tokens apart, so reading one position early shows
+    seq.save_pretrained(tmp_path / "rm")
+    ours = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
+    assert ours.score_pad_id == cfg.pad_token_id
+    seqs = [data.query_ids(p, tok) + data.response_ids(r, tok)[:None if i % 2 == 0 else -1]  # odd rows: no EOS
+            for i, (p, r) in enumerate(rows)]
+    with torch.no_grad():
+        theirs = torch.cat([seq(input_ids=torch.tensor([s])).logits[:, 0] for s in seqs])  # each alone
+        alone = torch.cat([ours.score(torch.tensor([s]), torch.ones(1, len(s))) for s in seqs])
+        torch.testing.assert_close(alone, theirs, atol=1e-5, rtol=1e-5)
+        L = max(map(len, seqs)) + 2
+        for side in ("left", "right", "both"):
+            ids, mask = _pad(seqs, side, pad=cfg.pad_token_id, L=L)
+            torch.testing.assert_close(ours.score(ids, mask), theirs, atol=1e-5, rtol=1e-5, msg=side)
+            filled = torch.where(mask.bool(), ids, 7)  # padding known by the mask: any id there reads the same
+            torch.testing.assert_close(ours.score(filled, mask), theirs, atol=1e-5, rtol=1e-5, msg=side)
+        ids, mask = _pad(seqs, "right", pad=cfg.pad_token_id, L=L)
+        batched = seq(input_ids=ids, attention_mask=mask).logits[:, 0]
+        torch.testing.assert_close(batched, theirs, atol=1e-5, rtol=1e-5)
+        # what the last-real-token rule would give instead: a different score wherever the sequence ends with EOS = pad
+        naive = torch.cat([ours.forward(torch.tensor([s]), torch.ones(1, len(s)))[:, -1] for s in seqs])
+        ends_with_pad = torch.tensor([s[-1] == cfg.pad_token_id for s in seqs])
+        assert ends_with_pad.any() == pad_is_eos
+        assert ((naive - theirs).abs() > 1e-3)[ends_with_pad].all() and torch.allclose(naive[~ends_with_pad],
+                                                                                        theirs[~ends_with_pad],
+                                                                                        atol=1e-5)
+    # saved again as ours, it keeps reading there
+    ours.save_pretrained(tmp_path / "again")
+    again = rm.ScalarHeadModel.from_pretrained(tmp_path / "again", require_head=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([again.score(torch.tensor([s]), torch.ones(1, len(s))) for s in seqs]),
+                                   theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_classification_rm_beside_a_lora_critic_reads_where_it_did(seqcls_texts, tmp_path):
+    """PPO-max starts the critic from the reward model; under LoRA the reward model is the critic's backbone with its
+    adapters off and its own head (lora.reward_beside_critic). From a sequence-classification RM whose pad id is the
+    EOS, that reward model still reads before the final EOS, as transformers does."""
+    import copy
+    from types import SimpleNamespace
+    import data
+    import lora
+    import tiny_model
+    rows, texts = seqcls_texts
+    tok = tiny_model.build_tokenizer("llama", texts, tmp_path / "rm", 300)
+    cfg = tiny_model.model_config("llama", tok, hidden=32)
+    cfg.num_labels, cfg.pad_token_id = 1, tok.eos_token_id
+    torch.manual_seed(0)
+    seq = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
+    seq.save_pretrained(tmp_path / "rm")
+    critic = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
+    head = copy.deepcopy(critic.head)
+    run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="auto", lora_bits=16)
+    critic = lora.add_adapters(critic, run, seed=0, dropout=0.0)
+    beside = lora.reward_beside_critic(critic, head)
+    seqs = [data.query_ids(p, tok) + data.response_ids(r, tok) for p, r in rows]
+    ids, mask = _pad(seqs, "right", pad=tok.eos_token_id, L=max(map(len, seqs)))
+    with torch.no_grad():
+        theirs = seq(input_ids=ids, attention_mask=mask).logits[:, 0]
+        torch.testing.assert_close(beside.score(ids, mask).float(), theirs, atol=1e-5, rtol=1e-5)
