@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 import checkpoint
 import cli
+import critic_free
 import data
 import engine
 import eval as evaluation
@@ -177,6 +178,7 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
     if cfg.minibatch > cfg.rollout_batch:
         fail(f"--minibatch {cfg.minibatch}: must be ≤ --rollout-batch {cfg.rollout_batch} (a minibatch is a part of "
              f"the rollout batch)")
+    validate_estimator(run, cfg)
     if sft_cfg.sft_hidden % sft_cfg.sft_heads:
         fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
     if run.bf16 and run.fp32:
@@ -198,6 +200,32 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
                  f"engines; drop --deepspeed / the launcher, or use --lora-bits 16")
     if Path(run.out).exists() and not Path(run.out).is_dir():
         fail(f"--out {run.out}: exists and is not a directory")
+
+
+def validate_estimator(run: RunConfig, cfg: ppo_max.PPOConfig) -> None:
+    """--advantage, --group-size, --kl-in and the peers' conventions: the combinations that cannot work, one line."""
+    a, G = cfg.advantage, cfg.group_size
+    if a in critic_free.GROUPED and G < 2:
+        fail(f"--advantage {a}: needs --group-size G ≥ 2 (its baseline comes from the other responses to the same "
+             f"prompt); e.g. --group-size 4")
+    if cfg.rollout_batch % G:
+        fail(f"--rollout-batch {cfg.rollout_batch}: must be a multiple of --group-size {G} (it counts responses: "
+             f"prompts × G)")
+    if a == "dr-grpo" and cfg.loss_agg != "seq-mean-token-sum-norm":
+        fail(f"--advantage dr-grpo with --loss-agg {cfg.loss_agg}: Dr. GRPO is its advantage r − mean_G r AND its loss "
+             f"divided by the constant batch × --max-new-tokens (seq-mean-token-sum-norm), which it implies: leave "
+             f"--loss-agg out")
+    if cfg.kl_in == "loss" and cfg.kl_estimator in ("k1", "full"):
+        why = ("k1 = log π/π_SFT has zero expected gradient on samples of π (E_π[∇ log π] = 0)" if cfg.kl_estimator == "k1"
+               else "the exact KL in the loss would need the reference's logits in every minibatch")
+        fail(f"--kl-in loss with --kl-estimator {cfg.kl_estimator}: {why}; use k3 (GRPO's) or k2")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        fail(f"--dual-clip {cfg.dual_clip:g}: must be > 1 (for Â < 0 the objective is bounded below by c·Â) or 0 = off")
+    if a != "gae":
+        if run.critic_model:
+            fail(f"--critic-model {run.critic_model}: --advantage {a} trains no critic (drop one of them)")
+        if [x.strip() for x in run.stages.split(",") if x.strip()][-1:] == ["critic"]:
+            fail(f"--stages {run.stages}: --advantage {a} has no critic to pre-train; end the stages with ppo or rm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,7 +270,8 @@ def parse_configs(argv=None):
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ppo_max.PPOConfig)
                  if getattr(args, f.name) is not None}
     try:
-        ppo = ppo_max.apply_preset(run.preset, **overrides)
+        ppo = implied(ppo_max.apply_preset(run.preset, **overrides), {**ppo_max.PRESETS.get(run.preset, {}),
+                                                                       **overrides})
     except ValueError as e:
         fail(f"--preset: {e}")
     world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
@@ -250,10 +279,31 @@ def parse_configs(argv=None):
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
-    if not run.out:
-        run.out = f"runs/{run.preset}{lora_tag(run)}-seed{run.seed}"  # LoRA runs never share a full-weight run's dir
+    if not run.out:  # runs of other estimators or LoRA never share a directory with the default run
+        run.out = f"runs/{run_name(run, ppo)}{lora_tag(run)}-seed{run.seed}"
     validate(run, sft_cfg, rm_cfg, ppo, world)
     return run, sft_cfg, rm_cfg, ppo, world
+
+
+def implied(cfg: ppo_max.PPOConfig, given: dict) -> ppo_max.PPOConfig:
+    """What an estimator implies for the flags not given: Dr. GRPO is its advantage AND its constant loss divisor
+    (--loss-agg seq-mean-token-sum-norm); the KL in the loss is GRPO's k3 (--kl-estimator k3). A flag given that
+    contradicts them is refused by validate()."""
+    changes = {}
+    if cfg.advantage == "dr-grpo" and "loss_agg" not in given:
+        changes["loss_agg"] = "seq-mean-token-sum-norm"
+    if cfg.kl_in == "loss" and "kl_estimator" not in given:
+        changes["kl_estimator"] = "k3"
+    return dataclasses.replace(cfg, **changes)
+
+
+def run_name(run: RunConfig, cfg: ppo_max.PPOConfig) -> str:
+    """The default --out's name: the preset, and the estimator and group size when they are not GAE's (runs/ppo-max-
+    grpo-g4-seed0)."""
+    name = run.preset
+    if cfg.advantage != "gae":
+        name += f"-{cfg.advantage}"
+    return name + (f"-g{cfg.group_size}" if cfg.group_size > 1 else "")
 
 
 def lora_tag(run: RunConfig) -> str:
@@ -300,7 +350,8 @@ def real_data_configs(argv, *configs):
     given = given_flags(argv)
     out = with_defaults(argv, REAL_DATA_DEFAULTS, *configs)
     if "out" not in given and isinstance(out[0], RunConfig) and not out[0].resume:
-        out[0].out = f"runs/{out[0].preset}-{Path(out[0].data).name.split('.')[0]}{lora_tag(out[0])}-seed{out[0].seed}"
+        name = run_name(out[0], next((c for c in out if isinstance(c, ppo_max.PPOConfig)), ppo_max.PPOConfig()))
+        out[0].out = f"runs/{name}-{Path(out[0].data).name.split('.')[0]}{lora_tag(out[0])}-seed{out[0].seed}"
     print("[data] real-data defaults for flags not given: "
           + json.dumps({k: v for k, v in REAL_DATA_DEFAULTS.items() if k not in given}))
     return out
@@ -495,7 +546,8 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
 @dataclass
 class Models:
     """PPO's four models: policy and critic trained (DeepSpeed engines under the launcher), reference and reward
-    model frozen (replicated on every rank for inference), and the two optimizers."""
+    model frozen (replicated on every rank for inference), and the two optimizers. A critic-free --advantage has
+    three: critic and critic_opt are None."""
     policy: object
     ref: object
     reward_model: object
@@ -515,46 +567,55 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
     bf16 = bool(ds.get("bf16", {}).get("enabled", False)) if ds else run.bf16
     kw = lora.load_kwargs(run, bf16)  # dtype, and --lora-bits' quantization of frozen weights
     place = (lambda m: m) if "quantization_config" in kw else (lambda m: m.to(device))  # quantized: placed on load
+    with_critic = cfg.advantage == "gae"  # the critic-free estimators build no critic at all (critic_free.py)
     share_ref = lora.enabled(run) and Path(inp.ref) == Path(inp.policy)
-    share_rm = lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
+    share_rm = with_critic and lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
     policy = place(AutoModelForCausalLM.from_pretrained(inp.policy, **kw))
     ref = None if share_ref else place(AutoModelForCausalLM.from_pretrained(inp.ref, **kw)).eval().requires_grad_(False)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    frozen_q = {} if with_critic else {"quantization": lora.quantization(run)}  # no critic: the RM is frozen alone
     try:  # a reward model without a trained head stops here: it never becomes a random one
-        reward_model = None if share_rm else ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw)
+        reward_model = None if share_rm else ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw,
+                                                                             **frozen_q)
         critic = ScalarHeadModel.from_pretrained(inp.critic, require_head=share_rm, **head_kw,
-                                                 quantization=lora.quantization(run))
+                                                 quantization=lora.quantization(run)) if with_critic else None
     except ValueError as e:
         fail(f"--reward-model {e}")
-    critic = place(critic)
+    critic = place(critic) if critic is not None else None
     if reward_model is not None:
-        reward_model = reward_model.eval().requires_grad_(False).to(device)
+        reward_model = reward_model.eval().requires_grad_(False)
+        reward_model = reward_model if frozen_q.get("quantization") else reward_model.to(device)
     if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
         for m in (policy, critic):
-            lm.gradient_checkpointing(m)
+            if m is not None:
+                lm.gradient_checkpointing(m)
     if lora.enabled(run):  # adapters (B = 0: the models start as their directories), dropout 0 as everywhere in PPO
-        reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
         policy = lora.add_adapters(policy, run, seed=run.seed, dropout=0.0)
-        critic = lora.add_adapters(critic, run, seed=run.seed + 1, dropout=0.0)
         ref = ref or lora.AdaptersOff(policy)
-        reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
+        if with_critic:
+            reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
+            critic = lora.add_adapters(critic, run, seed=run.seed + 1, dropout=0.0)
+            reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
     for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
-        if not isinstance(model, lora.AdaptersOff):  # (those are the policy's and the critic's own weights)
+        if model is not None and not isinstance(model, lora.AdaptersOff):  # (the policy's and critic's own weights)
             lm.disable_dropout(model)
     policy_opt = torch.optim.AdamW(lora.trainable(policy), lr=cfg.policy_lr, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(lora.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(lora.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0) if critic else None
     if ds is not None:
         print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, policy and critic engines: "
               f"{json.dumps(ds)}")
         print("[deepspeed] reference and reward model: inference only, replicated on every rank (if they do not fit: "
               "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
     if lora.enabled(run):
+        critic_n = f"{sum(p.numel() for p in lora.trainable(critic)):,}" if critic else "no critic (--advantage " \
+            f"{cfg.advantage})"
         print(f"[lora] r {run.lora_r}, α {run.lora_alpha:g}, targets {run.lora_targets}: policy "
-              f"{sum(p.numel() for p in lora.trainable(policy)):,} / critic {sum(p.numel() for p in lora.trainable(critic)):,} "
+              f"{sum(p.numel() for p in lora.trainable(policy)):,} / critic {critic_n} "
               f"trainable parameters; reference = {'the policy with adapters off' if share_ref else inp.ref}, reward "
               f"model = {'the critic with adapters off' if share_rm else inp.reward}")
     policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
-    critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
+    if critic is not None:
+        critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
     return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16)
 
 
@@ -634,19 +695,23 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, plumbing: "Lo
         # (0) linear learning-rate warm-up over the first warmup_frac of the iterations (paper: 10%), then flat
         lr_scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
         engine.set_lr(m.policy_opt, cfg.policy_lr * lr_scale)
-        engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
-        prompts, query, query_mask = batches.prompts(cfg.rollout_batch)                 # (B, P)
+        if m.critic_opt is not None:  # none with a critic-free --advantage
+            engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
+        prompts, query, query_mask = batches.prompts(cfg.rollout_batch, cfg.group_size)  # (B, P): G rows per prompt
         # (1) sample responses with the KV cache, stopping at EOS
         m.policy.eval()
         response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, cfg.max_new_tokens, eos,
                                                             pad_id, cfg.temperature)  # (B, T), (B, T), (B,)
-        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9)
+        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9) or, without a
+        # critic, the group's or the batch's baseline (critic_free.py)
         exp = ppo_max.make_experience(m.policy, m.ref, m.reward_model, m.critic, query, query_mask, response,
                                       response_mask, state.moments, cfg, state.kl_ctl.value)
         if plumbing.skip(step, exp["nonfinite"]):  # PLUMBING: a NaN/inf in (2)-(5) skips the update (the guard)
             continue
         # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
-        m.policy.train(); m.critic.train()
+        m.policy.train()
+        if m.critic is not None:
+            m.critic.train()
         upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg,
                                  lambda: batches.ptx(cfg.ptx_batch))
         state.kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)  # adaptive η (only with --kl-target)
@@ -665,9 +730,9 @@ class LoopPlumbing:
 
     def __init__(self, m: Models, state: LoopState, log: collapse.RunLog, ckpts: checkpoint.RunCheckpoints,
                  judge: Judge | None, interrupt: checkpoint.GracefulExit, run: RunConfig, start: int, tokenizer,
-                 device: torch.device):
+                 device: torch.device, group: int = 1):
         self.m, self.state, self.log, self.ckpts, self.judge, self.interrupt = m, state, log, ckpts, judge, interrupt
-        self.run, self.start, self.tokenizer, self.device = run, start, tokenizer, device
+        self.run, self.start, self.tokenizer, self.device, self.group = run, start, tokenizer, device, group
         self.ended = {"stop_reason": None, "signal": None, "path": None}
 
     def steps(self):
@@ -699,8 +764,9 @@ class LoopPlumbing:
                  for r, k in zip(exp["response"], exp["mask"])]
         judged = judge.rewards(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
                                torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
-        prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
-        judged = engine.gather_list(judged) if judge else None
+        G = self.group  # the global batch in prompt order, each group of G responses whole
+        prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
+        judged = engine.gather_list(judged, G) if judge else None
         gold = judged if judge and judge.key == "reward/gold" else None
         metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold else None,
                    "kl/coef": self.state.kl_ctl.value, "lr/policy": m.policy_opt.param_groups[0]["lr"],
@@ -782,6 +848,9 @@ def start_processes(run: RunConfig, cfg: ppo_max.PPOConfig) -> tuple[int, int, t
         if n % world:
             fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world}): the global "
                  f"batch is split evenly across ranks")
+    if cfg.rollout_batch % (cfg.group_size * world):
+        fail(f"--rollout-batch {cfg.rollout_batch} must be divisible by --group-size × processes ({cfg.group_size} × "
+             f"{world}): each rank takes whole groups, so no group of G responses is split across ranks")
     return rank, world, device
 
 
@@ -804,7 +873,8 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     summary.json (printed as a table)."""
     out = Path(run.out)
     lora.save(m.policy, out / "policy", inp.tokenizer, inp.policy)  # LoRA: adapter/ and the merged model
-    lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
+    if m.critic is not None:
+        lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
     t0 = time.time()
     report = evaluate(m, inp, run, cfg, log.history, judge, device)
     timings["eval"] = time.time() - t0
@@ -858,13 +928,15 @@ def main(argv=None) -> dict | None:
                                   [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
                                   seed=run.seed, rank=rank, world=world, device=device)
     state = LoopState.new(run, cfg)
-    ckpts = checkpoint.RunCheckpoints(out, {"policy": m.policy, "critic": m.critic},
-                                      {"policy": m.policy_opt, "critic": m.critic_opt}, {"prompt": batches.rng},
+    trained = {"policy": (m.policy, m.policy_opt), "critic": (m.critic, m.critic_opt)}  # no critic: not checkpointed
+    trained = {k: v for k, v in trained.items() if v[0] is not None}
+    ckpts = checkpoint.RunCheckpoints(out, {k: v[0] for k, v in trained.items()},
+                                      {k: v[1] for k, v in trained.items()}, {"prompt": batches.rng},
                                       inp.tokenizer, run.keep_last, rank, engine.barrier)
     timings, start, history = dict(inp.timings), 0, []
     if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
         start, history = resume(run, ckpts, state, out)
-    elif "critic" in run.stages.split(","):
+    elif "critic" in run.stages.split(",") and m.critic is not None:  # a critic-free --advantage has no stage 3
         if cfg.critic_pretrain_steps:  # 3. critic pre-training: fit V to the initial policy's returns (§5.3.3)
             t0 = time.time()
             critic_log = ppo_max.pretrain_critic(
@@ -884,7 +956,8 @@ def main(argv=None) -> dict | None:
     log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0,
                           tracker=tracker(run, inp, out, rank))
     with checkpoint.GracefulExit() as interrupt:  # SIGINT/SIGTERM: finish the step, checkpoint, exit; not under pdb
-        plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device)
+        plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device,
+                                cfg.group_size)
         ended = ppo(m, batches, state, plumbing, cfg, run)
     log.close()
     timings["ppo"] = time.time() - t0
