@@ -36,11 +36,11 @@ each rank whole groups), so the group methods need no communication; the batch w
 sums over every rank's tokens through `all_sum` (engine.all_sum; the identity in one process).
 
 References:
-    Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models" (GRPO, §4.1).
-    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO, §3.1, Listing 1).
+    Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models" (GRPO, section 4.1).
+    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO, section 3.1, Listing 1).
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback
       in LLMs" (RLOO, Eq. 7); Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!".
-    Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and Reward Models" (§3).
+    Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and Reward Models" (section 3).
 """
 from __future__ import annotations
 

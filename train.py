@@ -941,7 +941,7 @@ def main(argv=None) -> dict | None:
             t0 = time.time()
             critic_log = ppo_max.pretrain_critic(
                 m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
-                lambda: batches.prompts(cfg.rollout_batch), cfg, data.stop_id(inp.tokenizer),
+                lambda: batches.prompts(cfg.rollout_batch, cfg.group_size), cfg, data.stop_id(inp.tokenizer),
                 inp.tokenizer.pad_token_id, state.kl_ctl.value,
                 progress=lambda r: collapse.progress(r, "3. critic pre-training", leave=False, disable=rank != 0))
             timings["critic_pretrain"] = time.time() - t0
