@@ -444,6 +444,18 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
                   judge=base / "judge_model" if (base / "judge_model" / "value_head.safetensors").exists() else None)
 
 
+def preference_pairs(run, inp: Inputs, dirs: dict | None) -> tuple[list[dict], list[dict]]:
+    """The pairs stage 2 trained the reward model on and the held-out ones, as {"prompt", "chosen", "rejected"} rows:
+    the cached base's data/pairs_train.jsonl and pairs_heldout.jsonl (the synthetic world, --data), or a real
+    --model's --data split as real_model_stages made it. DPO trains on exactly these."""
+    if dirs is None:
+        return tuple(data.read_records(inp.base / "data" / f"{k}.jsonl") for k in ("pairs_train", "pairs_heldout"))
+    if not run.data:
+        fail(f"--method dpo with --model {run.model}: DPO trains on preference pairs; pass --data PAIRS")
+    records = real_records(run, inp.tokenizer)
+    return records["pairs_train"], records["pairs_heldout"]
+
+
 def stop_after_stages(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
                       dirs: dict | None, rank: int) -> dict:
     """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base)."""

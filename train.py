@@ -47,10 +47,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import best_of_n
 import checkpoint
 import cli
 import critic_free
 import data
+import dpo
 import engine
 import eval as evaluation
 import lm
@@ -60,8 +62,8 @@ import ppo_max
 import scale
 import toy_world
 from cli import arg, fail
-from pipeline import (STAGES, Inputs, last_stage, ppo_inputs, real_model_stages, resolve_real_models,
-                      stop_after_stages, use_bf16, write_json)
+from pipeline import (STAGES, Inputs, last_stage, load_lm, ppo_inputs, preference_pairs, real_model_stages,
+                      resolve_real_models, stage_ds, stop_after_stages, use_bf16, write_json)
 from reward_model import RMConfig, ScalarHeadModel
 from sft import SFTConfig, tiny_llama_config
 
@@ -86,6 +88,13 @@ class RunConfig:
                                     "them")
     stages: str = arg("sft,rm,critic,ppo", "the stages to run, in order (sft, rm, critic, ppo); the run stops after "
                                            "the last one listed, e.g. sft,rm trains only a reward model")
+    method: str = arg("ppo", "what follows SFT and the reward model, in place of critic + PPO: 'ppo' (the numbered "
+                             "loop; --advantage picks GAE or a critic-free estimator), 'dpo' (dpo.py: Eq. 7 on the "
+                             "reward model's own pairs, no sampling, no critic) or 'best-of-n' (no training: the best "
+                             "of --bon-n SFT samples by the proxy). A method, not a stage, because it replaces stages "
+                             "3-4 rather than following them; every method ends with the same held-out evaluation",
+                      "ppo|dpo|best-of-n")
+    bon_n: int = arg(16, "--method best-of-n: candidates per response; KL to SFT = log n − (n − 1)/n nats", ">=1")
     # long runs (checkpoint.py, monitor.py)
     save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end", ">=0")
     keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)", ">=0")
@@ -155,10 +164,10 @@ FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be exis
 
 
 def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.PPOConfig,
-             world_cfg: toy_world.WorldConfig) -> None:
+             world_cfg: toy_world.WorldConfig, dpo_cfg: dpo.DPOConfig) -> None:
     """Every flag against its range or choices, the files it names, and the combinations the loop needs: one line
     naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written."""
-    for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-")):
+    for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-"), (dpo_cfg, "")):
         for name, spec in cli.allowed(type(obj)).items():
             value = getattr(obj, name)
             problem = cli.check_value(value, spec)
@@ -179,6 +188,9 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
         fail(f"--minibatch {cfg.minibatch}: must be ≤ --rollout-batch {cfg.rollout_batch} (a minibatch is a part of "
              f"the rollout batch)")
     validate_estimator(run, cfg)
+    if run.method != "ppo" and run.resume:
+        fail(f"--resume with --method {run.method}: only the PPO loop checkpoints; a {run.method} run is one short "
+             f"stage, start it again")
     if sft_cfg.sft_hidden % sft_cfg.sft_heads:
         fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
     if run.bf16 and run.fp32:
@@ -231,7 +243,8 @@ def validate_estimator(run: RunConfig, cfg: ppo_max.PPOConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig)]:
+    for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig),
+                       ("DPO (--method dpo; dpo.py)", dpo.DPOConfig)]:
         g = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
             flags = ["--" + f.name.replace("_", "-")]
@@ -262,11 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_configs(argv=None):
-    """(RunConfig, SFTConfig, RMConfig, PPOConfig, WorldConfig) of a command line: the preset's PPO flags with the
-    given ones on top, and --out defaulting to runs/<preset>-seed<seed> (or the resumed run's directory)."""
+    """(RunConfig, SFTConfig, RMConfig, PPOConfig, WorldConfig, DPOConfig) of a command line: the preset's PPO flags
+    with the given ones on top, and --out defaulting to runs/<preset>-seed<seed> (or the resumed run's directory)."""
     args = build_parser().parse_args(argv)
     pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # noqa: E731
-    run, sft_cfg, rm_cfg = pick(RunConfig), pick(SFTConfig), pick(RMConfig)
+    run, sft_cfg, rm_cfg, dpo_cfg = pick(RunConfig), pick(SFTConfig), pick(RMConfig), pick(dpo.DPOConfig)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ppo_max.PPOConfig)
                  if getattr(args, f.name) is not None}
     try:
@@ -281,8 +294,8 @@ def parse_configs(argv=None):
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
     if not run.out:  # runs of other estimators or LoRA never share a directory with the default run
         run.out = f"runs/{run_name(run, ppo)}{lora_tag(run)}-seed{run.seed}"
-    validate(run, sft_cfg, rm_cfg, ppo, world)
-    return run, sft_cfg, rm_cfg, ppo, world
+    validate(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg)
+    return run, sft_cfg, rm_cfg, ppo, world, dpo_cfg
 
 
 def implied(cfg: ppo_max.PPOConfig, given: dict) -> ppo_max.PPOConfig:
@@ -298,8 +311,12 @@ def implied(cfg: ppo_max.PPOConfig, given: dict) -> ppo_max.PPOConfig:
 
 
 def run_name(run: RunConfig, cfg: ppo_max.PPOConfig) -> str:
-    """The default --out's name: the preset, and the estimator and group size when they are not GAE's (runs/ppo-max-
-    grpo-g4-seed0)."""
+    """The default --out's name: the method (dpo, best-of-16), or the preset and the estimator and group size when
+    they are not GAE's (runs/ppo-max-grpo-g4-seed0)."""
+    if run.method == "dpo":
+        return "dpo"
+    if run.method == "best-of-n":
+        return f"best-of-{run.bon_n}"
     name = run.preset
     if cfg.advantage != "gae":
         name += f"-{cfg.advantage}"
@@ -374,7 +391,8 @@ SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "ev
                   "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
 
 
-def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig]:
+def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
+                              dpo.DPOConfig]:
     """The run's flags and every configuration, presets and defaults applied. With --resume DIR the flags are the
     run's recorded ones (RUN_RECORD) plus those given now, which may only change SAFE_ON_RESUME."""
     run = parse_configs(argv)[0]
@@ -401,7 +419,7 @@ def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
     combined = recorded + argv + ["--out", run.out]
     with contextlib.redirect_stdout(io.StringIO()):  # the presets' messages, printed once by the real resolve
         before, after = resolve(recorded + ["--out", run.out]), resolve(combined)
-    for prefix, old, new in zip(("", "", "", "", "world-"), before, after):
+    for prefix, old, new in zip(("", "", "", "", "world-", ""), before, after):
         for name, value in dataclasses.asdict(new).items():
             if value != getattr(old, name) and name not in SAFE_ON_RESUME:
                 flag = f"--{prefix}{name.replace('_', '-')}"
@@ -413,8 +431,8 @@ def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
 
 
 def resolve(argv):
-    """(run, sft_cfg, rm_cfg, cfg, world_cfg) of a command line, presets and defaults applied and checked."""
-    run, sft_cfg, rm_cfg, cfg, world_cfg = parse_configs(argv)
+    """(run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg) of a command line, presets and defaults applied and checked."""
+    run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = parse_configs(argv)
     if run.data and run.model == "tiny":  # real text: a smaller budget for the flags not given, and no gold judge
         run, sft_cfg, rm_cfg, cfg = real_data_configs(argv, run, sft_cfg, rm_cfg, cfg)
     if run.model in MODEL_PRESETS:
@@ -424,7 +442,7 @@ def resolve(argv):
     stages = [s.strip() for s in run.stages.split(",") if s.strip()]
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
-    return run, sft_cfg, rm_cfg, cfg, world_cfg
+    return run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg
 
 
 def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, out: Path) -> tuple[int, list[dict]]:
@@ -470,7 +488,7 @@ def write_record(out: Path, argv: list[str], *configs) -> None:
     """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
     flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
     write_json(out / RUN_RECORD, {"argv": flags, "configs": {name: dataclasses.asdict(c) for name, c in
-                                                             zip(("run", "sft", "rm", "ppo", "world"), configs)}})
+                                                             zip(("run", "sft", "rm", "ppo", "world", "dpo"), configs)}})
 
 
 def check_data_files(run: RunConfig) -> None:
@@ -518,7 +536,7 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     """--plan: scale.py's per-GPU memory plan for --model (for `tiny`, its LlamaConfig), without loading weights.
     The plan's own flags (--num-gpus, --gpu-mem, --zero-stage, --micro-batch, ...) default to the paper's set-up."""
     plan_args, rest = scale.add_plan_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    run, sft_cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
+    run, sft_cfg, _, cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
     if run.model == "tiny":
         model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
     else:
@@ -532,6 +550,11 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
         plan.name = "tiny (the synthetic world's LLaMA)"
     print(scale.format_stage_plans(stage_plans))
     print(scale.format_plan(plan))
+    total, saved = scale.without_critic(plan)  # the critic-free estimators hold no critic at all
+    which = (f"this run (--advantage {cfg.advantage})" if cfg.advantage != "gae" else
+             f"a critic-free run (--advantage {'|'.join(critic_free.CRITIC_FREE)})")
+    print(f"Without the critic, {which}: peak {total / scale.GiB:.2f} GiB per GPU, {saved / scale.GiB:.2f} GiB less "
+          f"(its weights, gradients, optimizer states and activations{'; its frozen backbone is the reward model' if plan.lora else ''})")
     if run.judge_frac and (run.data or run.model != "tiny"):  # the judge: one more frozen model, on every GPU
         judge, _ = scale.frozen_bytes(scale.llama_config_numbers(model), plan_args.lora_bits, 2)
         print(f"Not counted above: with --data, the held-out judge (--judge-frac {run.judge_frac:g}) is one more frozen "
@@ -799,13 +822,17 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, his
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
                                 judge=judge.score if judge else proxy,
                                 extra_judges={"reward model (proxy)": proxy} if judge and judge.name != "gold" else None)
-    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" else None
+    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" and history else None
     out = {"sft": report["sft"], "final": report["policy"],
            "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
            "win_rate_vs_sft": report["win_rate"], "judge": judge.name if judge else "reward model"}
     if report.get("win_rates"):
         out["win_rate_vs_sft_by_judge"] = {out["judge"]: report["win_rate"], **report["win_rates"]}
         out["judge_model"] = str(inp.judge)
+    # the policy as itself (temperature 1): gold and proxy against d = √KL(π ‖ π_SFT), the over-optimisation curve
+    out["frontier"] = evaluation.frontier_point(engine.unwrap(m.policy).eval(), sft_model, m.reward_model,
+                                                inp.tokenizer, heldout, run.eval_samples, run.seed + 1,
+                                                cfg.max_new_tokens, judge.score if judge else proxy)
     return out
 
 
@@ -878,9 +905,13 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     t0 = time.time()
     report = evaluate(m, inp, run, cfg, log.history, judge, device)
     timings["eval"] = time.time() - t0
-    summary = {"preset": run.preset, "seed": run.seed, "steps": run.steps, "seconds": time.time() - t_start,
-               "config": dataclasses.asdict(cfg), "base": str(inp.base) if inp.base else None, "timings": timings,
+    pretrain = out / "critic_pretrain.json"  # what the run sampled: critic pre-training rounds and PPO steps
+    rounds = len(json.loads(pretrain.read_text())) if pretrain.is_file() else 0
+    summary = {"method": "ppo", "preset": run.preset, "seed": run.seed, "steps": run.steps,
+               "seconds": time.time() - t_start, "config": dataclasses.asdict(cfg),
+               "base": str(inp.base) if inp.base else None, "timings": timings,
                **base_summary(inp, run, dirs), **report,
+               "budget": {"policy_samples": (rounds + len(log.history)) * cfg.rollout_batch, "preference_pairs": 0},
                "collapse_alarm": log.alarm_info, "stopped": ended["stop_reason"]}
     if run.data and inp.base:
         summary["data"] = json.loads((inp.base / "data_report.json").read_text())
@@ -893,19 +924,76 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     return summary
 
 
+def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig, inp: Inputs, dirs: dict | None,
+                 rank: int, world: int, device: torch.device, t_start: float) -> dict | None:
+    """--method dpo (dpo.train_dpo on the reward model's own pairs, from the SFT model) or best-of-n (no training),
+    then the held-out evaluation PPO gets: the same judge, prompts, sampling and summary.json layout."""
+    from transformers import AutoModelForCausalLM
+    checkpoint.seed_everything(run.seed + rank)
+    out, timings, bf16 = Path(run.out), dict(inp.timings), use_bf16(run, device)
+    head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    reward_model = lm.disable_dropout(ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw))
+    reward_model = reward_model.eval().requires_grad_(False).to(device)
+    sft = lm.disable_dropout(AutoModelForCausalLM.from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
+    sft = sft.to(device).eval().requires_grad_(False)
+    judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run))
+    heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    t0 = time.time()
+    if run.method == "dpo":
+        pairs, heldout_pairs = preference_pairs(run, inp, dirs)
+        policy = load_lm(inp.policy, bf16, device, run.grad_ckpt, run)
+        log = dpo.train_dpo(policy, inp.tokenizer, pairs, heldout_pairs, dpo_cfg, run.seed,
+                            ds=stage_ds(run, dpo_cfg.dpo_batch // world, device), out_dir=out / "policy",
+                            progress=lambda r, d: collapse.progress(r, d, leave=False, disable=rank != 0))
+        timings["dpo"] = time.time() - t0
+        print(f"[DPO] {timings['dpo']:.1f} s; held-out implicit-reward accuracy {log[-1]['heldout_accuracy']:.3f}")
+        if rank != 0:
+            return None
+        write_json(out / "dpo_log.json", log)
+        t0 = time.time()
+        report = evaluate(Models(policy, sft, reward_model, None, None, None), inp, run, cfg, [], judge, device)
+        config, budget = dataclasses.asdict(dpo_cfg), {"policy_samples": 0, "preference_pairs": len(pairs),
+                                                       "pair_epochs": dpo_cfg.dpo_epochs}
+    else:
+        if rank != 0:
+            return None
+        score = judge.score if judge else evaluation.rm_judge(reward_model, inp.tokenizer)
+        rep = best_of_n.evaluate(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed,
+                                 cfg.max_new_tokens, score)
+        plain = best_of_n.sample(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed + 1,
+                                 cfg.max_new_tokens, evaluation.PLAIN_SAMPLING)
+        m_plain, _ = evaluation.measure(sft, sft, reward_model, plain, score)
+        kl = best_of_n.bon_kl(run.bon_n)  # exact for continuous scores: no per-token KL to estimate
+        report = {"sft": rep["sft"], "final": rep["policy"], "peak": None, "win_rate_vs_sft": rep["win_rate"],
+                  "judge": judge.name if judge else "reward model",
+                  "frontier": {"gold_reward": m_plain["gold_reward"], "reward": m_plain["reward"], "kl_seq": kl,
+                               "d": kl ** 0.5, "response_length": m_plain["response_length"],
+                               "samples": len(plain["texts"])}}
+        config, budget = {"bon_n": run.bon_n}, {"policy_samples": 0, "preference_pairs": 0,
+                                                "samples_per_response": run.bon_n}
+    timings["eval"] = time.time() - t0
+    summary = {"method": run.method, "preset": run.method, "seed": run.seed, "steps": 0,
+               "seconds": time.time() - t_start, "config": config, "base": str(inp.base) if inp.base else None,
+               "timings": timings, **base_summary(inp, run, dirs), **report, "budget": budget}
+    write_json(out / "summary.json", summary)
+    print(evaluation.format_table(summary))
+    print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    return summary
+
+
 def main(argv=None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--plan" in argv:  # before parsing: the plan's flags (--num-gpus, ...) are scale.py's
         print_plan(argv)
         return None
-    argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
+    argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = configure(argv)  # with --resume: the recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     check_data_files(run)
     check_lora(run, sft_cfg, dirs)
     out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
     if rank == 0:  # --resume DIR alone continues from this record
-        write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg)
+        write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
     print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
     t_start = time.time()
 
@@ -917,6 +1005,8 @@ def main(argv=None) -> dict | None:
         return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank)
     inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0)
     inp.timings.update(stage_timings)
+    if run.method != "ppo":  # DPO or best-of-n in the place of stages 3-4, evaluated as PPO is
+        return other_method(run, cfg, dpo_cfg, inp, dirs, rank, world, device, t_start)
     if cfg.ptx_coef and not inp.data["sft"]:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
         cfg = dataclasses.replace(cfg, ptx_coef=0.0)

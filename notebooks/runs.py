@@ -72,11 +72,15 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
 
 
 def expected(argv: list[str]) -> dict:
-    """What summary.json must say for a cached run to stand for `argv`: preset, steps, PPO config, base directory."""
+    """What summary.json must say for a cached run to stand for `argv`: preset, steps, the method's config (PPO's,
+    DPO's, best-of-n's n), base directory."""
     import pipeline
     import train
-    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg = train.parse_configs(argv)
-    return {"preset": run_cfg.preset, "steps": run_cfg.steps, "config": dataclasses.asdict(ppo_cfg),
+    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg, dpo_cfg = train.parse_configs(argv)
+    config = {"ppo": dataclasses.asdict(ppo_cfg), "dpo": dataclasses.asdict(dpo_cfg),
+              "best-of-n": {"bon_n": run_cfg.bon_n}}[run_cfg.method]
+    return {"preset": run_cfg.preset if run_cfg.method == "ppo" else run_cfg.method,
+            "steps": run_cfg.steps if run_cfg.method == "ppo" else 0, "config": config,
             "base": pipeline.base_dir(run_cfg, sft_cfg, rm_cfg, world_cfg).name}
 
 

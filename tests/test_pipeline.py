@@ -88,11 +88,11 @@ def test_kl_coef_zero_leaves_only_the_score():
 
 
 def test_presets_and_flags_parse():
-    _, _, _, cfg, _ = train.parse_configs(["--preset", "vanilla"])
+    _, _, _, cfg, *_ = train.parse_configs(["--preset", "vanilla"])
     assert cfg.kl_coef == 0 and not cfg.reward_norm and cfg.critic_pretrain_steps == 0 and cfg.ptx_coef == 0
-    _, _, _, cfg, _ = train.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
+    _, _, _, cfg, *_ = train.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
     assert cfg.kl_coef == 0.1, "an explicit flag overrides the preset"
-    _, _, _, cfg, _ = train.parse_configs([])
+    _, _, _, cfg, *_ = train.parse_configs([])
     assert cfg == ppo_max.apply_preset("ppo-max")
     with pytest.raises(ValueError):
         ppo_max.apply_preset("nope")
