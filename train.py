@@ -193,6 +193,12 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
              f"stage, start it again")
     if sft_cfg.sft_hidden % sft_cfg.sft_heads:
         fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    if rm_cfg.rm_hidden % sft_cfg.sft_heads:
+        fail(f"--rm-hidden {rm_cfg.rm_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    sized = [f for f in ("rm_hidden", "rm_layers", "rm_pairs") if getattr(rm_cfg, f)]
+    if sized and run.model != "tiny":
+        fail(f"--{sized[0].replace('_', '-')}: sizes the reward model the synthetic world and --data train here; a "
+             f"real --model's reward model is its own (pass it with --reward-model DIR)")
     if run.bf16 and run.fp32:
         fail("--bf16 and --fp32: choose one")
     if run.log_with == "wandb":
@@ -952,8 +958,8 @@ def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig,
         write_json(out / "dpo_log.json", log)
         t0 = time.time()
         report = evaluate(Models(policy, sft, reward_model, None, None, None), inp, run, cfg, [], judge, device)
-        config, budget = dataclasses.asdict(dpo_cfg), {"policy_samples": 0, "preference_pairs": len(pairs),
-                                                       "pair_epochs": dpo_cfg.dpo_epochs}
+        config, budget = {**dataclasses.asdict(dpo_cfg), "max_new_tokens": cfg.max_new_tokens}, {
+            "policy_samples": 0, "preference_pairs": len(pairs), "pair_epochs": dpo_cfg.dpo_epochs}
     else:
         if rank != 0:
             return None
@@ -969,8 +975,8 @@ def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig,
                   "frontier": {"gold_reward": m_plain["gold_reward"], "reward": m_plain["reward"], "kl_seq": kl,
                                "d": kl ** 0.5, "response_length": m_plain["response_length"],
                                "samples": len(plain["texts"])}}
-        config, budget = {"bon_n": run.bon_n}, {"policy_samples": 0, "preference_pairs": 0,
-                                                "samples_per_response": run.bon_n}
+        config, budget = {"bon_n": run.bon_n, "max_new_tokens": cfg.max_new_tokens}, {
+            "policy_samples": 0, "preference_pairs": 0, "samples_per_response": run.bon_n}
     timings["eval"] = time.time() - t0
     summary = {"method": run.method, "preset": run.method, "seed": run.seed, "steps": 0,
                "seconds": time.time() - t_start, "config": config, "base": str(inp.base) if inp.base else None,
