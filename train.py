@@ -463,6 +463,16 @@ def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, o
     return saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
 
 
+def run_checkpoints(m: Models, out: Path, batches: data.RolloutBatches, run: RunConfig,
+                    rank: int) -> checkpoint.RunCheckpoints:
+    """The run's checkpoints: what trains (the policy, and the critic when there is one) with its optimizer, and the
+    prompt stream; a critic-free run checkpoints no critic."""
+    trained = {k: v for k, v in {"policy": (m.policy, m.policy_opt), "critic": (m.critic, m.critic_opt)}.items()
+               if v[0] is not None}
+    return checkpoint.RunCheckpoints(out, {k: v[0] for k, v in trained.items()}, {k: v[1] for k, v in trained.items()},
+                                     {"prompt": batches.rng}, batches.tokenizer, run.keep_last, rank, engine.barrier)
+
+
 def save_critic(m: Models, inp: Inputs, run: RunConfig, out: Path, rank: int) -> dict:
     """--stages ...,critic: the pre-trained critic, as a Hugging Face directory, is the run's result."""
     if rank == 0:
@@ -1024,11 +1034,7 @@ def main(argv=None) -> dict | None:
                                   [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
                                   seed=run.seed, rank=rank, world=world, device=device)
     state = LoopState.new(run, cfg)
-    trained = {"policy": (m.policy, m.policy_opt), "critic": (m.critic, m.critic_opt)}  # no critic: not checkpointed
-    trained = {k: v for k, v in trained.items() if v[0] is not None}
-    ckpts = checkpoint.RunCheckpoints(out, {k: v[0] for k, v in trained.items()},
-                                      {k: v[1] for k, v in trained.items()}, {"prompt": batches.rng},
-                                      inp.tokenizer, run.keep_last, rank, engine.barrier)
+    ckpts = run_checkpoints(m, out, batches, run, rank)
     timings, start, history = dict(inp.timings), 0, []
     if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
         start, history = resume(run, ckpts, state, out)

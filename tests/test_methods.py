@@ -85,3 +85,43 @@ def test_combinations_that_cannot_work_are_one_line(flags, message, capsys):
         train.parse_configs(flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_plan_prints_what_a_critic_free_run_saves(capsys):
+    """LLaMA-7B on 8 × 80 GiB, ZeRO-2: without the critic the peak drops by exactly its resident rows (weights,
+    gradients, optimizer states: its training activations never set the peak, the policy's phase does)."""
+    import scale
+    plan = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80"])
+    total, saved = scale.without_critic(plan)
+    resident = sum(plan.get("critic", c) for c in ("weights", "gradients", "optimizer"))
+    assert saved == resident and total == plan.total_bytes - resident
+    out = capsys.readouterr().out
+    assert f"peak {total / scale.GiB:.2f} GiB per GPU, {saved / scale.GiB:.2f} GiB less" in out and "23.08" in out
+    plan = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16",
+                             "--advantage", "grpo", "--group-size", "4"])
+    total, saved = scale.without_critic(plan)
+    assert 0 < saved < 0.01 * plan.total_bytes  # LoRA: the critic's frozen backbone is the reward model, it stays
+    assert "this run (--advantage grpo)" in capsys.readouterr().out
+
+
+def test_reward_model_size_flags_leave_the_default_base_unchanged():
+    """--rm-hidden / --rm-layers / --rm-pairs at their defaults are not part of the cached base's key, so the bases
+    built before these flags existed are found again; set, they are."""
+    import pipeline
+    run, sft_cfg, rm_cfg, _, world_cfg, _ = train.parse_configs([])
+    assert set(pipeline.base_key(run, sft_cfg, rm_cfg, world_cfg)[1][2]) == {
+        "rm_epochs", "rm_lr", "rm_batch", "rm_lm_coef", "rm_eval_every"}
+    run2, sft2, rm2, _, world2, _ = train.parse_configs(["--rm-hidden", "16"])
+    assert pipeline.base_dir(run2, sft2, rm2, world2) != pipeline.base_dir(run, sft_cfg, rm_cfg, world_cfg)
+
+
+@pytest.mark.slow
+def test_a_reward_model_of_its_own_size_and_data(work):
+    import data
+    result = train.main(TINY + ["--rm-hidden", "16", "--rm-layers", "1", "--rm-pairs", "120", "--stages", "sft,rm",
+                                "--out", "rm16"])
+    rm_dir, sft_dir = Path(result["reward_model"]), Path(result["sft"])
+    rm_config = json.loads((rm_dir / "config.json").read_text())
+    assert (rm_config["hidden_size"], rm_config["num_hidden_layers"]) == (16, 1)
+    assert json.loads((sft_dir / "config.json").read_text())["hidden_size"] == 64  # the policy keeps its size
+    assert len(data.read_records(rm_dir.parent / "data" / "pairs_train.jsonl")) == 120
