@@ -646,12 +646,14 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
         print("[deepspeed] reference and reward model: inference only, replicated on every rank (if they do not fit: "
               "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
     if lora.enabled(run):
-        critic_n = f"{sum(p.numel() for p in lora.trainable(critic)):,}" if critic else "no critic (--advantage " \
-            f"{cfg.advantage})"
+        critic_n = f" / critic {sum(p.numel() for p in lora.trainable(critic)):,}" if critic else ""
         print(f"[lora] r {run.lora_r}, α {run.lora_alpha:g}, targets {run.lora_targets}: policy "
-              f"{sum(p.numel() for p in lora.trainable(policy)):,} / critic {critic_n} "
+              f"{sum(p.numel() for p in lora.trainable(policy)):,}{critic_n} "
               f"trainable parameters; reference = {'the policy with adapters off' if share_ref else inp.ref}, reward "
               f"model = {'the critic with adapters off' if share_rm else inp.reward}")
+    if critic is None:
+        print(f"[advantage {cfg.advantage}] no critic: not built, not pre-trained (stage 3), no value loss, not "
+              f"checkpointed")
     policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
     if critic is not None:
         critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)

@@ -229,3 +229,32 @@ def test_first_update_ratio_is_exactly_one_for_every_estimator(name, kl_in):
     upd = ppo_max.ppo_update(policy, critic, opts[0], opts[1], exp, cfg, None)
     assert upd["ppo/ratio"] == 1.0 and upd["ppo/clipfrac"] == 0.0 and upd["ppo/approx_kl"] == 0.0
     assert ("loss/vf" in upd) == (name == "gae") and ("loss/kl" in upd) == (kl_in == "loss")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_first_update_ratio_is_one_without_a_critic_on_architectures_with_dropout(arch):
+    """GPT-2 and GPT-NeoX carry dropout 0.1 in their configs; with it off (lm.disable_dropout, as train.load_models
+    does) a GRPO update's first ratio is exactly 1 too."""
+    import transformers
+
+    import lm
+    import ppo_max
+    from reward_model import ScalarHeadModel
+    from test_architectures import EOS, PAD, config, prompts
+    torch.manual_seed(0)
+    policy = transformers.AutoModelForCausalLM.from_config(config(arch))
+    ref = transformers.AutoModelForCausalLM.from_config(config(arch))
+    ref.load_state_dict(policy.state_dict())
+    rm = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(config(arch)))
+    for m in (policy, ref, rm):
+        lm.disable_dropout(m)
+    query, query_mask = (t.repeat_interleave(2, 0) for t in prompts(arch))     # 3 prompts × G = 2
+    cfg = ppo_max.PPOConfig(advantage="grpo", group_size=2, rollout_batch=6, minibatch=6, ppo_epochs=1,
+                            ptx_coef=0.0, max_new_tokens=8)
+    torch.manual_seed(2)
+    response, response_mask, _ = ppo_max.rollout(policy.eval(), query, query_mask, 8, EOS, PAD[arch])
+    exp = ppo_max.make_experience(policy, ref.eval(), rm.eval(), None, query, query_mask, response, response_mask,
+                                  ppo_max.RunningMoments(), cfg, 0.05)
+    policy.train()
+    upd = ppo_max.ppo_update(policy, None, torch.optim.AdamW(policy.parameters(), lr=1e-3), None, exp, cfg, None)
+    assert upd["ppo/ratio"] == 1.0 and upd["ppo/clipfrac"] == 0.0

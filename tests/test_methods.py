@@ -50,7 +50,8 @@ def test_grpo_runs_without_a_critic_and_resumes_exactly(work):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--advantage", "reinforce++"],
-                                   ["--advantage", "dr-grpo", "--group-size", "2", "--kl-in", "loss"]])
+                                   ["--advantage", "dr-grpo", "--group-size", "2", "--kl-in", "loss"],
+                                   ["--advantage", "rloo", "--group-size", "2", "--lora-r", "4"]])
 def test_other_estimators_run(work, flags):
     name = "-".join(flags).replace("--", "")
     summary = train.main(TINY + flags + ["--steps", "2", "--out", name])
@@ -59,6 +60,9 @@ def test_other_estimators_run(work, flags):
         assert cfg["loss_agg"] == "seq-mean-token-sum-norm" and cfg["kl_estimator"] == "k3"
     m = metrics(work / name)
     assert all(("loss/kl" in x) == ("loss" in flags) for x in m)
+    if "--lora-r" in flags:  # LoRA without a critic: the policy's adapters alone, the reward model loaded on its own
+        assert (work / name / "policy" / "adapter" / "adapter_config.json").is_file()
+        assert not (work / name / "critic").exists()
 
 
 def test_default_out_names_the_estimator():
