@@ -7,6 +7,8 @@ Run:
   python train.py --help                # every flag, with its paper symbol and default
   python train.py --model DIR --data PAIRS [--stages sft,rm]       # a real Hugging Face model through every stage
   python train.py --model llama-7b --plan [--num-gpus 8 --gpu-mem 80 ...]   # per-GPU memory bill; loads nothing
+  python train.py --advantage grpo --group-size 4   # no critic: GRPO's group baseline (critic_free.py), same loop
+  python train.py --method dpo | --method best-of-n # DPO (dpo.py) or best-of-n (best_of_n.py) instead of stages 3-4
   deepspeed --num_gpus 8 train.py --model llama-7b --data hh.jsonl  # the paper's set-up: DeepSpeed engines (ZeRO-2)
   deepspeed --num_gpus 2 train.py ...   # on a CPU-only machine too: DeepSpeed picks its CPU accelerator and gloo
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cli
+import dpo
 import ppo_max
 import toy_world
 import train
@@ -111,7 +112,7 @@ def bad_value(spec: str):
     return float(spec[1:-1].split(",")[1]) + 1
 
 
-ALL_CHECKS = [("", n, s) for c in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig)
+ALL_CHECKS = [("", n, s) for c in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, dpo.DPOConfig)
               for n, s in cli.allowed(c).items()] + [("world-", n, s) for n, s in cli.allowed(toy_world.WorldConfig).items()]
 
 
@@ -152,7 +153,8 @@ def test_every_numeric_or_choice_flag_has_a_check():
     free = {"out", "model", "resume", "data", "sft_data", "prompts", "deepspeed_config", "sft_model", "reward_model",
             "critic_model", "preset", "stages", "seed", "data_split", "data_config",
             "lora_targets"}  # names: checked where used (--lora-targets against the model's layers)
-    for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig):
+    for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
+                dpo.DPOConfig):
         for f in dataclasses.fields(cls):
             if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name == "seed"):
                 continue
