@@ -766,16 +766,19 @@ def pair_batch(rows: list[dict], tokenizer):
 class RolloutBatches:
     """The PPO stage's batches, drawn from one seeded stream (checkpointed as "prompt", so a resumed run draws the
     same batches): prompts for the rollouts, left-padded (B, P), and SFT rows for the ptx term (Eq. 17),
-    right-padded. Every rank draws the global batch and keeps its rows r, r + W, … (W ranks)."""
+    right-padded. Every rank draws the global batch and keeps its rows r, r + W, … (W ranks), or its groups."""
 
     def __init__(self, prompts: list[str], sft_rows: list[tuple[str, str]], tokenizer, seed: int, rank: int = 0,
                  world: int = 1, device="cpu"):
         self.prompt_rows, self.sft_rows, self.tokenizer = prompts, sft_rows, tokenizer
         self.rng, self.rank, self.world, self.device = random.Random(seed), rank, world, device
 
-    def prompts(self, n: int):
-        """n prompts of the global batch → (this rank's prompts, query ids (b, P), query mask (b, P))."""
-        rows = [self.rng.choice(self.prompt_rows) for _ in range(n)][self.rank::self.world]
+    def prompts(self, n: int, group: int = 1):
+        """n rows of the global batch → (this rank's prompts, query ids (b, P), query mask (b, P)). With `group` = G:
+        n/G prompts, each repeated G times in a row (G responses per prompt), and each rank keeps whole groups
+        (r, r + W, …), so no group is split across ranks; G = 1 draws exactly what it always did."""
+        prompts = [self.rng.choice(self.prompt_rows) for _ in range(n // group)][self.rank::self.world]
+        rows = [p for p in prompts for _ in range(group)]
         query, query_mask = pad([query_ids(p, self.tokenizer) for p in rows], self.tokenizer.pad_token_id, "left")
         return rows, query.to(self.device), query_mask.to(self.device)
 

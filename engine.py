@@ -8,9 +8,10 @@ on 8 GPUs):
     backward_step(model, opt, loss, clip, ..) → backward, global gradient clip, optimizer step; a non-finite loss
                                                 or gradient skips the step (a DeepSpeed engine does this itself)
     set_lr(opt, lr), cosine_lr(step, total, α) → the learning rate of every parameter group; the cosine schedule
-    gather_batch / gather_list / all_mean / any_rank / barrier
+    gather_batch / gather_list / all_mean / all_sum / any_rank / barrier
                                               → data parallelism: rank r of W holds rows r, r + W, … of the global
-                                                batch; without torch.distributed every one is the identity
+                                                batch (groups r, r + W, … with G responses per prompt); without
+                                                torch.distributed every one is the identity
     unwrap(model)                             → the Hugging Face model inside an engine (what save_pretrained needs)
 
 Run: deepspeed --num_gpus 2 train.py ...      (on a CPU-only machine DeepSpeed picks its CPU accelerator and gloo)
@@ -181,22 +182,25 @@ def rank() -> int:
     return torch.distributed.get_rank() if ok else 0
 
 
-def gather_batch(x: Tensor) -> Tensor:
-    """Every rank's x (B, …) gathered into the global batch (W·B, …) in prompt order (row r + W·j is rank r's j)."""
+def gather_batch(x: Tensor, group: int = 1) -> Tensor:
+    """Every rank's x (B, …) gathered into the global batch (W·B, …) in prompt order: with groups of `group` rows
+    (G responses to one prompt, data.RolloutBatches), group r + W·j of the global batch is rank r's group j."""
     if not _distributed():
         return x
     parts = [torch.empty_like(x) for _ in range(world_size())]
     torch.distributed.all_gather(parts, x.contiguous())
-    return torch.stack(parts, dim=1).flatten(0, 1)                      # (B, W, …) → (W·B, …)
+    blocks = [p.unflatten(0, (-1, group)) for p in parts]               # W × (B/G, G, …)
+    return torch.stack(blocks, dim=1).flatten(0, 2)                     # (B/G, W, G, …) → (W·B, …)
 
 
-def gather_list(xs: list) -> list:
+def gather_list(xs: list, group: int = 1) -> list:
     """gather_batch for python lists (prompts, texts, gold rewards): the global batch in prompt order."""
     if not _distributed():
         return xs
     parts = [None] * world_size()
     torch.distributed.all_gather_object(parts, xs)
-    return [x for row in zip(*parts) for x in row]
+    blocks = [[p[i:i + group] for i in range(0, len(p), group)] for p in parts]  # W × [groups]
+    return [x for row in zip(*blocks) for block in row for x in block]
 
 
 def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
@@ -207,6 +211,15 @@ def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dic
     t = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return {k: v / world_size() for k, v in zip(stats, t.tolist())}
+
+
+def all_sum(x: Tensor) -> Tensor:
+    """x summed over the ranks, the same sum on every rank (critic_free.batch_whiten's global moments)."""
+    if not _distributed():
+        return x
+    x = x.clone()
+    torch.distributed.all_reduce(x)
+    return x
 
 
 def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:

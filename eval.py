@@ -5,6 +5,8 @@ Implements: no equation; the monitoring metrics of §5.2 and the win rate of Fig
   measure()       reward-model score, gold reward, per-token KL to the reference, perplexity, length
   compare()       the above for a policy and the SFT model, plus win / tie / lose judged by gold (synthetic world)
                   or by a reward model (real data, where no gold judge exists: rm_judge(), on the sampled ids)
+  frontier_point() gold and proxy reward against d = √KL(π ‖ π_SFT) per response, sampled at temperature 1: one
+                  point of the over-optimisation curve (Gao et al. 2022)
   score()         r(x, y) of every pair or response of a data file with a saved reward model: pairwise accuracy
                   (Eq. 1; Fig. 3) and the histogram of r(x, y_w) − r(x, y_l) (Fig. 2)
   plot()          §5.2's panels of any runs, one line per run: reward-model score, gold or judge reward, KL to the
@@ -33,6 +35,9 @@ from ppo_loss import kl_full, logprobs_from_logits
 
 # The paper's evaluation sampling (§ hyperparameters): top-p 0.9, temperature 0.8, repetition penalty 1.1.
 EVAL_SAMPLING = dict(top_p=0.9, temperature=0.8, repetition_penalty=1.1)
+# The policy itself (temperature 1, nothing cut): the distribution whose KL to π_SFT the gold-vs-√KL frontier plots
+# (Gao et al. 2022 sample at temperature 1; best_of_n.bon_kl holds for draws from π_SFT itself).
+PLAIN_SAMPLING = dict(top_p=1.0, temperature=1.0, repetition_penalty=1.0)
 
 
 # A judge scores one batch of samples: judge(prompts, texts, finished, ids (B, L), mask (B, L)) → [reward, …], where
@@ -60,8 +65,10 @@ def judge_samples(judge, samples: dict) -> list[float]:
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int, batch: int = 256) -> dict:
-    """n responses per prompt, sampled with EVAL_SAMPLING from `seed` (the same seed for every model compared)."""
+def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int, batch: int = 256,
+           sampling: dict | None = None) -> dict:
+    """n responses per prompt, sampled with EVAL_SAMPLING (or `sampling`) from `seed` (the same seed for every model
+    compared)."""
     rows = [p for p in prompts for _ in range(n)]
     out = {"prompts": rows, "query": [], "query_mask": [], "response": [], "mask": [], "finished": []}
     device = next(model.parameters()).device
@@ -72,7 +79,7 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
             q, qm = data.pad([data.query_ids(p, tokenizer) for p in rows[i:i + batch]], tokenizer.pad_token_id, "left")
             q, qm = q.to(device), qm.to(device)                                        # (B, P), on the model's device
             r, m, f = ppo_max.rollout(model, q, qm, max_new_tokens, data.stop_id(tokenizer), tokenizer.pad_token_id,
-                                      **EVAL_SAMPLING)
+                                      **(sampling or EVAL_SAMPLING))
             out["query"].append(q); out["query_mask"].append(qm)
             out["response"].append(r); out["mask"].append(m); out["finished"].append(f)
     out["texts"] = [tokenizer.decode(r[m.bool()], skip_special_tokens=True)
@@ -84,9 +91,11 @@ def sample(model, tokenizer, prompts: list[str], n: int, seed: int, max_new_toke
 @torch.no_grad()
 def measure(model, ref, reward_model, samples: dict, judge=toy_world.gold_judge) -> dict:
     """Mean metrics over the sampled responses. KL and perplexity use the models' own (temperature 1)
-    distributions at the visited positions: kl = mean over response tokens of Σ_v π log(π/π_ref);
-    perplexity = exp(mean NLL of the sampled tokens under the model). The reward model and the judge score the
-    sampled ids with the masks of training (judge_samples)."""
+    distributions at the visited positions: kl = mean over response tokens of Σ_v π log(π/π_ref), kl_seq = the same
+    summed over each response and averaged over responses (nats per response: with samples of the policy itself, a
+    Monte Carlo estimate of the sequence-level KL(π ‖ π_ref)); perplexity = exp(mean NLL of the sampled tokens under
+    the model). The reward model and the judge score the sampled ids with the masks of training
+    (judge_samples)."""
     kl_sum = nll_sum = tokens = 0.0
     lengths = []
     for q, qm, r, m in zip(samples["query"], samples["query_mask"], samples["response"], samples["mask"]):
@@ -100,7 +109,7 @@ def measure(model, ref, reward_model, samples: dict, judge=toy_world.gold_judge)
     gold = judge_samples(judge, samples)
     return {"reward": sum(scores) / len(scores), "gold_reward": sum(gold) / len(gold), "kl": kl_sum / tokens,
             "perplexity": math.exp(nll_sum / tokens), "response_length": sum(lengths) / len(lengths),
-            "finished": sum(samples["finished"]) / len(samples["finished"])}, gold
+            "finished": sum(samples["finished"]) / len(samples["finished"]), "kl_seq": kl_sum / len(lengths)}, gold
 
 
 def win_rate(a: list[float], b: list[float]) -> dict:
@@ -128,6 +137,17 @@ def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: in
         out["win_rates"] = {name: win_rate(judge_samples(j, s_pol), judge_samples(j, s_sft))
                             for name, j in extra_judges.items()}
     return out
+
+
+def frontier_point(policy, sft, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
+                   judge=toy_world.gold_reward) -> dict:
+    """One point of the gold-vs-√KL frontier: the policy sampled as itself (PLAIN_SAMPLING), its judge and proxy
+    rewards, and its sequence-level KL to the SFT model, KL = E_{y~π} Σ_t KL(π(·|s_t) ‖ π_SFT(·|s_t)) (the per-token
+    exact KL summed along the policy's own samples), with d = √KL as Gao et al. 2022 plot it."""
+    s = sample(policy, tokenizer, prompts, n, seed, max_new_tokens, sampling=PLAIN_SAMPLING)
+    m, _ = measure(policy, sft, reward_model, s, judge)
+    return {"gold_reward": m["gold_reward"], "reward": m["reward"], "kl_seq": m["kl_seq"],
+            "d": math.sqrt(max(m["kl_seq"], 0.0)), "response_length": m["response_length"], "samples": len(s["texts"])}
 
 
 @torch.no_grad()
@@ -161,8 +181,9 @@ def format_table(summary: dict) -> str:
     judge = summary.get("judge", "gold")
     names = {"gold_reward": {"gold": "gold_reward", "held-out reward model": "judge(held-out)"}.get(judge, "judge(RM)")}
     lines = [f"{'held-out':<10}" + "".join(f"{names.get(k, k):>16}" for k in keys)]
-    for name in ["sft", "final"]:
-        lines.append(f"{name:<10}" + "".join(f"{summary[name][k]:>16.3f}" for k in keys))
+    for name in ["sft", "final"]:  # a value that does not exist for a method (best-of-n's per-token KL) prints as —
+        lines.append(f"{name:<10}" + "".join(f"{summary[name][k]:>16.3f}" if summary[name][k] is not None
+                                             else f"{'—':>16}" for k in keys))
     w = summary["win_rate_vs_sft"]
     peak = summary.get("peak")
     lines.append(f"win rate vs SFT (judge: {'gold' if judge == 'gold' else judge}): win {w['win']:.2f}  "

@@ -46,6 +46,7 @@ from sft import SFTConfig, pretrained_model, tiny_llama, train_sft
 
 
 STAGES = ("sft", "rm", "critic", "ppo")
+RM_SIZE_FLAGS = ("rm_hidden", "rm_layers", "rm_pairs")  # the proxy's own size and data (the over-optimisation curve)
 
 
 def last_stage(run) -> str:
@@ -54,15 +55,16 @@ def last_stage(run) -> str:
 
 def base_key(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig):
     """(directory name under runs/_base, what it depends on): everything stages 1-2 read, and nothing else."""
-    if not run.data:
-        key = [dataclasses.asdict(c) for c in (world_cfg, sft_cfg, rm_cfg)]
+    rm = {k: v for k, v in dataclasses.asdict(rm_cfg).items() if k not in RM_SIZE_FLAGS or v}  # the defaults (0)
+    if not run.data:  # leave the key, and the cached bases of runs from before these flags existed, unchanged
+        key = [dataclasses.asdict(world_cfg), dataclasses.asdict(sft_cfg), rm]
         return f"seed{run.seed}-{checkpoint.config_hash(key)}", key
     limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
               "note": "ids = query_ids(prompt) ([BOS] + prompt, latest turns kept) ≤ P + response + [EOS] ≤ T"}
     key = {"data": data.fingerprint(data_source(run, run.data)), "split": "by prompt",
            "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
            "judge_frac": run.judge_frac,
-           "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": dataclasses.asdict(rm_cfg)}
+           "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": rm}
     for flag in ("sft_data", "prompts"):  # the SFT/ptx rows and PPO prompts are written into the base too
         if getattr(run, flag):
             key[flag] = data.fingerprint(data_source(run, getattr(run, flag)))
@@ -85,6 +87,9 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
         timings = {}
         t0 = time.time()
         tokenizer, records, max_positions = real_data(tmp, run, key["limits"]) if run.data else world_data(tmp, world_cfg)
+        if rm_cfg.rm_pairs:  # the proxy's data size: what the reward model (and DPO) see, on disk as pairs_train
+            records["pairs_train"] = records["pairs_train"][:rm_cfg.rm_pairs]
+            toy_world.write_dataset({"pairs_train": records["pairs_train"]}, tmp / "data")
         timings["data" if run.data else "world"] = time.time() - t0
         rm = sft_and_reward_model(tmp, tokenizer, records, sft_cfg, rm_cfg, run.seed, timings, max_positions)
         if run.data and records["pairs_judge"]:  # the judge: the same recipe on pairs the proxy never saw
@@ -261,8 +266,19 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
     print(f"[1. SFT] {timings['sft']:.1f} s")
     # 2. reward model, initialised from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
     t0 = time.time()
+    backbone = tmp / "sft"
+    if rm_cfg.rm_hidden or rm_cfg.rm_layers:  # a proxy of its own size: its LM trained as stage 1, then Eq. 2 on it
+        backbone = tmp / "rm_backbone"
+        size = dataclasses.replace(sft_cfg, sft_hidden=rm_cfg.rm_hidden or sft_cfg.sft_hidden,
+                                   sft_layers=rm_cfg.rm_layers or sft_cfg.sft_layers)
+        checkpoint.seed_everything(seed + 2)
+        lm_ = tiny_llama(len(tokenizer), size)
+        if max_positions:
+            lm_.config.max_position_embeddings = max_positions
+        train_sft(lm_, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], size, seed + 2,
+                  "2a. reward model's backbone", out_dir=backbone)
     checkpoint.seed_everything(seed)
-    rm = ScalarHeadModel.from_pretrained(tmp / "sft")
+    rm = ScalarHeadModel.from_pretrained(backbone)
     rm_log = train_reward_model(rm, tokenizer, records["pairs_train"], records["pairs_heldout"], rm_cfg, seed,
                                 out_dir=tmp / "reward_model")
     rc, rr = score_pairs(rm, tokenizer, records["pairs_heldout"])
@@ -514,7 +530,8 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     from transformers import AutoTokenizer
     if dirs:
         tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
-        records = {k: records.get(k, []) for k in ("prompts_train", "prompts_heldout", "sft")}
+        records = {k: records.get(k, []) for k in ("prompts_train", "prompts_heldout", "sft",
+                                                   "pairs_train", "pairs_heldout")}  # the pairs: --method dpo
         if main_rank:  # read by nobody during the run: no other rank waits for it
             toy_world.write_dataset({"prompts_heldout": records["prompts_heldout"]}, Path(run.out) / "data")
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
@@ -535,6 +552,17 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
                   records, base, json.loads((base / "timings.json").read_text()) if built else {},  # stages that ran
                   judge=base / "judge_model" if (base / "judge_model" / "value_head.safetensors").exists() else None)
+
+
+def preference_pairs(run, inp: Inputs, dirs: dict | None) -> tuple[list[dict], list[dict]]:
+    """The pairs stage 2 trained the reward model on and the held-out ones, as {"prompt", "chosen", "rejected"} rows:
+    the cached base's data/pairs_train.jsonl and pairs_heldout.jsonl (the synthetic world, --data), or a real
+    --model's --data split as real_model_stages made it. DPO trains on exactly these."""
+    if dirs is None:
+        return tuple(data.read_records(inp.base / "data" / f"{k}.jsonl") for k in ("pairs_train", "pairs_heldout"))
+    if not run.data:
+        fail(f"--method dpo with --model {run.model}: DPO trains on preference pairs; pass --data PAIRS")
+    return inp.data["pairs_train"], inp.data["pairs_heldout"]  # run_records' split, as stage 2 trained on it
 
 
 def stop_after_stages(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,

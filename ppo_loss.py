@@ -2,6 +2,8 @@
 
 Implements (Zheng et al., "Secrets of RLHF in Large Language Models Part I: PPO", arXiv 2307.04964):
     policy_loss                 PPO-clip surrogate, ρ_t = π_θ/π_θold                        (Eq. 15)
+                                (+ the peers' dual-clip, log-ratio clamp; docs/differences.md)
+    aggregate                   token-mean (Eq. 15 here), or per-sequence means, or Dr. GRPO's constant divisor
     value_loss                  critic loss (V − R̂)², optional value clipping              (Eq. 16)
     ptx_loss                    pretraining LM term of PPO-ptx, as a token NLL              (Eq. 17)
     kl_full, kl_sampled         per-token KL(π_RL ‖ π_SFT) for the KL penalty               (Eq. 3, 19)
@@ -112,7 +114,9 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------------
 
 def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float | None
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float | None, *,
+    dual_clip: float | None = None, log_ratio_clamp: float | None = None, agg: str = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip loss −mean_t min(ρ_t Â_t, clip(ρ_t, 1−ε, 1+ε) Â_t), ρ_t = π_θ(a_t|s_t) / π_θold(a_t|s_t) (Eq. 15).
 
@@ -125,12 +129,22 @@ def policy_loss(
     stats: clipfrac = fraction of real tokens where the clipped term is the minimum, i.e. where the clip
     binds and the token's gradient is zero (A>0 and ρ>1+ε, or A<0 and ρ<1−ε); approx_kl = k3 estimate of
     KL(π_old ‖ π_θ) on the sampled tokens, mean of (ρ − 1) − log ρ; ratio = mean ρ.
+
+    Other implementations' conventions (keyword-only; the defaults are Eq. 15 as above, docs/differences.md):
+      dual_clip        c > 1: where Â < 0 the objective is max(min(ρÂ, clip(ρ)Â), c·Â), so a very large ρ on a bad
+                       token cannot make the loss unbounded (dual-clip PPO, Ye et al. 2020; verl clip_ratio_c = 3,
+                       on by default there; OpenRLHF dual_clip). stats gain dual_clipfrac, where c·Â binds.
+      log_ratio_clamp  C: log ρ clamped to ±C before exp (OpenRLHF and verl: 20); its gradient is 0 beyond ±C.
+      agg, max_len     how the per-token objective becomes one number: "token-mean" (here), or aggregate()'s
+                       "seq-mean-token-mean" / "seq-mean-token-sum-norm" (Dr. GRPO's constant, max_len = T_max).
     """
     _check_shapes("policy_loss", "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     if clip_eps is not None and clip_eps < 0:
         raise ValueError(f"ppo_loss.policy_loss: clip_eps must be >= 0 or None, got {clip_eps}")
     advantages = advantages.detach()
     log_ratio = logprobs - old_logprobs.detach()  # (B, T)
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)  # OpenRLHF / verl: ±20 before exp
     ratio = torch.exp(log_ratio)  # ρ_t = π_θ / π_θold
     surr1 = ratio * advantages  # ρ_t Â_t
     if clip_eps is None:
@@ -140,14 +154,57 @@ def policy_loss(
         surr2 = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages  # clip(ρ_t, 1−ε, 1+ε) Â_t
         objective = torch.minimum(surr1, surr2)  # min(ρÂ, clip(ρ)Â)   (Eq. 15)
         clipped = (surr2 < surr1).to(surr1.dtype)
+    dual = None
+    if dual_clip is not None:  # dual-clip: for Â < 0, max(min(ρÂ, clip(ρ)Â), c·Â)
+        dual = ((advantages < 0) & (dual_clip * advantages > objective)).to(surr1.dtype)
+        objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
     loss = -masked_mean(objective, mask)  # token-level mean over every real token of the batch
+    if agg != "token-mean":  # a peer's aggregation (aggregate, below): per-sequence means, or Dr. GRPO's constant
+        loss = -aggregate(objective, mask, agg, max_len)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask).item(),
             "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),  # k3 of KL(π_old ‖ π_θ)
             "ratio": masked_mean(ratio, mask).item(),
         }
+        if dual is not None:
+            stats["dual_clipfrac"] = masked_mean(dual, mask).item()
     return loss, stats
+
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", max_len: int | None = None) -> Tensor:
+    """A per-token loss (B, T) as one number, the way one of the implementations in use does it (verl's names):
+
+        token-mean               Σ_{i,t} m·ℓ / Σ m            every token weighs the same (ours, the paper's code,
+                                                              OpenRLHF token_level_loss, TRL loss_type="bnpo")
+        seq-mean-token-mean      mean_i (Σ_t m·ℓ / Σ_t m)     every response weighs the same: a token of a short
+                                                              response weighs more (GRPO's paper; TRL "grpo",
+                                                              OpenRLHF token_level_loss=False); empty rows skipped
+        seq-mean-token-sum-norm  Σ_{i,t} m·ℓ / (B · max_len)  a constant divisor, B rows × the response length cap,
+                                                              so neither length nor batch content changes a token's
+                                                              weight (Dr. GRPO; TRL "dr_grpo"; verl divides by
+                                                              max_len only, i.e. B times ours)
+    max_len: the cap T_max (PPOConfig.max_new_tokens), needed by seq-mean-token-sum-norm; a constant, not the
+    batch's longest response, or the divisor would move with the batch.
+    """
+    _check_shapes("aggregate", "loss_mat", loss_mat, mask=mask)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    m = mask.to(loss_mat.dtype)
+    tokens = torch.where(mask != 0, loss_mat, torch.zeros_like(loss_mat)) * m  # (B, T) 0 at padding
+    if mode == "seq-mean-token-mean":
+        lengths = m.sum(dim=1)                                                 # (B,)
+        per_seq = tokens.sum(dim=1) / lengths.clamp_min(1e-12)                 # (B,) Σ_t m·ℓ / Σ_t m
+        real = (lengths > 0).to(loss_mat.dtype)                                # rows with a real token
+        return (per_seq * real).sum() / real.sum().clamp_min(1.0)              # mean_i over those rows
+    if mode == "seq-mean-token-sum-norm":
+        if not max_len or max_len < 1:
+            raise ValueError("ppo_loss.aggregate: seq-mean-token-sum-norm needs max_len, the response length cap")
+        return tokens.sum() / (loss_mat.shape[0] * max_len)                    # Σ m·ℓ / (B · T_max)
+    raise ValueError(f"ppo_loss.aggregate: unknown mode {mode!r}, expected one of {AGGREGATIONS}")
 
 
 def value_loss(

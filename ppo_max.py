@@ -37,10 +37,11 @@ from torch import Tensor
 
 # the recipe half (below the score half) builds on the two equation files, and steps its models through engine.py
 from cli import arg  # a dataclass field whose help text becomes `--help` (cli.py: the flags' plumbing)
-from engine import all_mean, any_rank, backward_step, gather_batch, world_size
+import critic_free
+from engine import all_mean, all_sum, any_rank, backward_step, gather_batch, world_size
 from gae import compute_gae
 from data import position_ids_from_mask
-from ppo_loss import (entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
+from ppo_loss import (aggregate, entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
                       masked_whiten, policy_loss, ptx_loss, value_loss)
 
 # ======================================================================================================
@@ -196,7 +197,10 @@ class PPOConfig:
     """Every trick of the paper is a field; presets (below) are named sets of overrides. Defaults = PPO-max (§5.4)
     at the synthetic world's scale. Field docs become `python train.py --help`."""
     # --- sampling (rollouts) ---
-    rollout_batch: int = arg(64, "prompts per PPO iteration ('sampling batch'; paper 128)", ">=1")
+    rollout_batch: int = arg(64, "responses per PPO iteration ('sampling batch'; paper 128): prompts × --group-size",
+                             ">=1")
+    group_size: int = arg(1, "G: responses sampled per prompt, kept together (on one rank under DeepSpeed); the group "
+                             "estimators (grpo, dr-grpo, rloo, reinforce++-baseline) need G ≥ 2", ">=1")
     minibatch: int = arg(16, "sequences per gradient step (paper 32)", ">=1")
     ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)", ">=1")
     max_new_tokens: int = arg(24, "response length cap T", ">=1")
@@ -226,6 +230,26 @@ class PPOConfig:
     importance_sampling: bool = arg(False, "ratio against π_ref instead of π_old: the 'infinite buffer' of §5.3.2")
     entropy_coef: float = arg(0.0, "entropy bonus weight (paper 0.01)", ">=0")
     entropy_clip: float = arg(0.0, "the bonus stops acting above this mean entropy (Fig. 16); 0 = no clip", ">=0")
+    # --- the advantage estimator (gae.py: Eq. 9 with the critic; critic_free.py without one) ---
+    advantage: str = arg("gae", "advantage estimator: gae (Eq. 9, a critic V_φ) or, with no critic at all (none is "
+                                "built, pre-trained or checkpointed): grpo, dr-grpo (also sets --loss-agg "
+                                "seq-mean-token-sum-norm), rloo, reinforce++, reinforce++-baseline (docs/methods.md)",
+                         "gae|grpo|dr-grpo|rloo|reinforce++|reinforce++-baseline")
+    kl_in: str = arg("reward", "where the KL to π_SFT acts: 'reward' (Eq. 19: −η·KL_t in every r_t) or 'loss' "
+                               "(GRPO: + η·KL_t added to the policy loss; --kl-estimator k3 unless given: GRPO's, "
+                               "whose gradient is that of KL(π_SFT‖π); k2's is that of KL(π‖π_SFT))", "reward|loss")
+    # --- conventions of other implementations (docs/differences.md); the defaults are ours ---
+    loss_agg: str = arg("token-mean", "policy-loss aggregation (verl loss_agg_mode): token-mean (ours, OpenRLHF "
+                                      "token_level_loss, TRL bnpo) | seq-mean-token-mean (TRL grpo, OpenRLHF "
+                                      "--no-token_level_loss) | seq-mean-token-sum-norm (Dr. GRPO: Σ / (batch × "
+                                      "--max-new-tokens); TRL dr_grpo)",
+                        "token-mean|seq-mean-token-mean|seq-mean-token-sum-norm")
+    dual_clip: float = arg(0.0, "dual-clip PPO c > 1: for Â < 0 the objective is at least c·Â (verl clip_ratio_c, on "
+                                "by default there at 3; OpenRLHF --dual_clip); 0 = off", ">=0")
+    log_ratio_clamp: float = arg(0.0, "clamp log(π_θ/π_θold) to ±C before exp (OpenRLHF and verl: 20); 0 = off",
+                                 ">=0")
+    kl_clamp: float = arg(0.0, "clamp every sampled KL_t (k1, k2, k3) to ±C (OpenRLHF compute_approx_kl: 10 for every "
+                               "estimator; verl kl_penalty: 10 for k3 only); 0 = off", ">=0")
     # --- PPO core (Eq. 15, 16) ---
     clip_eps: float = arg(0.2, "ε of PPO-clip (Fig. 17)", ">=0")
     value_clip: float = arg(0.2, "value-loss clip range; 0 = off", ">=0")
@@ -314,15 +338,16 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
 def make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
                     moments: "RunningMoments", cfg: PPOConfig, kl_coef: float) -> dict:
     """Steps (2)-(5) of a PPO iteration on one rollout batch, computed once, without grad. Returns the batch's
-    tensors (query, response, mask, logprobs, ref_logprobs, values, advantages, returns, scores), "stats" (the
-    logged numbers) and "nonfinite" (None, or the name of the first NaN/inf value: the update is then skipped).
-    With W data-parallel ranks "all_scores" (W·B,) is every rank's scores, so Eq. 18's moments see them all."""
+    tensors (query, response, mask, logprobs, ref_logprobs, values, advantages, returns, scores, kl_coef), "stats"
+    (the logged numbers) and "nonfinite" (None, or the name of the first NaN/inf value: the update is then skipped).
+    With W data-parallel ranks "all_scores" (W·B,) is every rank's scores, so Eq. 18's moments see them all.
+    With a critic-free --advantage, `critic` is None and "values" too: step (5) is critic_free.advantages."""
     mask = response_mask                                                               # (B, T)
     full_ids = torch.cat([query, response], 1)                                         # (B, L)
     full_mask = torch.cat([query_mask, response_mask], 1)                              # (B, L)
     # (2) score: the reward model reads the last real token of prompt + response
     scores = reward_model.score(full_ids, full_mask).float()                           # (B,)
-    all_scores = gather_batch(scores)  # (W·B,) every rank's scores (W = 1: scores itself)
+    all_scores = gather_batch(scores, cfg.group_size)  # (W·B,) every rank's scores (W = 1: scores itself)
     if bad := check_finite({"reward/score": all_scores}):  # before Eq. 18: one NaN would poison the moments for good
         return {"nonfinite": bad, "scores": scores, "all_scores": all_scores, "stats": {}}
     # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
@@ -334,7 +359,7 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
         rewards_seq = scale_rewards(scores, moments)
     else:
         rewards_seq = scores
-    # (4) token-level KL penalty against the frozen SFT reference (Eq. 19)
+    # (4) token-level KL penalty against the frozen SFT reference (Eq. 19); with --kl-in loss it acts in step (6)
     logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
     ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
     logprobs = logprobs_from_logits(logits, response)                                  # (B, T)
@@ -343,14 +368,21 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     if cfg.kl_estimator == "full":
         kl_pen = kl_exact
     else:
-        kl_pen = kl_sampled(logprobs, ref_logprobs, cfg.kl_estimator)
-    rewards = shape_rewards(rewards_seq, logprobs, ref_logprobs, mask, kl_coef, kl=kl_pen)  # (B, T)
-    # (5) values and GAE (Eq. 9); returns = advantages + values are the critic's targets (Eq. 16)
-    values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
-    advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
+        kl_pen = sampled_kl(logprobs, ref_logprobs, cfg)
+    eta = kl_coef if cfg.kl_in == "reward" else 0.0                                    # η of Eq. 19
+    rewards = shape_rewards(rewards_seq, logprobs, ref_logprobs, mask, eta, kl=kl_pen)  # (B, T)
+    # (5) advantages: values and GAE (Eq. 9), returns = advantages + values the critic's targets (Eq. 16);
+    #     or without a critic, from the group of G responses per prompt or the batch (critic_free.py)
+    if cfg.advantage == "gae":
+        values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
+        advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
+    else:
+        values = None
+        advantages, returns = critic_free.advantages(cfg.advantage, rewards, mask, cfg.group_size, cfg.gamma,
+                                                     all_sum)  # (B, T), (B, T)
     exp = {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
            "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
-           "scores": scores, "all_scores": all_scores, "nonfinite": None}
+           "scores": scores, "all_scores": all_scores, "kl_coef": kl_coef, "nonfinite": None}
     # the guard (every rank skips together) and the logged numbers; neither changes the batch
     if bad := check_finite({"logprobs": logprobs, "values": values, "advantages": advantages}):
         return {**exp, "nonfinite": bad, "stats": {}}
@@ -378,25 +410,31 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
             # policy: PPO-clip (Eq. 15) + entropy bonus (Fig. 16) + ptx (Eq. 17)
             logits = policy_logits(policy, q, qm, r, m, cfg.temperature)                # (b, T, V)
             logprobs = logprobs_from_logits(logits, r)                                  # (b, T)
-            pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages, m, cfg.clip_eps or None)
+            pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages, m, cfg.clip_eps or None,
+                                            **loss_conventions(cfg))
             loss = pg_loss
+            kl_loss = torch.zeros(())
+            if cfg.kl_in == "loss":  # GRPO: + η·KL_t(π_θ ‖ π_SFT) in the loss, aggregated like the policy loss
+                kl_loss = aggregate(sampled_kl(logprobs, exp["ref_logprobs"][idx], cfg), m, cfg.loss_agg,
+                                    cfg.max_new_tokens)
+                loss = loss + exp["kl_coef"] * kl_loss
             if cfg.entropy_coef:
                 ent_loss, _ = entropy_bonus_loss(logits, m, cfg.entropy_coef, cfg.entropy_clip or None)
                 loss = loss + ent_loss
             ptx = torch.zeros(())
             if cfg.ptx_coef:
                 ids, attn, resp = ptx_batch()
-                ptx_logits = policy(input_ids=ids, attention_mask=attn).logits          # (b, L, V)
+                ptx_logits = policy(input_ids=ids, attention_mask=attn, use_cache=False).logits  # (b, L, V)
                 ptx, _ = ptx_loss(ptx_logits, ids, resp)
                 loss = loss + cfg.ptx_coef * ptx
             grad_norm = backward_step(policy, policy_opt, loss, cfg.grad_clip, "policy", nonfinite)
-            # critic: value loss (Eq. 16), clipped around the rollout's values
-            values = critic_values(critic, q, qm, r, m)                                 # (b, T)
-            vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
-            backward_step(critic, critic_opt, cfg.vf_coef * vf_loss, cfg.grad_clip, "critic", nonfinite)
-            stats.append({"loss/pg": pg_loss.item(), "loss/vf": vf_loss.item(), "loss/ptx": ptx.item(),
-                          "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
-                          "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)})
+            # critic: value loss (Eq. 16), clipped around the rollout's values (none without a critic)
+            vf_loss = None
+            if critic is not None:
+                values = critic_values(critic, q, qm, r, m)                             # (b, T)
+                vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
+                backward_step(critic, critic_opt, cfg.vf_coef * vf_loss, cfg.grad_clip, "critic", nonfinite)
+            stats.append(minibatch_stats(pg_loss, vf_loss, ptx, kl_loss, pg_stats, grad_norm, cfg))
     return update_stats(stats, nonfinite, exp["scores"].device)
 
 
@@ -436,9 +474,23 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
 # Plumbing of the recipe (skip on a first reading): the non-finite check every rank agrees on, and the logged
 # numbers of steps (2)-(6). Nothing here changes what is trained.
 # ---------------------------------------------------------------------------------------------------------
-def check_finite(named: dict[str, Tensor]) -> str | None:
-    """The name of the first tensor holding a NaN/inf (None when all are finite), the same on every rank: a rank
-    that skipped an update alone would deadlock the others ("on another rank" where only another one saw it)."""
+def sampled_kl(logprobs: Tensor, ref_logprobs: Tensor, cfg: PPOConfig) -> Tensor:
+    """KL_t by --kl-estimator (k1/k2/k3 of ppo_loss.kl_sampled), clamped to ±--kl-clamp as OpenRLHF does; (B, T)."""
+    kl = kl_sampled(logprobs, ref_logprobs, cfg.kl_estimator)                          # (B, T)
+    return kl.clamp(-cfg.kl_clamp, cfg.kl_clamp) if cfg.kl_clamp else kl
+
+
+def loss_conventions(cfg: PPOConfig) -> dict:
+    """policy_loss's keyword arguments for the peers' conventions (--dual-clip, --log-ratio-clamp, --loss-agg)."""
+    return dict(dual_clip=cfg.dual_clip or None, log_ratio_clamp=cfg.log_ratio_clamp or None, agg=cfg.loss_agg,
+                max_len=cfg.max_new_tokens)
+
+
+def check_finite(named: dict[str, Tensor | None]) -> str | None:
+    """The name of the first tensor holding a NaN/inf (None when all are finite; None entries are skipped), the same
+    on every rank: a rank that skipped an update alone would deadlock the others ("on another rank" where only
+    another one saw it)."""
+    named = {k: x for k, x in named.items() if x is not None}
     device = next(iter(named.values())).device
     bad = next((name for name, x in named.items() if not torch.isfinite(x).all()), None)
     return (bad or "on another rank") if any_rank(bad is not None, device) else None
@@ -462,9 +514,22 @@ def experience_stats(exp: dict, logits: Tensor, kl_exact: Tensor, rewards_seq: T
         "adv/mean": masked_mean(advantages, mask).item(),
         "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),
         "returns/mean": masked_mean(exp["returns"], mask).item(),
-        "values/mean": masked_mean(exp["values"], mask).item(),
     }
-    return all_mean(stats, mask.device)  # the same numbers on every rank (the KL controller and the logs read them)
+    if exp["values"] is not None:  # a critic-free estimator has no values
+        stats["values/mean"] = masked_mean(exp["values"], mask).item()
+    return all_mean(stats, mask.device)
+
+
+def minibatch_stats(pg_loss, vf_loss, ptx, kl_loss, pg_stats: dict, grad_norm, cfg: PPOConfig) -> dict:
+    """Step (6)'s numbers of one minibatch; loss/vf only with a critic, loss/kl only with --kl-in loss."""
+    stats = {"loss/pg": pg_loss.item(), **({"loss/vf": vf_loss.item()} if vf_loss is not None else {}),
+             "loss/ptx": ptx.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
+             "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}
+    if cfg.kl_in == "loss":
+        stats["loss/kl"] = kl_loss.item()
+    if "dual_clipfrac" in pg_stats:
+        stats["ppo/dual_clipfrac"] = pg_stats["dual_clipfrac"]
+    return stats  # the same numbers on every rank (the KL controller and the logs read them)
 
 
 def update_stats(per_minibatch: list[dict], nonfinite: list[str], device) -> dict:

@@ -355,6 +355,11 @@ class RMConfig:
     rm_batch: int = arg(32, "pairs per step", ">=1")
     rm_lm_coef: float = arg(1.0, "β_rm of Eq. 2: weight of the LM loss on the chosen response (paper 1)", ">=0")
     rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)", ">=1")
+    # the proxy's own size and data, for the over-optimisation curve (Gao et al. 2022): the synthetic world and --data
+    rm_hidden: int = arg(0, "hidden size of the reward model (its backbone is then an LM of that size trained like "
+                            "stage 1 on the same demonstrations); 0 = the SFT model's, as the paper", ">=0")
+    rm_layers: int = arg(0, "layers of the reward model's own backbone (with --rm-hidden); 0 = the SFT model's", ">=0")
+    rm_pairs: int = arg(0, "train the reward model (and DPO) on the first N training pairs only; 0 = all", ">=0")
 
 
 

@@ -693,6 +693,19 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
     return out
 
 
+# ---- hook for the critic-free estimators (critic_free.py): the plan without the critic's rows -------------------
+def without_critic(plan: MemoryPlan) -> tuple[int, int]:
+    """(peak bytes per GPU, bytes saved) of `plan` for a run with no critic (train.py --advantage grpo, rloo, ...):
+    the critic's weights, gradients, optimizer states and training activations go; under LoRA its frozen backbone
+    stays, as the reward model it shares weights with. Recomputed as plan_memory sums: resident + the largest phase
+    + overhead."""
+    keep = [r for r in plan.rows if r.model != "critic" or (plan.lora and r.component == "frozen")]
+    resident = sum(r.bytes for r in keep if r.device == "gpu" and not r.phases)
+    phase = max(sum(r.bytes for r in keep if r.device == "gpu" and p in r.phases) for p in PHASES)
+    total = resident + phase + plan.overhead_bytes
+    return total, plan.total_bytes - total
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a table (GiB per GPU), the total, fits yes/no, and the suggestions (LoRA on one GPU: and the
     one-GPU table)."""

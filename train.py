@@ -7,6 +7,8 @@ Run:
   python train.py --help                # every flag, with its paper symbol and default
   python train.py --model DIR --data PAIRS [--stages sft,rm]       # a real Hugging Face model through every stage
   python train.py --model llama-7b --plan [--num-gpus 8 --gpu-mem 80 ...]   # per-GPU memory bill; loads nothing
+  python train.py --advantage grpo --group-size 4   # no critic: GRPO's group baseline (critic_free.py), same loop
+  python train.py --method dpo | --method best-of-n # DPO (dpo.py) or best-of-n (best_of_n.py) instead of stages 3-4
   deepspeed --num_gpus 8 train.py --model llama-7b --data hh.jsonl  # the paper's set-up: DeepSpeed engines (ZeRO-2)
   deepspeed --num_gpus 2 train.py ...   # on a CPU-only machine too: DeepSpeed picks its CPU accelerator and gloo
 
@@ -48,9 +50,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import best_of_n
 import checkpoint
 import cli
+import critic_free
 import data
+import dpo
 import engine
 import eval as evaluation
 import lm
@@ -60,8 +65,9 @@ import ppo_max
 import scale
 import toy_world
 from cli import arg, fail
-from pipeline import (STAGES, Inputs, fit_context, last_stage, ppo_inputs, real_model_records, real_model_stages,
-                      resolve_real_models, stop_after_stages, use_bf16, write_json)
+from pipeline import (STAGES, Inputs, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
+                      real_model_records, real_model_stages, resolve_real_models, stage_ds, stop_after_stages, use_bf16,
+                      write_json)
 from reward_model import RMConfig, ScalarHeadModel
 from sft import SFTConfig, tiny_llama_config
 
@@ -86,6 +92,13 @@ class RunConfig:
                                     "them")
     stages: str = arg("sft,rm,critic,ppo", "the stages to run, in order (sft, rm, critic, ppo); the run stops after "
                                            "the last one listed, e.g. sft,rm trains only a reward model")
+    method: str = arg("ppo", "what follows SFT and the reward model, in place of critic + PPO: 'ppo' (the numbered "
+                             "loop; --advantage picks GAE or a critic-free estimator), 'dpo' (dpo.py: Eq. 7 on the "
+                             "reward model's own pairs, no sampling, no critic) or 'best-of-n' (no training: the best "
+                             "of --bon-n SFT samples by the proxy). A method, not a stage, because it replaces stages "
+                             "3-4 rather than following them; every method ends with the same held-out evaluation",
+                      "ppo|dpo|best-of-n")
+    bon_n: int = arg(16, "--method best-of-n: candidates per response; KL to SFT = log n − (n − 1)/n nats", ">=1")
     # long runs (checkpoint.py, monitor.py)
     save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end", ">=0")
     keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)", ">=0")
@@ -160,10 +173,10 @@ FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be exis
 
 
 def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.PPOConfig,
-             world_cfg: toy_world.WorldConfig) -> None:
+             world_cfg: toy_world.WorldConfig, dpo_cfg: dpo.DPOConfig) -> None:
     """Every flag against its range or choices, the files it names, and the combinations the loop needs: one line
     naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written."""
-    for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-")):
+    for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-"), (dpo_cfg, "")):
         for name, spec in cli.allowed(type(obj)).items():
             value = getattr(obj, name)
             problem = cli.check_value(value, spec)
@@ -183,8 +196,18 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
     if cfg.minibatch > cfg.rollout_batch:
         fail(f"--minibatch {cfg.minibatch}: must be ≤ --rollout-batch {cfg.rollout_batch} (a minibatch is a part of "
              f"the rollout batch)")
+    validate_estimator(run, cfg)
+    if run.method != "ppo" and run.resume:
+        fail(f"--resume with --method {run.method}: only the PPO loop checkpoints; a {run.method} run is one short "
+             f"stage, start it again")
     if sft_cfg.sft_hidden % sft_cfg.sft_heads:
         fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    if rm_cfg.rm_hidden % sft_cfg.sft_heads:
+        fail(f"--rm-hidden {rm_cfg.rm_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    sized = [f for f in ("rm_hidden", "rm_layers", "rm_pairs") if getattr(rm_cfg, f)]
+    if sized and run.model != "tiny":
+        fail(f"--{sized[0].replace('_', '-')}: sizes the reward model the synthetic world and --data train here; a "
+             f"real --model's reward model is its own (pass it with --reward-model DIR)")
     if run.bf16 and run.fp32:
         fail("--bf16 and --fp32: choose one")
     if run.log_with == "wandb":
@@ -206,10 +229,37 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
         fail(f"--out {run.out}: exists and is not a directory")
 
 
+def validate_estimator(run: RunConfig, cfg: ppo_max.PPOConfig) -> None:
+    """--advantage, --group-size, --kl-in and the peers' conventions: the combinations that cannot work, one line."""
+    a, G = cfg.advantage, cfg.group_size
+    if a in critic_free.GROUPED and G < 2:
+        fail(f"--advantage {a}: needs --group-size G ≥ 2 (its baseline comes from the other responses to the same "
+             f"prompt); e.g. --group-size 4")
+    if cfg.rollout_batch % G:
+        fail(f"--rollout-batch {cfg.rollout_batch}: must be a multiple of --group-size {G} (it counts responses: "
+             f"prompts × G)")
+    if a == "dr-grpo" and cfg.loss_agg != "seq-mean-token-sum-norm":
+        fail(f"--advantage dr-grpo with --loss-agg {cfg.loss_agg}: Dr. GRPO is its advantage r − mean_G r AND its loss "
+             f"divided by the constant batch × --max-new-tokens (seq-mean-token-sum-norm), which it implies: leave "
+             f"--loss-agg out")
+    if cfg.kl_in == "loss" and cfg.kl_estimator in ("k1", "full"):
+        why = ("k1 = log π/π_SFT has zero expected gradient on samples of π (E_π[∇ log π] = 0)" if cfg.kl_estimator == "k1"
+               else "the exact KL in the loss would need the reference's logits in every minibatch")
+        fail(f"--kl-in loss with --kl-estimator {cfg.kl_estimator}: {why}; use k3 (GRPO's) or k2")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        fail(f"--dual-clip {cfg.dual_clip:g}: must be > 1 (for Â < 0 the objective is bounded below by c·Â) or 0 = off")
+    if a != "gae":
+        if run.critic_model:
+            fail(f"--critic-model {run.critic_model}: --advantage {a} trains no critic (drop one of them)")
+        if [x.strip() for x in run.stages.split(",") if x.strip()][-1:] == ["critic"]:
+            fail(f"--stages {run.stages}: --advantage {a} has no critic to pre-train; end the stages with ppo or rm")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig)]:
+    for title, cls in [("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", ppo_max.PPOConfig),
+                       ("DPO (--method dpo; dpo.py)", dpo.DPOConfig)]:
         g = p.add_argument_group(title)
         for f in dataclasses.fields(cls):
             flags = ["--" + f.name.replace("_", "-")]
@@ -240,15 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_configs(argv=None):
-    """(RunConfig, SFTConfig, RMConfig, PPOConfig, WorldConfig) of a command line: the preset's PPO flags with the
-    given ones on top, and --out defaulting to runs/<preset>-seed<seed> (or the resumed run's directory)."""
+    """(RunConfig, SFTConfig, RMConfig, PPOConfig, WorldConfig, DPOConfig) of a command line: the preset's PPO flags
+    with the given ones on top, and --out defaulting to runs/<preset>-seed<seed> (or the resumed run's directory)."""
     args = build_parser().parse_args(argv)
     pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # noqa: E731
-    run, sft_cfg, rm_cfg = pick(RunConfig), pick(SFTConfig), pick(RMConfig)
+    run, sft_cfg, rm_cfg, dpo_cfg = pick(RunConfig), pick(SFTConfig), pick(RMConfig), pick(dpo.DPOConfig)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ppo_max.PPOConfig)
                  if getattr(args, f.name) is not None}
     try:
-        ppo = ppo_max.apply_preset(run.preset, **overrides)
+        ppo = implied(ppo_max.apply_preset(run.preset, **overrides), {**ppo_max.PRESETS.get(run.preset, {}),
+                                                                       **overrides})
     except ValueError as e:
         fail(f"--preset: {e}")
     world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
@@ -256,10 +307,35 @@ def parse_configs(argv=None):
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
-    if not run.out:
-        run.out = f"runs/{run.preset}{lora_tag(run)}-seed{run.seed}"  # LoRA runs never share a full-weight run's dir
-    validate(run, sft_cfg, rm_cfg, ppo, world)
-    return run, sft_cfg, rm_cfg, ppo, world
+    if not run.out:  # runs of other estimators or LoRA never share a directory with the default run
+        run.out = f"runs/{run_name(run, ppo)}{lora_tag(run)}-seed{run.seed}"
+    validate(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg)
+    return run, sft_cfg, rm_cfg, ppo, world, dpo_cfg
+
+
+def implied(cfg: ppo_max.PPOConfig, given: dict) -> ppo_max.PPOConfig:
+    """What an estimator implies for the flags not given: Dr. GRPO is its advantage AND its constant loss divisor
+    (--loss-agg seq-mean-token-sum-norm); the KL in the loss is GRPO's k3 (--kl-estimator k3). A flag given that
+    contradicts them is refused by validate()."""
+    changes = {}
+    if cfg.advantage == "dr-grpo" and "loss_agg" not in given:
+        changes["loss_agg"] = "seq-mean-token-sum-norm"
+    if cfg.kl_in == "loss" and "kl_estimator" not in given:
+        changes["kl_estimator"] = "k3"
+    return dataclasses.replace(cfg, **changes)
+
+
+def run_name(run: RunConfig, cfg: ppo_max.PPOConfig) -> str:
+    """The default --out's name: the method (dpo, best-of-16), or the preset and the estimator and group size when
+    they are not GAE's (runs/ppo-max-grpo-g4-seed0)."""
+    if run.method == "dpo":
+        return "dpo"
+    if run.method == "best-of-n":
+        return f"best-of-{run.bon_n}"
+    name = run.preset
+    if cfg.advantage != "gae":
+        name += f"-{cfg.advantage}"
+    return name + (f"-g{cfg.group_size}" if cfg.group_size > 1 else "")
 
 
 def lora_tag(run: RunConfig) -> str:
@@ -306,7 +382,8 @@ def real_data_configs(argv, *configs):
     given = given_flags(argv)
     out = with_defaults(argv, REAL_DATA_DEFAULTS, *configs)
     if "out" not in given and isinstance(out[0], RunConfig) and not out[0].resume:
-        out[0].out = f"runs/{out[0].preset}-{Path(out[0].data).name.split('.')[0]}{lora_tag(out[0])}-seed{out[0].seed}"
+        name = run_name(out[0], next((c for c in out if isinstance(c, ppo_max.PPOConfig)), ppo_max.PPOConfig()))
+        out[0].out = f"runs/{name}-{Path(out[0].data).name.split('.')[0]}{lora_tag(out[0])}-seed{out[0].seed}"
     print("[data] real-data defaults for flags not given: "
           + json.dumps({k: v for k, v in REAL_DATA_DEFAULTS.items() if k not in given}))
     return out
@@ -329,7 +406,8 @@ SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "ev
                   "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
 
 
-def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig]:
+def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
+                              dpo.DPOConfig]:
     """The run's flags and every configuration, presets and defaults applied. With --resume DIR the flags are the
     run's recorded ones (RUN_RECORD) plus those given now, which may only change SAFE_ON_RESUME."""
     run = parse_configs(argv)[0]
@@ -356,7 +434,7 @@ def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
     combined = recorded + argv + ["--out", run.out]
     with contextlib.redirect_stdout(io.StringIO()):  # the presets' messages, printed once by the real resolve
         before, after = resolve(recorded + ["--out", run.out]), resolve(combined)
-    for prefix, old, new in zip(("", "", "", "", "world-"), before, after):
+    for prefix, old, new in zip(("", "", "", "", "world-", ""), before, after):
         for name, value in dataclasses.asdict(new).items():
             if value != getattr(old, name) and name not in SAFE_ON_RESUME:
                 flag = f"--{prefix}{name.replace('_', '-')}"
@@ -368,8 +446,8 @@ def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
 
 
 def resolve(argv):
-    """(run, sft_cfg, rm_cfg, cfg, world_cfg) of a command line, presets and defaults applied and checked."""
-    run, sft_cfg, rm_cfg, cfg, world_cfg = parse_configs(argv)
+    """(run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg) of a command line, presets and defaults applied and checked."""
+    run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = parse_configs(argv)
     if run.data and run.model == "tiny":  # real text: a smaller budget for the flags not given, and no gold judge
         run, sft_cfg, rm_cfg, cfg = real_data_configs(argv, run, sft_cfg, rm_cfg, cfg)
     if run.model in MODEL_PRESETS:
@@ -379,7 +457,7 @@ def resolve(argv):
     stages = [s.strip() for s in run.stages.split(",") if s.strip()]
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
-    return run, sft_cfg, rm_cfg, cfg, world_cfg
+    return run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg
 
 
 def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, out: Path) -> tuple[int, list[dict]]:
@@ -392,6 +470,16 @@ def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, o
     state.load_state_dict(saved["extra_state"])
     print(f"[resume] {ckpt}: continuing at step {saved['step']}")
     return saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
+
+
+def run_checkpoints(m: Models, out: Path, batches: data.RolloutBatches, run: RunConfig,
+                    rank: int) -> checkpoint.RunCheckpoints:
+    """The run's checkpoints: what trains (the policy, and the critic when there is one) with its optimizer, and the
+    prompt stream; a critic-free run checkpoints no critic."""
+    trained = {k: v for k, v in {"policy": (m.policy, m.policy_opt), "critic": (m.critic, m.critic_opt)}.items()
+               if v[0] is not None}
+    return checkpoint.RunCheckpoints(out, {k: v[0] for k, v in trained.items()}, {k: v[1] for k, v in trained.items()},
+                                     {"prompt": batches.rng}, batches.tokenizer, run.keep_last, rank, engine.barrier)
 
 
 def save_critic(m: Models, inp: Inputs, run: RunConfig, out: Path, rank: int) -> dict:
@@ -425,7 +513,7 @@ def write_record(out: Path, argv: list[str], *configs) -> None:
     """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
     flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
     write_json(out / RUN_RECORD, {"argv": flags, "configs": {name: dataclasses.asdict(c) for name, c in
-                                                             zip(("run", "sft", "rm", "ppo", "world"), configs)}})
+                                                             zip(("run", "sft", "rm", "ppo", "world", "dpo"), configs)}})
 
 
 def check_data_files(run: RunConfig) -> None:
@@ -474,7 +562,7 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     """--plan: scale.py's per-GPU memory plan for --model (for `tiny`, its LlamaConfig), without loading weights.
     The plan's own flags (--num-gpus, --gpu-mem, --zero-stage, --micro-batch, ...) default to the paper's set-up."""
     plan_args, rest = scale.add_plan_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    run, sft_cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
+    run, sft_cfg, _, cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
     if run.model == "tiny":
         model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
     else:
@@ -488,6 +576,11 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
         plan.name = "tiny (the synthetic world's LLaMA)"
     print(scale.format_stage_plans(stage_plans))
     print(scale.format_plan(plan))
+    total, saved = scale.without_critic(plan)  # the critic-free estimators hold no critic at all
+    which = (f"this run (--advantage {cfg.advantage})" if cfg.advantage != "gae" else
+             f"a critic-free run (--advantage {'|'.join(critic_free.CRITIC_FREE)})")
+    print(f"Without the critic, {which}: peak {total / scale.GiB:.2f} GiB per GPU, {saved / scale.GiB:.2f} GiB less "
+          f"(its weights, gradients, optimizer states and activations{'; its frozen backbone is the reward model' if plan.lora else ''})")
     if run.judge_frac and (run.data or run.model != "tiny"):  # the judge: one more frozen model, on every GPU
         judge, _ = scale.frozen_bytes(scale.llama_config_numbers(model), plan_args.lora_bits, 2)
         print(f"Not counted above: with --data, the held-out judge (--judge-frac {run.judge_frac:g}) is one more frozen "
@@ -502,7 +595,8 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
 @dataclass
 class Models:
     """PPO's four models: policy and critic trained (DeepSpeed engines under the launcher), reference and reward
-    model frozen (replicated on every rank for inference), and the two optimizers."""
+    model frozen (replicated on every rank for inference), and the two optimizers. A critic-free --advantage has
+    three: critic and critic_opt are None."""
     policy: object
     ref: object
     reward_model: object
@@ -522,46 +616,57 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
     bf16 = bool(ds.get("bf16", {}).get("enabled", False)) if ds else run.bf16
     kw = lora.load_kwargs(run, bf16)  # dtype, and --lora-bits' quantization of frozen weights
     place = (lambda m: m) if "quantization_config" in kw else (lambda m: m.to(device))  # quantized: placed on load
+    with_critic = cfg.advantage == "gae"  # the critic-free estimators build no critic at all (critic_free.py)
     share_ref = lora.enabled(run) and Path(inp.ref) == Path(inp.policy)
-    share_rm = lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
+    share_rm = with_critic and lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
     policy = place(AutoModelForCausalLM.from_pretrained(inp.policy, **kw))
     ref = None if share_ref else place(AutoModelForCausalLM.from_pretrained(inp.ref, **kw)).eval().requires_grad_(False)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    frozen_q = {} if with_critic else {"quantization": lora.quantization(run)}  # no critic: the RM is frozen alone
     try:  # a reward model without a trained head stops here: it never becomes a random one
-        reward_model = None if share_rm else ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw)
+        reward_model = None if share_rm else ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw,
+                                                                             **frozen_q)
         critic = ScalarHeadModel.from_pretrained(inp.critic, require_head=share_rm, **head_kw,
-                                                 quantization=lora.quantization(run))
+                                                 quantization=lora.quantization(run)) if with_critic else None
     except ValueError as e:
         fail(f"--reward-model {e}")
-    critic = place(critic)
+    critic = place(critic) if critic is not None else None
     if reward_model is not None:
-        reward_model = reward_model.eval().requires_grad_(False).to(device)
+        reward_model = reward_model.eval().requires_grad_(False)
+        reward_model = reward_model if frozen_q.get("quantization") else reward_model.to(device)
     if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
         for m in (policy, critic):
-            lm.gradient_checkpointing(m)
+            if m is not None:
+                lm.gradient_checkpointing(m)
     if lora.enabled(run):  # adapters (B = 0: the models start as their directories), dropout 0 as everywhere in PPO
-        reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
         policy = lora.add_adapters(policy, run, seed=run.seed, dropout=0.0)
-        critic = lora.add_adapters(critic, run, seed=run.seed + 1, dropout=0.0)
         ref = ref or lora.AdaptersOff(policy)
-        reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
+        if with_critic:
+            reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
+            critic = lora.add_adapters(critic, run, seed=run.seed + 1, dropout=0.0)
+            reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
     for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
-        if not isinstance(model, lora.AdaptersOff):  # (those are the policy's and the critic's own weights)
+        if model is not None and not isinstance(model, lora.AdaptersOff):  # (the policy's and critic's own weights)
             lm.disable_dropout(model)
     policy_opt = torch.optim.AdamW(lora.trainable(policy), lr=cfg.policy_lr, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(lora.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(lora.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0) if critic else None
     if ds is not None:
         print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, policy and critic engines: "
               f"{json.dumps(ds)}")
         print("[deepspeed] reference and reward model: inference only, replicated on every rank (if they do not fit: "
               "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
     if lora.enabled(run):
+        critic_n = f" / critic {sum(p.numel() for p in lora.trainable(critic)):,}" if critic else ""
         print(f"[lora] r {run.lora_r}, α {run.lora_alpha:g}, targets {run.lora_targets}: policy "
-              f"{sum(p.numel() for p in lora.trainable(policy)):,} / critic {sum(p.numel() for p in lora.trainable(critic)):,} "
+              f"{sum(p.numel() for p in lora.trainable(policy)):,}{critic_n} "
               f"trainable parameters; reference = {'the policy with adapters off' if share_ref else inp.ref}, reward "
               f"model = {'the critic with adapters off' if share_rm else inp.reward}")
+    if critic is None:
+        print(f"[advantage {cfg.advantage}] no critic: not built, not pre-trained (stage 3), no value loss, not "
+              f"checkpointed")
     policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
-    critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
+    if critic is not None:
+        critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
     return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16)
 
 
@@ -639,19 +744,23 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, plumbing: "Lo
         # (0) linear learning-rate warm-up over the first warmup_frac of the iterations (paper: 10%), then flat
         lr_scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
         engine.set_lr(m.policy_opt, cfg.policy_lr * lr_scale)
-        engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
-        prompts, query, query_mask = batches.prompts(cfg.rollout_batch)                 # (B, P)
+        if m.critic_opt is not None:  # none with a critic-free --advantage
+            engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
+        prompts, query, query_mask = batches.prompts(cfg.rollout_batch, cfg.group_size)  # (B, P): G rows per prompt
         # (1) sample responses with the KV cache, stopping at EOS
         m.policy.eval()
         response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, cfg.max_new_tokens, eos,
                                                             pad_id, cfg.temperature)  # (B, T), (B, T), (B,)
-        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9)
+        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9) or, without a
+        # critic, the group's or the batch's baseline (critic_free.py)
         exp = ppo_max.make_experience(m.policy, m.ref, m.reward_model, m.critic, query, query_mask, response,
                                       response_mask, state.moments, cfg, state.kl_ctl.value)
         if plumbing.skip(step, exp["nonfinite"]):  # PLUMBING: a NaN/inf in (2)-(5) skips the update (the guard)
             continue
         # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
-        m.policy.train(); m.critic.train()
+        m.policy.train()
+        if m.critic is not None:
+            m.critic.train()
         upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg,
                                  lambda: batches.ptx(cfg.ptx_batch))
         state.kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)  # adaptive η (only with --kl-target)
@@ -670,9 +779,9 @@ class LoopPlumbing:
 
     def __init__(self, m: Models, state: LoopState, log: collapse.RunLog, ckpts: checkpoint.RunCheckpoints,
                  judge: Judge | None, interrupt: checkpoint.GracefulExit, run: RunConfig, start: int, tokenizer,
-                 device: torch.device):
+                 device: torch.device, group: int = 1):
         self.m, self.state, self.log, self.ckpts, self.judge, self.interrupt = m, state, log, ckpts, judge, interrupt
-        self.run, self.start, self.tokenizer, self.device = run, start, tokenizer, device
+        self.run, self.start, self.tokenizer, self.device, self.group = run, start, tokenizer, device, group
         self.ended = {"stop_reason": None, "signal": None, "path": None}
 
     def steps(self):
@@ -704,8 +813,9 @@ class LoopPlumbing:
                  for r, k in zip(exp["response"], exp["mask"])]
         judged = judge.rewards(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
                                torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
-        prompts, texts = engine.gather_list(prompts), engine.gather_list(texts)
-        judged = engine.gather_list(judged) if judge else None
+        G = self.group  # the global batch in prompt order, each group of G responses whole
+        prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
+        judged = engine.gather_list(judged, G) if judge else None
         gold = judged if judge and judge.key == "reward/gold" else None
         metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold else None,
                    "kl/coef": self.state.kl_ctl.value, "lr/policy": m.policy_opt.param_groups[0]["lr"],
@@ -740,13 +850,17 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, his
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
                                 judge=judge.score if judge else proxy,
                                 extra_judges={"reward model (proxy)": proxy} if judge and judge.name != "gold" else None)
-    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" else None
+    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" and history else None
     out = {"sft": report["sft"], "final": report["policy"],
            "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
            "win_rate_vs_sft": report["win_rate"], "judge": judge.name if judge else "reward model"}
     if report.get("win_rates"):
         out["win_rate_vs_sft_by_judge"] = {out["judge"]: report["win_rate"], **report["win_rates"]}
         out["judge_model"] = str(inp.judge)
+    # the policy as itself (temperature 1): gold and proxy against d = √KL(π ‖ π_SFT), the over-optimisation curve
+    out["frontier"] = evaluation.frontier_point(engine.unwrap(m.policy).eval(), sft_model, m.reward_model,
+                                                inp.tokenizer, heldout, run.eval_samples, run.seed + 1,
+                                                cfg.max_new_tokens, judge.score if judge else proxy)
     return out
 
 
@@ -789,6 +903,9 @@ def start_processes(run: RunConfig, cfg: ppo_max.PPOConfig) -> tuple[int, int, t
         if n % world:
             fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world}): the global "
                  f"batch is split evenly across ranks")
+    if cfg.rollout_batch % (cfg.group_size * world):
+        fail(f"--rollout-batch {cfg.rollout_batch} must be divisible by --group-size × processes ({cfg.group_size} × "
+             f"{world}): each rank takes whole groups, so no group of G responses is split across ranks")
     return rank, world, device
 
 
@@ -811,13 +928,18 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     summary.json (printed as a table)."""
     out = Path(run.out)
     lora.save(m.policy, out / "policy", inp.tokenizer, inp.policy)  # LoRA: adapter/ and the merged model
-    lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
+    if m.critic is not None:
+        lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
     t0 = time.time()
     report = evaluate(m, inp, run, cfg, log.history, judge, device)
     timings["eval"] = time.time() - t0
-    summary = {"preset": run.preset, "seed": run.seed, "steps": run.steps, "seconds": time.time() - t_start,
-               "config": dataclasses.asdict(cfg), "base": str(inp.base) if inp.base else None, "timings": timings,
+    pretrain = out / "critic_pretrain.json"  # what the run sampled: critic pre-training rounds and PPO steps
+    rounds = len(json.loads(pretrain.read_text())) if pretrain.is_file() else 0
+    summary = {"method": "ppo", "preset": run.preset, "seed": run.seed, "steps": run.steps,
+               "seconds": time.time() - t_start, "config": dataclasses.asdict(cfg),
+               "base": str(inp.base) if inp.base else None, "timings": timings,
                **base_summary(inp, run, dirs), **report,
+               "budget": {"policy_samples": (rounds + len(log.history)) * cfg.rollout_batch, "preference_pairs": 0},
                "collapse_alarm": log.alarm_info, "stopped": ended["stop_reason"]}
     if run.data and inp.base:
         summary["data"] = json.loads((inp.base / "data_report.json").read_text())
@@ -830,12 +952,87 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig
     return summary
 
 
+def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig, inp: Inputs, dirs: dict | None,
+                 rank: int, world: int, device: torch.device, t_start: float) -> dict | None:
+    """--method dpo (dpo.train_dpo on the reward model's own pairs, from the SFT model) or best-of-n (no training),
+    then the held-out evaluation PPO gets: the same judge, prompts, sampling and summary.json layout."""
+    from transformers import AutoModelForCausalLM
+    checkpoint.seed_everything(run.seed + rank)
+    out, timings, bf16 = Path(run.out), dict(inp.timings), use_bf16(run, device)
+    head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    reward_model = lm.disable_dropout(ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw))
+    reward_model = reward_model.eval().requires_grad_(False).to(device)
+    sft = lm.disable_dropout(AutoModelForCausalLM.from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
+    sft = sft.to(device).eval().requires_grad_(False)
+    judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run))
+    heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    t0 = time.time()
+    if run.method == "dpo":
+        pairs, heldout_pairs = preference_pairs(run, inp, dirs)
+        policy = load_lm(inp.policy, bf16, device, run.grad_ckpt, run)
+        log = dpo.train_dpo(policy, inp.tokenizer, pairs, heldout_pairs, dpo_cfg, run.seed,
+                            ds=stage_ds(run, dpo_cfg.dpo_batch // world, device), out_dir=out / "policy",
+                            progress=lambda r, d: collapse.progress(r, d, leave=False, disable=rank != 0))
+        timings["dpo"] = time.time() - t0
+        print(f"[DPO] {timings['dpo']:.1f} s; held-out implicit-reward accuracy {log[-1]['heldout_accuracy']:.3f}")
+        if rank != 0:
+            return None
+        write_json(out / "dpo_log.json", log)
+        t0 = time.time()
+        report = evaluate(Models(policy, sft, reward_model, None, None, None), inp, run, cfg, [], judge, device)
+        config, budget = {**dataclasses.asdict(dpo_cfg), "max_new_tokens": cfg.max_new_tokens}, {
+            "policy_samples": 0, "preference_pairs": len(pairs), "pair_epochs": dpo_cfg.dpo_epochs}
+    else:
+        if rank != 0:
+            return None
+        score = judge.score if judge else evaluation.rm_judge(reward_model, inp.tokenizer)
+        rep = best_of_n.evaluate(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed,
+                                 cfg.max_new_tokens, score)
+        plain = best_of_n.sample(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed + 1,
+                                 cfg.max_new_tokens, evaluation.PLAIN_SAMPLING)
+        m_plain, _ = evaluation.measure(sft, sft, reward_model, plain, score)
+        kl = best_of_n.bon_kl(run.bon_n)  # exact for continuous scores: no per-token KL to estimate
+        report = {"sft": rep["sft"], "final": rep["policy"], "peak": None, "win_rate_vs_sft": rep["win_rate"],
+                  "judge": judge.name if judge else "reward model",
+                  "frontier": {"gold_reward": m_plain["gold_reward"], "reward": m_plain["reward"], "kl_seq": kl,
+                               "d": kl ** 0.5, "response_length": m_plain["response_length"],
+                               "samples": len(plain["texts"])}}
+        config, budget = {"bon_n": run.bon_n, "max_new_tokens": cfg.max_new_tokens}, {
+            "policy_samples": 0, "preference_pairs": 0, "samples_per_response": run.bon_n}
+    timings["eval"] = time.time() - t0
+    summary = {"method": run.method, "preset": run.method, "seed": run.seed, "steps": 0,
+               "seconds": time.time() - t_start, "config": config, "base": str(inp.base) if inp.base else None,
+               "timings": timings, **base_summary(inp, run, dirs), **report, "budget": budget}
+    write_json(out / "summary.json", summary)
+    print(evaluation.format_table(summary))
+    print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    return summary
+
+
+def critic_stage(m: Models, batches: data.RolloutBatches, state: LoopState, inp: Inputs, cfg: ppo_max.PPOConfig,
+                 out: Path, rank: int, timings: dict) -> None:
+    """Stage 3, critic pre-training (§5.3.3): V fitted to the initial policy's returns before any policy update,
+    its log in critic_pretrain.json; nothing (and no line) when --critic-pretrain-steps is 0."""
+    if not cfg.critic_pretrain_steps:
+        return
+    t0 = time.time()
+    critic_log = ppo_max.pretrain_critic(
+        m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
+        lambda: batches.prompts(cfg.rollout_batch, cfg.group_size), cfg, data.stop_id(inp.tokenizer),
+        inp.tokenizer.pad_token_id, state.kl_ctl.value,
+        progress=lambda r: collapse.progress(r, "3. critic pre-training", leave=False, disable=rank != 0))
+    timings["critic_pretrain"] = time.time() - t0
+    print(f"[3. critic pre-training] {timings['critic_pretrain']:.1f} s")
+    if rank == 0:
+        write_json(out / "critic_pretrain.json", critic_log)
+
+
 def main(argv=None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--plan" in argv:  # before parsing: the plan's flags (--num-gpus, ...) are scale.py's
         print_plan(argv)
         return None
-    argv, run, sft_cfg, rm_cfg, cfg, world_cfg = configure(argv)  # with --resume: the run's recorded flags too
+    argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = configure(argv)  # with --resume: the recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     if dirs:  # every text a stage builds must fit every model's positions
         run, cfg = fit_context(run, cfg, dirs)
@@ -844,7 +1041,7 @@ def main(argv=None) -> dict | None:
     out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
     if rank == 0:  # --resume DIR alone continues from this record
-        write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg)
+        write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
     print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))
     t_start = time.time()
 
@@ -857,6 +1054,8 @@ def main(argv=None) -> dict | None:
         return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank)
     inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0, records)
     inp.timings.update(stage_timings)
+    if run.method != "ppo":  # DPO or best-of-n in the place of stages 3-4, evaluated as PPO is
+        return other_method(run, cfg, dpo_cfg, inp, dirs, rank, world, device, t_start)
     if cfg.ptx_coef and not inp.data["sft"]:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
         cfg = dataclasses.replace(cfg, ptx_coef=0.0)
@@ -868,24 +1067,12 @@ def main(argv=None) -> dict | None:
                                   [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
                                   seed=run.seed, rank=rank, world=world, device=device)
     state = LoopState.new(run, cfg)
-    ckpts = checkpoint.RunCheckpoints(out, {"policy": m.policy, "critic": m.critic},
-                                      {"policy": m.policy_opt, "critic": m.critic_opt}, {"prompt": batches.rng},
-                                      inp.tokenizer, run.keep_last, rank, engine.barrier)
+    ckpts = run_checkpoints(m, out, batches, run, rank)
     timings, start, history = dict(inp.timings), 0, []
     if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
         start, history = resume(run, ckpts, state, out)
-    elif "critic" in run.stages.split(","):
-        if cfg.critic_pretrain_steps:  # 3. critic pre-training: fit V to the initial policy's returns (§5.3.3)
-            t0 = time.time()
-            critic_log = ppo_max.pretrain_critic(
-                m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
-                lambda: batches.prompts(cfg.rollout_batch), cfg, data.stop_id(inp.tokenizer),
-                inp.tokenizer.pad_token_id, state.kl_ctl.value,
-                progress=lambda r: collapse.progress(r, "3. critic pre-training", leave=False, disable=rank != 0))
-            timings["critic_pretrain"] = time.time() - t0
-            print(f"[3. critic pre-training] {timings['critic_pretrain']:.1f} s")
-            if rank == 0:
-                write_json(out / "critic_pretrain.json", critic_log)
+    elif "critic" in run.stages.split(",") and m.critic is not None:  # a critic-free --advantage has no stage 3
+        critic_stage(m, batches, state, inp, cfg, out, rank, timings)  # 3. critic pre-training (§5.3.3)
         if last_stage(run) == "critic":  # --stages ...,critic: the pre-trained critic is the result
             return save_critic(m, inp, run, out, rank)
 
@@ -894,7 +1081,8 @@ def main(argv=None) -> dict | None:
     log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0,
                           tracker=tracker(run, inp, out, rank))
     with checkpoint.GracefulExit() as interrupt:  # SIGINT/SIGTERM: finish the step, checkpoint, exit; not under pdb
-        plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device)
+        plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device,
+                                cfg.group_size)
         ended = ppo(m, batches, state, plumbing, cfg, run)
     log.close()
     timings["ppo"] = time.time() - t0

@@ -13,6 +13,11 @@ Implements: no equation; the cache and the two budgets behind every figure noteb
   one_at_a_time()                a file lock (runs/.runner.lock): trainings and evaluations of all processes take turns
   dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
+  interval(values), verdict(…)   the 95 % t-interval over seeds, and the stated rule: above / below 0 / inconclusive
+  frontier(run_), budget(run_)   a run's gold-vs-√KL point at temperature 1, and the samples / pairs it consumed
+  frontier_checkpoints(run_)     every checkpoint as a point of the over-optimisation curve (Gao et al. 2022)
+  bon_curve(run_, ns)            best-of-n from the run's SFT model under its reward model, for every n, from one pool
+  fit_gao(d, gain, form)         α, β of d(α − βd) (best-of-n) or d(α − β log d) (RL)
 Budgets:
   FULL (env PPO_MAX_FULL=1)      train.py's default budget (80 PPO steps unless a notebook asks for more),
                                  seeds 0, 1, 2, under runs/<name>-seed<s>/. The committed notebook outputs and the
@@ -72,11 +77,17 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
 
 
 def expected(argv: list[str]) -> dict:
-    """What summary.json must say for a cached run to stand for `argv`: preset, steps, PPO config, base directory."""
+    """What summary.json must say for a cached run to stand for `argv`: preset, steps, the method's config (PPO's,
+    DPO's, best-of-n's n), base directory."""
     import pipeline
     import train
-    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg = train.parse_configs(argv)
-    return {"preset": run_cfg.preset, "steps": run_cfg.steps, "config": dataclasses.asdict(ppo_cfg),
+    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg, dpo_cfg = train.parse_configs(argv)
+    config = {"ppo": dataclasses.asdict(ppo_cfg), "dpo": dataclasses.asdict(dpo_cfg),
+              "best-of-n": {"bon_n": run_cfg.bon_n}}[run_cfg.method]
+    if run_cfg.method != "ppo":  # the evaluation's length cap, which every method's result depends on
+        config["max_new_tokens"] = ppo_cfg.max_new_tokens
+    return {"preset": run_cfg.preset if run_cfg.method == "ppo" else run_cfg.method,
+            "steps": run_cfg.steps if run_cfg.method == "ppo" else 0, "config": config,
             "base": pipeline.base_dir(run_cfg, sft_cfg, rm_cfg, world_cfg).name}
 
 
@@ -106,7 +117,8 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
         if bad:
             raise RuntimeError(f"{out} holds a run with another {', '.join(bad)} than `train.py {' '.join(argv)}`; "
                                f"delete that directory or give this run another name")
-        return {**summary, "collapse_alarm": current_alarm(out), "dir": out}
+        alarm = current_alarm(out) if (out / "metrics.jsonl").exists() else None  # DPO, best-of-n: no PPO steps
+        return {**summary, "collapse_alarm": alarm, "dir": out}
     with one_at_a_time():
         if summary_path.exists():          # another process trained it while this one waited
             return run(name, *flags, seed=seed, steps=steps)
@@ -232,6 +244,147 @@ def _evaluate_checkpoints(run_: dict, ckpts: list[Path], n: int, cache: Path) ->
                      "reward": rep["policy"]["reward"]})
     cache.write_text(json.dumps(rows, indent=1))
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Methods beyond PPO and the over-optimisation curve (methods.ipynb, overoptimization.ipynb)
+# ---------------------------------------------------------------------------------------------------------
+# two-sided 95 % quantiles of Student's t (df = 1 … 30); above 30 the normal's 1.96 is within 2 %
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def interval(values) -> tuple[float, float, float]:
+    """(mean, low, high): the two-sided 95 % t-interval of the mean over seeds; (mean, nan, nan) with one seed."""
+    v = np.asarray(values, float)
+    if len(v) < 2:
+        return float(v.mean()), float("nan"), float("nan")
+    half = (T975[len(v) - 2] if len(v) - 1 <= len(T975) else 1.96) * v.std(ddof=1) / np.sqrt(len(v))
+    return float(v.mean()), float(v.mean() - half), float(v.mean() + half)
+
+
+def verdict(values, above: str, below: str) -> str:
+    """The stated rule of these notebooks: `above` when the 95 % interval of the mean over seeds lies above 0,
+    `below` when it lies below, "inconclusive" otherwise (and always with one seed)."""
+    _, lo, hi = interval(values)
+    return above if lo > 0 else below if hi < 0 else "inconclusive"
+
+
+def base_of(run_: dict) -> Path:
+    """The cached SFT + reward-model directory a run used."""
+    return ROOT / run_["base"]
+
+
+def _plain_models(base: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    from reward_model import ScalarHeadModel
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
+    sft = AutoModelForCausalLM.from_pretrained(base / "sft").eval()
+    rm = ScalarHeadModel.from_pretrained(base / "reward_model").eval()
+    prompts = [r["prompt"] for r in read_jsonl(base / "data" / "prompts_heldout.jsonl")]
+    return tokenizer, sft, rm, prompts
+
+
+def frontier(run_: dict) -> dict:
+    """The run's point on the gold-vs-√KL frontier (eval.frontier_point: sampled at temperature 1, KL per response):
+    summary.json's "frontier", or computed once from its final policy for a run saved before summaries had one."""
+    if run_.get("frontier"):
+        return run_["frontier"]
+    cache = run_["dir"] / "frontier.json"
+    if not cache.exists():
+        import eval as evaluation
+        from transformers import AutoModelForCausalLM
+        with one_at_a_time():
+            tokenizer, sft, rm, prompts = _plain_models(base_of(run_))
+            policy = AutoModelForCausalLM.from_pretrained(run_["dir"] / "policy").eval()
+            point = evaluation.frontier_point(policy, sft, rm, tokenizer, prompts, 4 if FULL else 1, run_["seed"] + 1,
+                                              run_["config"]["max_new_tokens"])
+            cache.write_text(json.dumps(point, indent=1))
+    return json.loads(cache.read_text())
+
+
+def budget(run_: dict) -> dict:
+    """What a run consumed: policy samples drawn in training (critic pre-training rounds + PPO steps, × the rollout
+    batch), preference pairs; summary.json's "budget", or counted from the run's files for an older run."""
+    if run_.get("budget"):
+        return run_["budget"]
+    pretrain = run_["dir"] / "critic_pretrain.json"
+    rounds = len(json.loads(pretrain.read_text())) if pretrain.exists() else 0
+    return {"policy_samples": (rounds + len(metrics(run_))) * run_["config"]["rollout_batch"], "preference_pairs": 0}
+
+
+def frontier_checkpoints(run_: dict, samples_per_prompt: int | None = None) -> list[dict]:
+    """Every saved checkpoint of a run as a point of the over-optimisation curve: gold and proxy (the run's own
+    reward model) against d = √KL(π ‖ π_SFT) per response, sampled at temperature 1 (eval.frontier_point); step 0 is
+    the SFT model (d = 0). Cached in <dir>/frontier_checkpoints.json."""
+    cache = run_["dir"] / "frontier_checkpoints.json"
+    ckpts = sorted(p for p in (run_["dir"] / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    n = samples_per_prompt or (4 if FULL else 1)
+    steps = [0] + [int(p.name[5:]) for p in ckpts]
+    if cache.exists() and [r["step"] for r in json.loads(cache.read_text())] == steps:
+        return json.loads(cache.read_text())
+    import eval as evaluation
+    from transformers import AutoModelForCausalLM
+    with one_at_a_time():
+        tokenizer, sft, rm, prompts = _plain_models(base_of(run_))
+        rows = []
+        for step, model_dir in [(0, None)] + [(int(p.name[5:]), p / "policy") for p in ckpts]:
+            policy = sft if model_dir is None else AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            rows.append({"step": step, **evaluation.frontier_point(policy, sft, rm, tokenizer, prompts, n,
+                                                                   run_["seed"] + 1, run_["config"]["max_new_tokens"])})
+        cache.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def bon_curve(run_: dict, ns=(1, 2, 4, 8, 16, 32, 64), samples_per_prompt: int | None = None) -> list[dict]:
+    """Best-of-n from the SFT model of a run's base, scored by that base's reward model, judged by gold, for every n
+    of `ns` from one pool of max(ns) candidates per (prompt, sample) at temperature 1: the pool is cut into
+    max(ns)/n disjoint groups of n, and each group's best is averaged (Gao et al. 2022's unbiased estimator uses
+    every subset; disjoint groups are a subset of those). d = √(log n − (n − 1)/n). Cached in <dir>/bon_curve.json."""
+    import best_of_n
+    import eval as evaluation
+    import toy_world
+    cache = run_["dir"] / "bon_curve.json"
+    n_max, per = max(ns), samples_per_prompt or (4 if FULL else 1)
+    if cache.exists() and [r["n"] for r in json.loads(cache.read_text())] == list(ns):
+        return json.loads(cache.read_text())
+    import torch
+    with one_at_a_time():
+        tokenizer, sft, rm, prompts = _plain_models(base_of(run_))
+        pool = evaluation.sample(sft, tokenizer, prompts, per * n_max, run_["seed"] + 2,
+                                 run_["config"]["max_new_tokens"], sampling=evaluation.PLAIN_SAMPLING)
+        with torch.no_grad():
+            proxy = torch.cat([rm.score(torch.cat([q, r], 1), torch.cat([qm, m], 1)).float() for q, qm, r, m in
+                               zip(pool["query"], pool["query_mask"], pool["response"], pool["mask"])])
+        gold = torch.tensor([toy_world.gold_reward(p, t, f) for p, t, f in
+                             zip(pool["prompts"], pool["texts"], pool["finished"])])
+        proxy, gold = proxy.view(-1, n_max), gold.view(-1, n_max)          # (prompts · per, n_max)
+        rows = []
+        for n in ns:
+            groups_p, groups_g = proxy.reshape(-1, n), gold.reshape(-1, n)  # disjoint groups of n
+            best = best_of_n.select_best(groups_p)
+            kl = best_of_n.bon_kl(n)
+            rows.append({"n": n, "kl_seq": kl, "d": kl ** 0.5,
+                         "reward": groups_p.gather(1, best[:, None]).mean().item(),
+                         "gold_reward": groups_g.gather(1, best[:, None]).mean().item()})
+        cache.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def fit_gao(d, gain, form: str) -> tuple[float, float]:
+    """Least squares of Gao et al. 2022's functional forms through the origin, gain = R(d) − R(0):
+    best-of-n "bon": gain = d(α − βd); RL "rl": gain = d(α − β log d). Returns (α, β)."""
+    d, gain = np.asarray(d, float), np.asarray(gain, float)
+    keep = d > 0
+    d, gain = d[keep], gain[keep]
+    X = np.stack([d, -d * d if form == "bon" else -d * np.log(d)], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(X, gain, rcond=None)
+    return float(alpha), float(beta)
 
 
 def mean_std(values) -> str:

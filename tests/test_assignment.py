@@ -125,10 +125,10 @@ def test_make_refuses_to_overwrite_the_repo_or_a_students_file(tmp_path):
 
 
 def test_make_copies_what_the_files_import_and_stubs_an_assigned_dependency(tmp_path):
-    assignment.make(tmp_path, ["ppo_max"])  # ppo_max.py imports cli, engine, data and two assigned modules
+    assignment.make(tmp_path, ["ppo_max"])  # ppo_max.py imports cli, engine, data, critic_free and two assigned ones
     assert {p.name for p in tmp_path.iterdir()} == {"ppo_max.py", "gae.py", "ppo_loss.py", "cli.py", "engine.py",
-                                                   "data.py"}
-    for given in ("cli.py", "engine.py", "data.py"):
+                                                   "data.py", "critic_free.py"}
+    for given in ("cli.py", "engine.py", "data.py", "critic_free.py"):
         assert (tmp_path / given).read_text() == (ROOT / given).read_text()
     for module in ("gae", "ppo_loss"):  # never a solution in a hand-out, even of a module not assigned this time
         text = (tmp_path / f"{module}.py").read_text()

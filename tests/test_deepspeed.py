@@ -208,6 +208,37 @@ def test_ranks_probing_one_out_dir_at_once_never_fail(tmp_path):
     assert errors == [] and not list((tmp_path / "out").iterdir())
 
 
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_deepspeed_critic_free_groups_stay_whole_and_resume(tmp_path):
+    """--advantage grpo --group-size 2 under 2 ranks: each rank takes whole groups and the global batch comes back in
+    the one process's prompt order (the first 4 rows: two prompts, each twice); no critic engine is built or
+    checkpointed, and a resume under DeepSpeed writes the uninterrupted run's metrics. (That the two ranks' group
+    baselines and the REINFORCE++ whitening equal the one-process ones: tests/test_critic_free.py, on gloo.)"""
+    args = [*WORLD, "--rollout-batch", "32", "--minibatch", "16", "--steps", "2", "--save-every", "1",
+            "--advantage", "grpo", "--group-size", "2"]
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        train.main(args + ["--out", "single"])
+    finally:
+        os.chdir(old)
+    run_deepspeed(tmp_path, *args, "--out", "ds")
+    for a, b in zip(samples(tmp_path / "single"), samples(tmp_path / "ds")):
+        prompts = [p for p, _ in b["examples"]]
+        assert prompts == [p for p, _ in a["examples"]] and prompts[0] == prompts[1] and prompts[2] == prompts[3]
+        assert len(b["scores"]) == 32
+    ckpt = tmp_path / "ds" / "checkpoints"
+    assert sorted(p.name for p in (ckpt / "deepspeed").iterdir()) == ["policy", "rng"]
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "ds", part)
+    for p in [part / "checkpoints" / "step-000002", *part.glob("checkpoints/deepspeed/*/step-000002*")]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    (part / "metrics.jsonl").write_text((part / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    run_deepspeed(tmp_path, "--resume", "part")
+    assert metrics(part) == metrics(tmp_path / "ds")
+
+
 # ------------------------------------------------------------------------------------------------ --plan
 def test_plan_llama7b_prints_the_paper_plan():
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", "llama-7b", "--plan", "--num-gpus", "8",
@@ -240,7 +271,7 @@ def test_plan_of_a_missing_model_fails_clearly(tmp_path):
 # ------------------------------------------------------------------------------------------------ --model
 def test_llama_preset_applies_to_flags_not_given(capsys):
     argv = ["--model", "llama-7b", "--critic-lr", "1e-6"]
-    run, _, _, cfg, _ = train.parse_configs(argv)
+    run, _, _, cfg, *_ = train.parse_configs(argv)
     run, cfg, *_ = train.model_preset_configs(argv, run, cfg)
     assert (cfg.policy_lr, cfg.warmup_frac, cfg.rollout_batch, cfg.minibatch) == (5e-7, 0.1, 128, 32)
     assert (cfg.lam, cfg.clip_eps, cfg.kl_coef, run.grad_ckpt) == (0.9, 0.2, 0.05, True)

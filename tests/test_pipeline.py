@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cli
+import dpo
 import ppo_max
 import toy_world
 import train
@@ -88,11 +89,11 @@ def test_kl_coef_zero_leaves_only_the_score():
 
 
 def test_presets_and_flags_parse():
-    _, _, _, cfg, _ = train.parse_configs(["--preset", "vanilla"])
+    _, _, _, cfg, *_ = train.parse_configs(["--preset", "vanilla"])
     assert cfg.kl_coef == 0 and not cfg.reward_norm and cfg.critic_pretrain_steps == 0 and cfg.ptx_coef == 0
-    _, _, _, cfg, _ = train.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
+    _, _, _, cfg, *_ = train.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
     assert cfg.kl_coef == 0.1, "an explicit flag overrides the preset"
-    _, _, _, cfg, _ = train.parse_configs([])
+    _, _, _, cfg, *_ = train.parse_configs([])
     assert cfg == ppo_max.apply_preset("ppo-max")
     with pytest.raises(ValueError):
         ppo_max.apply_preset("nope")
@@ -111,7 +112,7 @@ def bad_value(spec: str):
     return float(spec[1:-1].split(",")[1]) + 1
 
 
-ALL_CHECKS = [("", n, s) for c in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig)
+ALL_CHECKS = [("", n, s) for c in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, dpo.DPOConfig)
               for n, s in cli.allowed(c).items()] + [("world-", n, s) for n, s in cli.allowed(toy_world.WorldConfig).items()]
 
 
@@ -152,7 +153,8 @@ def test_every_numeric_or_choice_flag_has_a_check():
     free = {"out", "model", "resume", "data", "sft_data", "prompts", "deepspeed_config", "sft_model", "reward_model",
             "critic_model", "preset", "stages", "seed", "data_split", "data_config",
             "lora_targets"}  # names: checked where used (--lora-targets against the model's layers)
-    for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig):
+    for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
+                dpo.DPOConfig):
         for f in dataclasses.fields(cls):
             if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name == "seed"):
                 continue

@@ -144,7 +144,7 @@ def test_the_ptx_batch_of_the_hh_sample_fits_a_128_position_table(tmp_path, caps
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_model.model_config("gpt2", tok, hidden=16, layers=1, heads=2,
                                                              max_positions=128)).save_pretrained(tmp_path / "gpt2")
-    run, _, _, cfg, _ = train.parse_configs(["--model", str(tmp_path / "gpt2"), "--data", str(HH_SAMPLE), "--skip-bad",
+    run, _, _, cfg, *_ = train.parse_configs(["--model", str(tmp_path / "gpt2"), "--data", str(HH_SAMPLE), "--skip-bad",
                                              "--max-new-tokens", "32"])
     dirs = pipeline.resolve_real_models(run, cfg)
     run, cfg = pipeline.fit_context(run, cfg, dirs)

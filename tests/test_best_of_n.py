@@ -1,0 +1,58 @@
+"""best_of_n.py: the analytic KL log n − (n − 1)/n against a Monte Carlo estimate on a small categorical policy with
+continuous scores (exact there), and against the exact KL of a discrete policy with ties (an upper bound there); the
+worked example; `train.py --method best-of-n` end to end."""
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import best_of_n
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_worked_example_prints_the_numbers_in_its_comments():
+    out = subprocess.run([sys.executable, "best_of_n.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    src = (ROOT / "best_of_n.py").read_text().split("# Printed (tests/test_best_of_n.py checks these numbers):")[1]
+    assert [l.strip() for l in out.splitlines()] == [l.strip()[2:] for l in src.splitlines() if l.strip()]
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_bon_kl_against_monte_carlo_with_continuous_scores(n):
+    """π: a categorical over K = 6 responses; each response y also draws u ~ U(0, 1), and the proxy scores it
+    s = g(y) + u, so no two candidates tie. The best of n has density ratio n·F(s)^(n−1) to π (F: the exact CDF of
+    s under π), so KL = E_bon[log(n F(s)^(n−1))]: its Monte Carlo mean over the selected candidates must be within
+    4 standard errors of bon_kl(n)."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.tensor([0.30, 0.25, 0.15, 0.15, 0.10, 0.05], dtype=torch.float64)
+    base = torch.tensor([0.0, 0.4, 1.1, 1.3, 2.0, 2.2], dtype=torch.float64)    # g(y): overlapping score ranges
+    N = 40_000
+    y = torch.multinomial(q.expand(N * n, 6), 1, replacement=True, generator=g).view(N, n)
+    s = base[y] + torch.rand(N, n, generator=g, dtype=torch.float64)             # (N, n) continuous proxy scores
+    best = s.gather(1, best_of_n.select_best(s)[:, None]).squeeze(1)             # (N,) the chosen candidates' scores
+    F = (q[None] * (best[:, None] - base[None]).clamp(0, 1)).sum(1)              # F(s) = Σ_k q_k P(u ≤ s − g_k)
+    log_ratio = math.log(n) + (n - 1) * torch.log(F)                             # log p_bon(y, u) / π(y, u)
+    se = log_ratio.std().item() / math.sqrt(N)
+    assert abs(log_ratio.mean().item() - best_of_n.bon_kl(n)) < 4 * se, (log_ratio.mean().item(), best_of_n.bon_kl(n))
+
+
+def test_bon_kl_is_an_upper_bound_when_responses_repeat():
+    """A discrete policy whose responses repeat among the n draws (distinct scores per response, but the same response
+    can be drawn twice): the exact best-of-n distribution P(y_k) = F_k^n − F_{k−1}^n (responses sorted by score)
+    has a KL strictly below log n − (n − 1)/n."""
+    q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)                       # sorted by score, lowest first
+    for n in (2, 4, 8):
+        F = q.cumsum(0)
+        p = F ** n - torch.cat([torch.zeros(1, dtype=torch.float64), F[:-1]]) ** n
+        exact = (p * (p / q).log()).sum().item()
+        assert 0 < exact < best_of_n.bon_kl(n)
+
+
+def test_select_best_takes_the_first_of_equal_scores_and_n_one_is_the_policy():
+    assert best_of_n.select_best(torch.tensor([[1.0, 3.0, 3.0], [0.0, 0.0, 0.0]])).tolist() == [1, 0]
+    assert best_of_n.bon_kl(1) == 0.0
+    with pytest.raises(ValueError):
+        best_of_n.bon_kl(0)
