@@ -487,6 +487,7 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
     Held while one phase runs, with B = rollout_batch_per_gpu, b = micro_batch, x = ptx_batch_per_gpu,
     L = P + T, u = B·T·V·4 (fp32 logits over the responses of the whole rollout batch):
         generate       kv_cache       2·ℓ·B·L·k·d·β   K and V of every layer, the whole rollout batch at once
+                       prefill        one layer's working set for the B prompts' first forward (34·B·P·h)
         reward score   hidden_states  (ℓ+1)·B·L·h·β + one layer's working set (no grad)
         log-probs      logprobs       2·u             π's and π_ref's fp32 logits, kept to the end of make_experience
                        temporaries    max(5·u, u + B·L·V·β, working set): kl_full's log-softmaxes, exp and product;
@@ -707,6 +708,8 @@ def _phase_rows(arch: dict, s: dict) -> list[Row]:
     k, d = pa["num_key_value_heads"], pa["head_dim"]
     add("policy", "kv_cache", 2 * n_layers * B * L * k * d * beta, f"2·ℓ·B·L·k·d·{beta}   (B = {B} at once)",
         ("generate",))
+    ws, wf = _working_set(pa, B, s["prompt_len"], beta, flash, "B")
+    add("policy", "prefill", ws, wf.replace("L", "P") + "   (the first forward, over the B prompts)", ("generate",))
     for role, phase in (("reward", "reward score"), ("critic", "critic values"), ("judge", "judge score")):
         if role in arch:
             ws, wf = _working_set(arch[role], B, L, beta, flash, "B")

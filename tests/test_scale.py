@@ -121,6 +121,7 @@ SMALL_RUN = dict(micro_batch=2, rollout_batch_per_gpu=6, ptx_batch_per_gpu=0, pr
 N_SH = N_POL + 65               # 86913: reward_model.ScalarHeadModel keeps the lm_head and adds h → 1 with a bias
 T_POL = 1 + 2 * 9 + 1 + 1       # 21 tensors: embedding; per layer q, k, v, o, gate, up, down, 2 norms; norm; lm_head
 KV = 2 * 2 * 6 * 32 * 2 * 16 * 2             # 2·ℓ·B·L·k·d·β = 24576
+PREFILL = 34 * 6 * 16 * 64                   # the prompts' first forward: one layer's working set 34·B·P·h = 208896
 HID = 3 * 6 * 32 * 64 * 2 + 34 * 6 * 32 * 64  # (ℓ+1)·B·L·h·β + 34·B·L·h = 73728 + 417792 = 491520
 U = 6 * 16 * 100 * 4                         # B·T·V·4 = 38400
 TEMP = max(5 * U, U + 6 * 32 * 100 * 2, 34 * 6 * 32 * 64)  # = the working set 417792
@@ -132,7 +133,7 @@ def test_plan_memory_zero0_one_gpu_by_hand():
     p = scale.plan_memory(SMALL, num_gpus=1, zero_stage=0, **SMALL_RUN)
     expect = {
         ("policy", "weights"): 2 * N_POL, ("policy", "gradients"): 2 * N_POL, ("policy", "optimizer"): 12 * N_POL,
-        ("policy", "kv_cache"): KV, ("policy", "logprobs"): 2 * U, ("policy", "temporaries"): TEMP,
+        ("policy", "kv_cache"): KV, ("policy", "prefill"): PREFILL, ("policy", "logprobs"): 2 * U, ("policy", "temporaries"): TEMP,
         ("policy", "activations"): ACT, ("policy", "logits"): PG,
         ("critic", "weights"): 2 * N_SH, ("critic", "gradients"): 2 * N_SH, ("critic", "optimizer"): 12 * N_SH,
         ("critic", "hidden_states"): HID, ("critic", "activations"): ACT,
@@ -142,7 +143,7 @@ def test_plan_memory_zero0_one_gpu_by_hand():
     assert {(r.model, r.component): r.bytes for r in p.rows} == expect
     resident = 2 * N_POL * 3 + 12 * N_POL + 2 * N_SH * 3 + 12 * N_SH
     assert p.resident_bytes == resident == 3127698
-    assert p.phase_bytes == {"generate": KV, "reward score": HID, "log-probs": 2 * U + TEMP,
+    assert p.phase_bytes == {"generate": KV + PREFILL, "reward score": HID, "log-probs": 2 * U + TEMP,
                              "critic values": 2 * U + HID, "policy train": ACT + PG, "critic train": ACT}
     assert p.peak_phase == "critic values" and p.total_bytes == resident + 2 * U + HID == 3696018
     assert p.fits and p.suggestions == [] and p.cpu_bytes == 0
@@ -228,7 +229,7 @@ def test_plan_memory_zero3_two_gpus_by_hand():
         assert p.get(model, "gathered") == 2 * 2 * LAYER     # 2 blocks · β · max(layer 36992, V·h 6400)
     assert p.get("policy", "gradients") == N_POL and p.get("policy", "optimizer") == 6 * N_POL
     gathered = 4 * LAYER
-    assert p.phase_bytes["generate"] == KV + gathered
+    assert p.phase_bytes["generate"] == KV + PREFILL + gathered
     assert p.phase_bytes["policy train"] == ACT + PG + gathered
     assert p.phase_bytes["log-probs"] == 2 * U + TEMP + 2 * gathered      # the policy's and the reference's blocks
     assert p.phase_bytes["critic values"] == 2 * U + HID + gathered       # the critic's blocks
@@ -268,18 +269,22 @@ N7_SH = N7 + H7 + 1
 
 def test_plan_memory_llama7b_paper_preset_by_hand():
     """8 × 80 GiB, ZeRO-2, bf16, b = 4, B = 16 prompts per GPU generated and scored at once, L = 1024 + 1024: the
-    peak is make_experience's critic values (the ℓ + 1 hidden states of the critic's forward beside the policy's and
-    the reference's fp32 logits), and the run does not fit without optimizer offload."""
+    peak is the generation of all 16 (a 16 GiB KV cache and the prompts' first forward), closely followed by
+    make_experience's critic values (the ℓ + 1 hidden states of the critic's forward beside the policy's and the
+    reference's fp32 logits), and the run does not fit without optimizer offload."""
     p = scale.plan_memory("llama-7b", **scale.PAPER_PRESET)
     resident = (2 * N7 + 2 * N7 // 8 + 12 * N7 // 8) + (2 * N7_SH + 2 * N7_SH // 8 + 12 * N7_SH // 8) + 2 * N7 + 2 * N7_SH
+    generate = 2 * 32 * B7 * L7 * H7 * 2 + 34 * B7 * 1024 * H7
     critic_values = 33 * B7 * L7 * H7 * 2 + 34 * B7 * L7 * H7 + 2 * B7 * 1024 * V7 * 4
-    assert p.resident_bytes == resident and p.peak_phase == "critic values"
-    assert p.total_bytes == resident + critic_values + 2 * GiB
-    assert round(p.total_bytes / GiB, 2) == 90.58 and round(p.resident_bytes / GiB, 2) == 72.17  # scale.py's example
+    assert p.resident_bytes == resident and p.peak_phase == "generate" and generate > critic_values
+    assert p.phase_bytes["critic values"] == critic_values
+    assert p.total_bytes == resident + generate + 2 * GiB
+    assert round(p.total_bytes / GiB, 2) == 92.29 and round(p.resident_bytes / GiB, 2) == 72.17  # scale.py's example
     assert p.get("policy", "kv_cache") == 2 * 32 * B7 * L7 * H7 * 2 == 16 * GiB
     assert not p.fits
     offload = next(x for x in p.suggestions if x.overrides == {"offload_optimizer": True})
-    assert offload.fits and round(offload.total_bytes / GiB, 2) == 71.75
+    assert offload.total_bytes == resident - 12 * N7 // 8 - 12 * N7_SH // 8 + generate + 2 * GiB
+    assert offload.fits and round(offload.total_bytes / GiB, 2) == 73.47
     text = scale.format_plan(p)
     assert "DOES NOT FIT" in text and "kv_cache" in text and "critic values" in text
 
@@ -475,12 +480,13 @@ def test_lora_plan_llama7b_against_a_hand_sum():
     assert p.get("policy", "activations") == act
     assert p.get("policy", "kv_cache") == 2 * layers * B * L * h * 2
     critic_values = 33 * B * L * h * 2 + 34 * B * L * h + 2 * B * T * V * 4
-    assert p.peak_phase == "critic values" and p.phase_bytes["critic values"] == critic_values
+    generate = 2 * layers * B * L * h * 2 + 34 * B * (L - T) * h
+    assert p.phase_bytes["critic values"] == critic_values and p.peak_phase == "generate"
     # two backbones; 16 bytes per adapter parameter in each model; the head's weight, gradient, m, v (4 × head) and
     # the reward model's copy (1 × head); a 4-byte step per trained tensor
     resident = 4 * N + 2 * 16 * n_pol + 5 * head + 4 * (2 * t + 2)
     assert p.resident_bytes == resident
-    assert p.total_bytes == resident + critic_values + 2 * GiB
+    assert p.total_bytes == resident + generate + 2 * GiB
     assert round(2 * N / GiB, 2) == 12.55               # one bf16 backbone
     # 8 and 4 bits: only the decoder layers' Linear weights Q are quantized; embeddings, lm_head and norms stay
     # unquantized (fp32 after prepare_model_for_kbit_training: 4 bytes), and so does the value head
@@ -522,7 +528,7 @@ def test_lora_llama7b_one_gpu_table():
         assert x["stage_bytes"] == stages and x["total_bytes"] == max(stages.values())
         assert x["fits"] == (x["total_bytes"] <= x["gpu_mem_gb"] * GiB)
     assert cell[24, 16]["total_bytes"] > cell[24, 8]["total_bytes"] > cell[24, 4]["total_bytes"]
-    assert [round(cell[24, q]["total_bytes"] / GiB, 2) for q in (16, 4)] == [43.76, 26.83]  # scale.py's example
+    assert [round(cell[24, q]["total_bytes"] / GiB, 2) for q in (16, 4)] == [45.48, 28.55]  # scale.py's example
     text = scale.format_one_gpu_table(cells, ONE_GPU)
     assert f"no ({cell[24, 16]['total_bytes'] / GiB:.2f} GiB)" in text
     assert f"fits ({cell[48, 4]['total_bytes'] / GiB:.2f} GiB)" in text and "bitsandbytes" in text
@@ -599,3 +605,49 @@ def test_lora_bad_flags_are_one_line_and_exit_2(argv, flag, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], lines
     assert proc.stdout == ""
+
+
+# ----------------------------------------------------------------------------------------------- plan = a real run
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """A tiny model of every architecture tools/tiny_model.py builds, and a reward model (fresh head) beside it."""
+    import data
+    import memory_check
+    import tiny_model
+    texts = [p + r for p, r in data.load_texts(memory_check.HH, skip_bad=True)][:200]
+    root = tmp_path_factory.mktemp("archs")
+    out = {}
+    for arch in tiny_model.ARCHS:
+        sft = tiny_model.build_model(arch, texts, root / arch, hidden=32, layers=2, heads=4, vocab_size=300)
+        out[arch] = (sft, memory_check.reward_dir(sft, root / f"{arch}-rm"))
+    return out
+
+
+# every architecture with full fp32 weights and with bf16 LoRA; LLaMA and GPT-2 (tied, Conv1D) in every combination,
+# the critic from the SFT model too (then LoRA gives the reward model a backbone of its own). ~20 s on 2 cores.
+STATIC_CASES = ([(a, False, 0, "rm") for a in ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")]
+                + [(a, True, 4, "rm") for a in ("llama", "qwen2", "mistral", "gpt2", "gpt_neox")]
+                + [(a, *v) for a in ("llama", "gpt2") for v in ((True, 0, "rm"), (False, 4, "rm"), (True, 4, "sft"))])
+
+
+@pytest.mark.parametrize("arch, bf16, lora_r, critic_init", STATIC_CASES)
+def test_plan_static_bytes_equal_a_runs_tensors(tiny_dirs, arch, bf16, lora_r, critic_init):
+    """`train.py --model DIR --plan` for a run, against that run's own tensors: the models built by train.load_models
+    and make_judge from the same flags, one optimizer step of the policy and of the critic taken, then Σ numel ×
+    element_size of each model's parameters, gradients and AdamW states, to the byte. LoRA shares the policy's base
+    with the reference and, when the critic starts from the reward model, the critic's with the reward model."""
+    import memory_check
+    sft, rm = tiny_dirs[arch]
+    flags = memory_check.run_argv(sft, rm, bf16=bf16, lora_r=lora_r, critic_init=critic_init)
+    plan = memory_check.plan_of(flags)
+    m, judge, _, _ = memory_check.load_run(sft, rm, flags)
+    memory_check.one_step(m, memory_check.random_batch(m.policy.config.vocab_size, 2, 6, 5))
+    held = memory_check.held_bytes(memory_check.measured_models(m, judge), {"policy": m.policy_opt,
+                                                                              "critic": m.critic_opt})
+    assert set(held) == set(plan.n_params) == {"policy", "critic", "reference", "reward", "judge"}
+    for name, h in held.items():
+        assert plan.static(name) == {k: h[k] for k in ("weights", "gradients", "optimizer")}, name
+    assert held["policy"]["gradients"] > 0 and held["critic"]["optimizer"] > 0
+    shared = bool(lora_r)
+    assert (held["reference"]["weights"] == 0) == shared            # the policy with its adapters off
+    assert (held["reward"]["weights"] < 1000) == (shared and critic_init == "rm")  # only its own head
