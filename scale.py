@@ -4,12 +4,18 @@ Implements (no equation of Zheng et al. 2023 here: the paper reports only its se
 ZeRO-2 and gradient checkpointing", section 5; this file turns that set-up into numbers):
     resolve_model(name)              --model: alias | hub id (local HF cache only, never the network) | local dir
     llama_config_numbers(name)       the LlamaConfig numbers, from the alias table or a config.json (no weights)
-    llama_param_count(cfg)           N = V·h + ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i + 2·h) + h + V·h·[untied]
-    plan_memory(cfg, ...)            per-GPU bytes of the four PPO models (policy, critic, reference, reward)
-                                     under ZeRO-0/1/2/3, with suggestions, each recomputed, when it does not fit
+    llama_param_count(cfg)           N = V·h + ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i + 2·h) + h + V·h·[untied]: the
+                                     worked example of what arch_numbers counts (tested equal for the aliases)
+    arch_numbers(cfg)                N, t tensors, the output head, the quantizable weights and the widths of any
+                                     causal LM transformers builds, counted on a meta-device copy (no weights)
+    plan_memory(cfg, ...)            per-GPU bytes of PPO's models as train.py holds them (policy, critic,
+                                     reference, reward model, judge): one process with torch AdamW (exact), or
+                                     DeepSpeed under ZeRO-0/1/2/3 (the ZeRO formula); the phases of an iteration as
+                                     train.py runs them; suggestions, each recomputed, when it does not fit
     format_plan(plan)                the table `python train.py --model llama-7b --plan` prints
-    plan_memory(cfg, lora_r=R, ...)  with LoRA (lora.py): 2 frozen backbones (bf16, 8 or 4 bits) + adapters,
-                                     16 bytes per trainable parameter n = lora_trainable(cfg, R, targets)
+    plan_memory(cfg, lora_r=R, ...)  with LoRA (lora.py): the frozen backbones train.load_models shares (bf16, 8 or 4
+                                     bits) + fp32 adapters, n = lora_trainable(cfg, R, targets)
+    plan_memory(cfg, critic=False)   without a critic: the critic-free estimators (GRPO, RLOO, ...)
     one_gpu_table(cfg, ...)          LoRA on one GPU: 24 / 48 / 80 GiB × frozen 16 / 8 / 4 bits, the peak stage's bytes
     deepspeed_config(...)            DeepSpeed JSON of a trained engine (paper preset = ds_config_zero2.json)
     inference_deepspeed_config(...)  DeepSpeed JSON of a frozen engine (reference, reward model)
@@ -18,9 +24,13 @@ Run: python scale.py --model llama-7b [--num-gpus 8 --gpu-mem 80 --zero-stage 2 
      (defaults = the paper preset; prints the plan; `--ds-config` also prints the DeepSpeed JSON)
      python scale.py --model llama-7b --num-gpus 1 --gpu-mem 24 --lora-r 16 [--lora-bits 4]   (one GPU, LoRA)
 
-Symbols: N parameters, ℓ layers, h hidden size, i MLP size, a attention heads, k key/value heads (GQA),
-d = h/a head size, V vocabulary, G GPUs, β bytes per bf16 number (2), b micro batch,
-L = P + T tokens of a sequence (prompt + response), g sequences generated at once per GPU.
+Symbols: N parameters, t parameter tensors, ℓ layers, h hidden size, i MLP size, a attention heads, k key/value heads
+(GQA), d = h/a head size, V vocabulary, G GPUs, β bytes per number of the weights' dtype (2 for bf16), b micro batch,
+B prompts per GPU per iteration (generated and scored at once), x ptx rows per GPU per step, L = P + T tokens of a
+sequence (prompt + response).
+
+The plan's static part is checked to the byte against a real run's tensors, its phases against the torch profiler,
+on the CPU (tools/memory_check.py, docs/real-scale.md); no GPU has measured them yet.
 
 References:
     Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
@@ -340,6 +350,7 @@ class MemoryPlan:
     lora: dict | None = None  # with --lora-r R > 0: r, targets, modules, bits, trainable {"policy", "critic"}
     one_gpu: list[dict] = field(default_factory=list)  # one_gpu_table's cells (LoRA on one GPU)
     held_by: dict[str, str] = field(default_factory=dict)  # each model: its own weights, or whose it reads
+    stages: list[dict] = field(default_factory=list)  # train.py --plan: stages 1-2 (plan_stage_memory) of the run
 
     def get(self, model: str, component: str, device: str = "gpu") -> int:
         """Bytes of one row (0 when the plan has no such row)."""
@@ -361,7 +372,8 @@ def _working_set(a: Mapping[str, Any], n: int, s: int, beta: int, flash: bool, n
     attention (SDPA / FlashAttention) the a·s² scores are never stored: the 5·a·s²·n term is dropped."""
     h, heads = a["hidden_size"], a["num_attention_heads"]
     x = 34 * s * n * h + (0 if flash else 5 * heads * s * s * n)
-    return x * beta // 2, f"34·{name}·L·h" + ("" if flash else f" + 5·a·L²·{name}") + ("" if beta == 2 else f" ×{beta}/2")
+    formula = f"34·{name}·L·h" + ("" if flash else f" + 5·a·L²·{name}")
+    return x * beta // 2, formula + ("" if beta == 2 else f" ×{beta}/2")
 
 
 def _hidden_states(a: Mapping[str, Any], n: int, s: int, beta: int) -> int:
@@ -560,7 +572,8 @@ def _check_settings(s: dict, critic_cfg=None) -> None:
         if s[k] < 1:
             raise ValueError(f"plan_memory: {k} must be ≥ 1, got {s[k]}")
     if s["ptx_batch_per_gpu"] < 0:
-        raise ValueError(f"plan_memory: ptx_batch_per_gpu must be ≥ 0 (0 = no ptx term), got {s['ptx_batch_per_gpu']}")
+        raise ValueError(f"plan_memory: ptx_batch_per_gpu must be ≥ 0 (0 = no ptx term), got "
+                         f"{s['ptx_batch_per_gpu']}")
     if s["engine"] not in ENGINES:
         raise ValueError(f"plan_memory: engine must be one of {ENGINES}, got {s['engine']!r}")
     if s["engine"] == "torch" and s["num_gpus"] > 1:
@@ -604,7 +617,8 @@ def _static_rows(src: dict, arch: dict, s: dict) -> tuple[list[Row], dict[str, s
             t = a["n_tensors"] + (2 if head else 0) - (a["output_tensors"] if role == "critic" else 0)
             why = " (no gradient for the untied output head)" if unused else ""
             add("gradients", beta * n, f"{beta}·n   (n = {n:,}{why})")
-            add("optimizer", 2 * beta * n + 4 * t, f"2·{beta}·n + 4·t   (Adam m, v; a 4-byte step for each of t = {t})")
+            add("optimizer", 2 * beta * n + 4 * t, f"2·{beta}·n + 4·t   (Adam m, v; a 4-byte step for each of "
+                                                   f"t = {t})")
         else:
             gd = G if z >= 2 else 1
             add("gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
@@ -740,7 +754,8 @@ def _phase_rows(arch: dict, s: dict) -> list[Row]:
             f"max(4·b·T·V·4 + 2·x·L·V·{beta}, 2·b·T·V·4 + x·L·V·{3 * beta + 4})   (PPO and ptx losses)",
             ("policy train",))
     else:
-        add("policy", "logits", pg, f"max(4·b·T·V·4, b·L·V·{beta} + 2·b·T·V·4)   (the PPO loss)", ("policy train",))
+        add("policy", "logits", pg, f"max(4·b·T·V·4, b·L·V·{beta} + 2·b·T·V·4)   (the PPO loss)",
+            ("policy train",))
     if s["zero_stage"] == 3 and s["engine"] == "deepspeed" or s["ref_reward_offload"]:
         phases_of = {"policy": ("generate", "log-probs", "policy train"), "critic": ("critic values", "critic train"),
                      "reference": ("log-probs",), "reward": ("reward score",), "judge": ("judge score",)}
@@ -769,10 +784,11 @@ def plan_stage_memory(cfg, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float =
     Same terms as plan_memory's policy: weights β·N, gradients β·N (÷G with ZeRO ≥ 2), AdamW 12·N (÷G with ZeRO ≥ 1;
     on the CPU with offload; engine "torch": 2·β·N + 4·t), activations with checkpointing ℓ·s·L·h·β + one layer's
     working set, where s sequences of L = P + T tokens go through per step: s = b for SFT, s = 2b for the reward
-    model (chosen and rejected of b pairs in one batch). Logits: SFT b·L·V·β plus the fp32 log-softmax b·L·V·4; the
-    reward model computes them for all 2b sequences (2b·L·V·β) and upcasts the chosen half for Eq. 2's LM term
-    (b·L·V·4). The reward model keeps its LM head (Eq. 2 needs it): N = the causal LM's parameters + the h + 1 of the
-    scalar head. (These logits terms are the plan's reading of sft.py and reward_model.py, not measured.)
+    model (chosen and rejected of b pairs in one batch). Logits: SFT's loss is ppo_loss.ptx_loss on the model's
+    logits, b·L·V·(3β + 4) at its backward's peak (measured for the ptx term, plan_memory); the reward model computes
+    them for all 2b sequences (2b·L·V·β) and upcasts the chosen half for Eq. 2's LM term (b·L·V·4, the plan's reading
+    of reward_model.py, not measured). The reward model keeps its LM head (Eq. 2 needs it): N = the causal LM's
+    parameters + the h + 1 of the scalar head.
 
     lora_r = R > 0: the weights are frozen, frozen_bytes(N, bits) (bf16, or 8 / 4 bits), held once per GPU with no
     gradient and no optimizer state; the n = lora_trainable(cfg, R, targets) adapters (+ the reward model's h + 1
@@ -790,7 +806,7 @@ def plan_stage_memory(cfg, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float =
     s = b if stage == "sft" else 2 * b
     ws, _ = _working_set(a, s, L, beta, flash_attention)
     activations = (n_layers * s * L * h * beta + ws) if grad_ckpt else n_layers * ws
-    logits = s * L * V * beta + b * L * V * 4
+    logits = b * L * V * (3 * beta + 4) if stage == "sft" else s * L * V * beta + b * L * V * 4
     torch_engine = engine == "torch"
     settings = dict(num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, zero_stage=zero_stage, dtype_bytes=dtype_bytes,
                     micro_batch=micro_batch, prompt_len=prompt_len, response_len=response_len, grad_ckpt=grad_ckpt,
@@ -802,7 +818,8 @@ def plan_stage_memory(cfg, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float =
         else:
             rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
                     "gradients": beta * N // (G if zero_stage >= 2 else 1),
-                    "optimizer": 0 if offload_optimizer else (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1)}
+                    "optimizer": 0 if offload_optimizer else
+                    (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1)}
         rows.update(activations=activations, logits=logits, overhead=int(overhead_gb * GiB))
         total = sum(rows.values())
         plan = {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
@@ -953,7 +970,8 @@ def _engine_words(s: dict) -> str:
 
 def _shape_words(s: dict) -> str:
     x = s["ptx_batch_per_gpu"]
-    return (f"grad ckpt {'on' if s['grad_ckpt'] else 'off'}, flash attention {'on' if s['flash_attention'] else 'off'}, "
+    on = lambda flag: "on" if s[flag] else "off"  # noqa: E731
+    return (f"grad ckpt {on('grad_ckpt')}, flash attention {on('flash_attention')}, "
             f"micro batch b={s['micro_batch']}, B={s['rollout_batch_per_gpu']} prompts/GPU generated and scored at "
             f"once, {f'ptx x={x}' if x else 'no ptx'}, L = {s['prompt_len']} + {s['response_len']}")
 
@@ -983,14 +1001,16 @@ def format_plan(plan: MemoryPlan) -> str:
     arch = (f"h={c['hidden_size']}, ℓ={c['num_hidden_layers']}, a={c['num_attention_heads']}, "
             f"k={c['num_key_value_heads']}, V={c['vocab_size']}")
     if plan.lora:
-        lo = plan.lora
+        lo, n = plan.lora, plan.lora["trainable"]
+        engine = "one process, torch AdamW" if s["engine"] == "torch" else "DeepSpeed engines"
+        gpus = f"{s['num_gpus']} GPU{'s' if s['num_gpus'] > 1 else ''}"
         lines = [f"Memory plan per GPU: {plan.name} ({c['model_type']}: {arch}) with LoRA r={lo['r']} on "
-                 f"{lo['modules']} ({lo['layers']} adapted layers), frozen weights {_frozen_words(lo['bits'], s['dtype_bytes'])}",
-                 f"  {s['num_gpus']} GPU{'s' if s['num_gpus'] > 1 else ''} × {s['gpu_mem_gb']} GiB, each holding every "
-                 f"model (LoRA: ZeRO and offload flags do not apply), "
-                 + ("one process, torch AdamW" if s["engine"] == "torch" else "DeepSpeed engines") + f", {_shape_words(s)}",
-                 f"  trainable: policy {lo['trainable']['policy']:,}"
-                 + (f"; critic {lo['trainable']['critic']:,} (adapters + the h+1 value head)" if "critic" in lo["trainable"] else "")]
+                 f"{lo['modules']} ({lo['layers']} adapted layers), frozen weights "
+                 f"{_frozen_words(lo['bits'], s['dtype_bytes'])}",
+                 f"  {gpus} × {s['gpu_mem_gb']} GiB, each holding every model (LoRA: ZeRO and offload flags do not "
+                 f"apply), {engine}, {_shape_words(s)}",
+                 f"  trainable: policy {n['policy']:,}"
+                 + (f"; critic {n['critic']:,} (adapters + the h+1 value head)" if "critic" in n else "")]
     else:
         lines = [f"Memory plan per GPU: {plan.name} ({c['model_type']}: {arch})",
                  f"  {s['gpu_mem_gb']} GiB per GPU, {_engine_words(s)}, {dtype}, {_shape_words(s)}, optimizer offload "
@@ -1183,9 +1203,12 @@ _STAGE_KEYS = ("num_gpus", "gpu_mem_gb", "zero_stage", "dtype_bytes", "micro_bat
                "lora_bits")
 
 
-def stage_plans(model, settings: dict) -> list[dict]:
-    """Stages 1 and 2 (plan_stage_memory) at the same settings as the PPO plan."""
-    return [plan_stage_memory(model, stage, **{k: settings[k] for k in _STAGE_KEYS}) for stage in ("sft", "rm")]
+def stage_plans(model, settings: dict, sft_batch: int | None = None, rm_batch: int | None = None) -> list[dict]:
+    """Stages 1 and 2 (plan_stage_memory) at the PPO plan's settings; sft_batch (sequences) and rm_batch (pairs)
+    per GPU per step, when given, instead of its micro batch."""
+    keep = {k: settings[k] for k in _STAGE_KEYS}
+    return [plan_stage_memory(model, stage, **{**keep, "micro_batch": n or keep["micro_batch"]})
+            for stage, n in (("sft", sft_batch), ("rm", rm_batch))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1214,24 +1237,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Worked example: `python scale.py` = the paper preset for llama-7b (8 × A100-80GB, ZeRO-2, bf16, gradient
-    # checkpointing, micro batch 4, 16 prompts per GPU generated 4 at a time, L = 1024 + 1024). Printed
-    # (tests/test_scale.py checks 71.47 and 77.51):
-    #   policy     weights         12.55  always                 2·N          (N = 6,738,415,616)
-    #   policy     gradients        1.57  always                 2·N/8
-    #   policy     optimizer        9.41  always                 12·N/8
-    #   policy     activations      3.06  policy train           ℓ·b·L·h·2 + 34·b·L·h
-    #   policy     logits           0.98  policy train           b·L·V·4
-    #   policy     kv_cache         4.00  generate               2·ℓ·g·L·k·d·2
-    #   critic     weights         12.31  always                 2·N          (N = 6,607,347,712: no lm_head)
-    #   ... (critic gradients 1.54, optimizer 9.23, activations 3.06; reference weights 12.55, reward 12.31)
-    #   held always                71.47
-    #   + while policy train        4.04  ← peak      (generate 4.00, critic train 3.06, reference fwd 2.04)
-    #   + overhead                  2.00
-    #   peak per GPU               77.51  of 80.00 GiB → fits
-    # With `--generate-batch-per-gpu 16` (all 16 prompts at once) the KV cache is 16 GiB and the peak 89.47 GiB:
-    # does not fit. With `--gpu-mem 24`, ZeRO-3 + optimizer offload together bring it to 16.11 GiB.
-    # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, and
-    # 8,388,608 + 8,392,705 trainable adapter and head parameters at 16 bytes each (0.25 GiB), peak 31.39 GiB, so it
-    # does not fit; `--lora-bits 4` brings it to 14.47 GiB (tests/test_scale.py checks both; docs/one-gpu.md).
+    # Worked example: `python scale.py` = the paper preset for llama-7b as train.py runs it (8 × A100-80GB, ZeRO-2,
+    # bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows per GPU,
+    # L = 1024 + 1024). Printed (tests/test_scale.py checks 72.17, 92.29 and 73.47):
+    #   policy     weights          12.55  always                     2·N   (N = 6,738,415,616)
+    #   policy     gradients         1.57  always                     2·N/8
+    #   policy     optimizer         9.41  always                     12·N/8
+    #   policy     kv_cache         16.00  generate                   2·ℓ·B·L·k·d·2   (B = 16 at once)
+    #   policy     prefill           2.12  generate                   34·B·P·h   (the first forward, over the B prompts)
+    #   policy     logprobs          3.91  log-probs, critic values   2·B·T·V·4   (π's and π_ref's fp32 logits)
+    #   policy     temporaries       9.77  log-probs                  max(5·B·T·V·4, ...)   (kl_full; ...)
+    #   ... (critic 12.55 + 1.57 + 9.41 with N + h + 1, its hidden states 12.50 while it scores; reference 12.55,
+    #   reward model 12.55)
+    #   held always                 72.17
+    #   + while generate            18.12  ← peak   (critic values 16.41, log-probs 13.67, reward score 12.50)
+    #   + overhead                   2.00
+    #   peak per GPU                92.29  of 80.00 GiB → DOES NOT FIT
+    # Optimizer offload (zero_optimization.offload_optimizer in --deepspeed_config) brings it to 73.47 GiB: fits.
+    # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, the same
+    # phases, peak 45.48 GiB; `--lora-bits 4` 28.55 GiB; with 8 prompts per GPU as well 19.49 GiB, which fits
+    # (tests/test_scale.py; docs/one-gpu.md).
     main(sys.argv[1:])

@@ -467,10 +467,11 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     real data with --judge-frac > 0), LoRA and the sharing load_models does, DeepSpeed engines (more than one GPU, or
     --deepspeed) or one process with torch AdamW, and the weights' dtype as the run loads them (--bf16 or DeepSpeed's
     bf16; else as saved). The shapes are the plan's flags (--micro-batch, --rollout-batch-per-gpu, --prompt-len, ...,
-    the paper's set-up by default), or this run's own --minibatch, --rollout-batch, --ptx-batch, --max-prompt-tokens
-    and --max-new-tokens divided over the GPUs when those are on the command line."""
+    the paper's set-up by default), or this run's own --minibatch, --rollout-batch, --ptx-batch, --max-prompt-tokens,
+    --max-new-tokens, --sft-batch and --rm-batch (over the GPUs) when those are on the command line. The plan comes
+    back with its stages 1-2 in plan.stages."""
     plan_args, rest = scale.add_plan_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    run, sft_cfg, _, cfg, _ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
+    run, sft_cfg, rm_cfg, cfg, _ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
     real = run.model != "tiny"
     if real:
         model, reward, critic_model = run.sft_model or run.model, run.reward_model or None, run.critic_model or None
@@ -489,9 +490,11 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     for flag, key, per_gpu in (("minibatch", "micro_batch", True), ("rollout_batch", "rollout_batch_per_gpu", True),
                                ("ptx_batch", "ptx_batch_per_gpu", True), ("max_prompt_tokens", "prompt_len", False),
                                ("max_new_tokens", "response_len", False)):
-        if flag in given and key.replace("_", "-") not in " ".join(argv):
+        if flag in given and f"--{key.replace('_', '-')}" not in argv:  # the plan's own flag wins
             value = getattr(cfg if hasattr(cfg, flag) else run, flag)
             shapes[key] = max(1, value // G) if per_gpu else value
+    stage_batch = {f"{k}_batch": max(1, getattr(c, f"{k}_batch") // G) if f"{k}_batch" in given else None
+                   for k, c in (("sft", sft_cfg), ("rm", rm_cfg))}  # stages 1-2: sequences / pairs per GPU per step
     judge = bool(run.data and run.judge_frac) and (not real or "rm" in run.stages.split(","))
     settings = scale.plan_settings(plan_args, engine="deepspeed" if engines else "torch", dtype_bytes=beta,
                                    critic_init="model" if critic_model else cfg.critic_init,
@@ -501,12 +504,13 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
     try:
         plan = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, **settings)
         # the tiny world and --data alone train stages 1-2 from scratch, in full (lora.py)
-        stage_plans = scale.stage_plans(model, settings if real else {**settings, "lora_r": 0, "lora_bits": 16})
+        plan.stages = scale.stage_plans(model, settings if real else {**settings, "lora_r": 0, "lora_bits": 16},
+                                        **stage_batch)
     except (scale.ModelNotFound, ValueError) as e:
         fail(str(e))
     if run.model == "tiny":
         plan.name = "tiny (the synthetic world's LLaMA)"
-    print(scale.format_stage_plans(stage_plans))
+    print(scale.format_stage_plans(plan.stages))
     print(scale.format_plan(plan))
     return plan
 

@@ -12,7 +12,8 @@ Implements (no equation: the check of scale.plan_memory, whose formulas are in i
     peak_allocated(fn)              the peak of the bytes allocated and not yet freed while fn runs, from the
                                     profiler's allocation events (torch.profiler, profile_memory=True)
     phase_peaks(m, judge, ...)      generate, make_experience, policy train + step, critic train + step, judge score,
-                                    each measured, beside the plan's bytes for the same phase
+                                    each measured, beside the plan's bytes for the same phase (planned_phases) and
+                                    what the CPU adds in bf16 (cpu_head_copies)
     wide_config / build_wide        LLaMA-7B's exact widths (hidden 4096, 32 heads, MLP 11008, vocabulary 32,000,
                                     2,048 positions) with 2 layers instead of 32: 0.67 B parameters
     wide_run(out, lora)             every stage of train.py on it, in bf16, in one process: peak RSS, stage times
@@ -253,17 +254,41 @@ def phase_peaks(m, judge, cfg, batch_size: int, prompt_len: int, response_len: i
     return out
 
 
-def planned_phases(plan) -> dict[str, int]:
-    """The plan's bytes for each measured phase: make_experience = the largest of its three phases; a training phase
-    = its gradients (allocated inside the measured window) + its train phase. The plan's step phase (foreach AdamW's
-    √v of every tensor at once, a GPU's default) is left out: on the CPU torch steps one tensor at a time."""
-    p = plan.phase_bytes
-    out = {"generate": p["generate"],
-           "experience": max(p[k] for k in ("reward score", "log-probs", "critic values") if k in p)}
+def cpu_head_copies(plan) -> dict[str, int]:
+    """What the CPU adds to the plan in bf16, by phase: reward_model.ScalarHeadModel asks its LM for the last
+    position's logits only (logits_to_keep=1), so the lm_head reads a strided (n, 1, h) view; for a bf16 weight that
+    needs no gradient, the CPU's oneDNN matmul then copies the whole V·h weight once per sequence (measured: fp32 and
+    fp16 do not, nor a weight that requires grad; CUDA takes no oneDNN path). The frozen heads: the reward model's
+    and the judge's, and under LoRA the critic's and the policy's (its prefill in generate)."""
+    s = plan.settings
+    if s["dtype_bytes"] != 2:
+        return {}
+    B, b, lora = s["rollout_batch_per_gpu"], s["micro_batch"], s["lora_r"] > 0
+    heads = [("reward", "reward score", B), ("judge", "judge score", B)]
+    if lora:
+        heads += [("critic", "critic values", B), ("critic", "critic train", b), ("policy", "generate", B)]
+    copies = {}
+    for role, phase, n in heads:
+        if role in plan.n_params:
+            a = plan.cfg if role == "policy" else plan.reward_cfg  # one architecture throughout in these runs
+            copies[phase] = copies.get(phase, 0) + n * a["vocab_size"] * a["hidden_size"] * 2
+    return copies
+
+
+def planned_phases(plan, cpu: bool = True) -> dict[str, tuple[int, int]]:
+    """{phase: (the plan's bytes, what the CPU adds: cpu_head_copies)} for each measured phase: make_experience = the
+    largest of its three phases; a training phase = its gradients (allocated inside the measured window) + its train
+    phase. The plan's step phase (foreach AdamW's √v of every tensor at once, a GPU's default) is left out: on the CPU
+    torch steps one tensor at a time."""
+    p, extra = plan.phase_bytes, cpu_head_copies(plan) if cpu else {}
+    sub = ("reward score", "log-probs", "critic values")
+    gpu = max(p[k] for k in sub if k in p)
+    out = {"generate": (p["generate"], extra.get("generate", 0)),
+           "experience": (gpu, max(p[k] + extra.get(k, 0) for k in sub if k in p) - gpu)}
     for role in ("policy", "critic"):
-        out[f"{role} train"] = plan.static(role)["gradients"] + p[f"{role} train"]
+        out[f"{role} train"] = (plan.static(role)["gradients"] + p[f"{role} train"], extra.get(f"{role} train", 0))
     if "judge score" in p:
-        out["judge score"] = p["judge score"]
+        out["judge score"] = (p["judge score"], extra.get("judge score", 0))
     return out
 
 
@@ -305,9 +330,9 @@ def build_wide(out: str | Path, layers: int = 2, seed: int = 0) -> Path:
 # The wide run's flags: every stage twice (2 SFT steps, 2 reward-model and 2 judge steps, 2 critic pre-training
 # rounds, 2 PPO iterations), batches of 2-4 and short sequences, held-out sets of ~9 pairs, so that one CPU thread
 # finishes in minutes. bf16, gradient checkpointing, the ptx term and the judge as a real run has them.
-WIDE_FLAGS = ["--data", str(HH), "--skip-bad", "--bf16", "--grad-ckpt", "--heldout-frac", "0.005",
+WIDE_FLAGS = ["--data", str(HH), "--skip-bad", "--bf16", "--grad-ckpt", "--heldout-frac", "0.01",
               "--max-prompt-tokens", "48", "--max-response-tokens", "24", "--max-new-tokens", "16",
-              "--sft-epochs", "0.0048", "--sft-batch", "2", "--rm-epochs", "0.0046", "--rm-batch", "2",
+              "--sft-epochs", "0.025", "--sft-batch", "2", "--rm-epochs", "0.025", "--rm-batch", "2",
               "--rm-eval-every", "1000", "--steps", "2", "--rollout-batch", "4", "--minibatch", "2", "--ptx-batch",
               "2", "--critic-pretrain-steps", "2", "--eval-samples", "1", "--save-every", "0"]
 
@@ -362,6 +387,7 @@ def main(argv=None) -> None:
         s.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0 = full weights)")
         s.add_argument("--critic-init", default="rm", choices=("rm", "sft"))
         s.add_argument("--threads", type=int, default=1)
+        s.add_argument("--json", default="", help="also write the numbers to this JSON file")
         if name == "phases":
             s.add_argument("--batch", type=int, default=8, help="prompts per rollout (B)")
             s.add_argument("--micro-batch", type=int, default=2, help="sequences per training step (b)")
@@ -398,6 +424,8 @@ def main(argv=None) -> None:
             rows.append((name, *(f"{h[k]:,}" for k in ("weights", "gradients", "optimizer")),
                          "yes" if all(want[k] == h[k] for k in want) else f"no: plan {want}"))
         print(_table(rows))
+        if a.json:
+            Path(a.json).write_text(json.dumps({"measured": got, "plan": {n: plan.static(n) for n in got}}, indent=2))
         return
     if cfg.ptx_coef == 0:
         a.ptx_batch = 0
@@ -407,12 +435,17 @@ def main(argv=None) -> None:
     plan = plan_of(flags, micro_batch=a.micro_batch, rollout_batch_per_gpu=a.batch, ptx_batch_per_gpu=a.ptx_batch,
                    prompt_len=a.prompt_len, response_len=T)
     want = planned_phases(plan)
-    rows = [("phase", "plan MiB", "measured MiB", "measured/plan")]
+    rows = [("phase", "plan MiB", "+ CPU bf16 MiB", "measured MiB", "measured/both")]
     for name, x in got.items():
-        rows.append((name, f"{want[name] / 2**20:.2f}", f"{x['peak'] / 2**20:.2f}", f"{x['peak'] / want[name]:.2f}"))
+        gpu, cpu = want[name]
+        rows.append((name, f"{gpu / 2**20:.2f}", f"{cpu / 2**20:.2f}", f"{x['peak'] / 2**20:.2f}",
+                     f"{x['peak'] / (gpu + cpu):.2f}"))
     print(f"B={a.batch} b={a.micro_batch} x={a.ptx_batch} P={a.prompt_len} T={T} {'bf16' if a.bf16 else 'fp32'}"
           f"{f' LoRA r={a.lora_r}' if a.lora_r else ''}, {model}")
     print(_table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"measured": got, "plan": {k: {"gpu": g, "cpu_bf16": c}
+                                                                        for k, (g, c) in want.items()}}, indent=2))
 
 
 if __name__ == "__main__":
