@@ -665,7 +665,8 @@ def test_plan_static_bytes_equal_a_runs_tensors(tiny_dirs, arch, bf16, lora_r, c
 
 # ----------------------------------------------------------------------------------------------- LLaMA-7B's widths
 # Slow, never in CI (pytest.ini deselects `heavy`): `pytest -m heavy tests/test_scale.py -s`, one at a time, with
-# PPO_MAX_WIDE_OUT=DIR to keep the model, the runs and their JSON (default: a temporary directory).
+# PPO_MAX_WIDE_OUT=DIR to keep the model, the runs and their JSON (default: a temporary directory). About 50 minutes
+# on 2 cores, up to ~18 GiB of RAM (full weights; skipped when the machine has too little) and ~25 GB of disk.
 def _available_gib() -> float:
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     return int(meminfo["MemAvailable"].split()[0]) / 2 ** 20
