@@ -205,16 +205,18 @@ def reward_beside_critic(critic, reward_head: torch.nn.Linear):
 # Counting, without weights (what --plan reports)
 # ---------------------------------------------------------------------------------------------------------
 def count_trainable(config, r: int, spec: str = "auto", heads: int = 0) -> dict:
-    """{"adapters", "heads", "base", "layers"}: parameters of the adapters, Σ over adapted layers r·(d_in + d_out),
-    counted on a meta-device copy of the architecture (shapes only: a 7B model costs no memory), matching names as
-    peft does (suffixes; 'all-linear' = every Linear / Conv1D but the output head); plus `heads` scalar heads of
-    hidden_size + 1 (the reward model's, the critic's); `base` = the architecture's own parameters."""
+    """{"adapters", "heads", "base", "layers", "output_adapters", "output_layers"}: parameters of the adapters,
+    Σ over adapted layers r·(d_in + d_out), counted on a meta-device copy of the architecture (shapes only: a 7B model
+    costs no memory), matching names as peft does (suffixes; 'all-linear' = every Linear / Conv1D but the output
+    head); plus `heads` scalar heads of hidden_size + 1 (the reward model's, the critic's); `base` = the
+    architecture's own parameters. Each adapted layer holds two tensors, A and B. output_* are the adapters on the
+    output head itself (only when named explicitly): the critic reads hidden states, so those never get a gradient."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     targets = target_modules(config.model_type, spec)
     out_emb = model.get_output_embeddings()
-    adapters, layers = 0, 0
+    adapters, layers, out_adapters, out_layers = 0, 0, 0, 0
     for name, module in model.named_modules():
         conv1d = type(module).__name__ == "Conv1D"
         if not (isinstance(module, torch.nn.Linear) or conv1d) or (targets == "all-linear" and module is out_emb):
@@ -224,10 +226,13 @@ def count_trainable(config, r: int, spec: str = "auto", heads: int = 0) -> dict:
         d_in, d_out = (module.weight.shape if conv1d else module.weight.shape[::-1])  # Conv1D stores (in, out)
         adapters += r * (d_in + d_out)                        # A (r, d_in) + B (d_out, r)
         layers += 1
+        if module is out_emb:
+            out_adapters, out_layers = out_adapters + r * (d_in + d_out), out_layers + 1
     if not layers:
         raise ValueError(f"--lora-targets {spec}: matches no linear layer of this {config.model_type} model")
     base = sum(p.numel() for p in model.parameters())
-    return {"adapters": adapters, "heads": heads * (config.hidden_size + 1), "base": base, "layers": layers}
+    return {"adapters": adapters, "heads": heads * (config.hidden_size + 1), "base": base, "layers": layers,
+            "output_adapters": out_adapters, "output_layers": out_layers}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,12 +4,18 @@ Implements (no equation of Zheng et al. 2023 here: the paper reports only its se
 ZeRO-2 and gradient checkpointing", section 5; this file turns that set-up into numbers):
     resolve_model(name)              --model: alias | hub id (local HF cache only, never the network) | local dir
     llama_config_numbers(name)       the LlamaConfig numbers, from the alias table or a config.json (no weights)
-    llama_param_count(cfg)           N = V·h + ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i + 2·h) + h + V·h·[untied]
-    plan_memory(cfg, ...)            per-GPU bytes of the four PPO models (policy, critic, reference, reward)
-                                     under ZeRO-0/1/2/3, with suggestions, each recomputed, when it does not fit
+    llama_param_count(cfg)           N = V·h + ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i + 2·h) + h + V·h·[untied]: the
+                                     worked example of what arch_numbers counts (tested equal for the aliases)
+    arch_numbers(cfg)                N, t tensors, the output head, the quantizable weights and the widths of any
+                                     causal LM transformers builds, counted on a meta-device copy (no weights)
+    plan_memory(cfg, ...)            per-GPU bytes of PPO's models as train.py holds them (policy, critic,
+                                     reference, reward model, judge): one process with torch AdamW (exact), or
+                                     DeepSpeed under ZeRO-0/1/2/3 (the ZeRO formula); the phases of an iteration as
+                                     train.py runs them; suggestions, each recomputed, when it does not fit
     format_plan(plan)                the table `python train.py --model llama-7b --plan` prints
-    plan_memory(cfg, lora_r=R, ...)  with LoRA (lora.py): 2 frozen backbones (bf16, 8 or 4 bits) + adapters,
-                                     16 bytes per trainable parameter n = lora_trainable(cfg, R, targets)
+    plan_memory(cfg, lora_r=R, ...)  with LoRA (lora.py): the frozen backbones train.load_models shares (bf16, 8 or 4
+                                     bits) + fp32 adapters, n = lora_trainable(cfg, R, targets)
+    plan_memory(cfg, critic=False)   without a critic: the critic-free estimators (GRPO, RLOO, ...)
     one_gpu_table(cfg, ...)          LoRA on one GPU: 24 / 48 / 80 GiB × frozen 16 / 8 / 4 bits, the peak stage's bytes
     deepspeed_config(...)            DeepSpeed JSON of a trained engine (paper preset = ds_config_zero2.json)
     inference_deepspeed_config(...)  DeepSpeed JSON of a frozen engine (reference, reward model)
@@ -18,9 +24,13 @@ Run: python scale.py --model llama-7b [--num-gpus 8 --gpu-mem 80 --zero-stage 2 
      (defaults = the paper preset; prints the plan; `--ds-config` also prints the DeepSpeed JSON)
      python scale.py --model llama-7b --num-gpus 1 --gpu-mem 24 --lora-r 16 [--lora-bits 4]   (one GPU, LoRA)
 
-Symbols: N parameters, ℓ layers, h hidden size, i MLP size, a attention heads, k key/value heads (GQA),
-d = h/a head size, V vocabulary, G GPUs, β bytes per bf16 number (2), b micro batch,
-L = P + T tokens of a sequence (prompt + response), g sequences generated at once per GPU.
+Symbols: N parameters, t parameter tensors, ℓ layers, h hidden size, i MLP size, a attention heads, k key/value heads
+(GQA), d = h/a head size, V vocabulary, G GPUs, β bytes per number of the weights' dtype (2 for bf16), b micro batch,
+B prompts per GPU per iteration (generated and scored at once), x ptx rows per GPU per step, L = P + T tokens of a
+sequence (prompt + response).
+
+The plan's static part is checked to the byte against a real run's tensors, its phases against the torch profiler,
+on the CPU (tools/memory_check.py, docs/real-scale.md); no GPU has measured them yet.
 
 References:
     Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
@@ -178,6 +188,17 @@ def hf_config(name_or_path: str | Path):
     return AutoConfig.from_pretrained(resolve_model(str(name_or_path)), trust_remote_code=False)
 
 
+def saved_dtype_bytes(name_or_path) -> int:
+    """Bytes per weight as a model directory saved them (config.json's dtype / torch_dtype: what from_pretrained
+    loads without a dtype): 4 for float32 or none stated, 2 for bfloat16 / float16. An alias: its hub config's
+    float16, 2."""
+    if str(name_or_path) in LLAMA_CONFIGS:
+        return 2
+    raw = json.loads((Path(resolve_model(str(name_or_path))) / "config.json").read_text())
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    return 4 if dtype.endswith("float32") else 2
+
+
 def _layer_params(c: Mapping[str, Any]) -> int:
     """Parameters of one decoder layer (no biases, as in LLaMA: attention_bias = mlp_bias = False)."""
     h, i, a, k, d = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
@@ -188,8 +209,9 @@ def _layer_params(c: Mapping[str, Any]) -> int:
 
 
 def llama_param_count(cfg: Mapping[str, Any] | str | Any, *, value_head: bool = False) -> int:
-    """N, the parameter count of LlamaForCausalLM (value_head=True: of LlamaForSequenceClassification with one
-    label, i.e. the backbone plus a bias-free h → 1 `score` head, the shape of our critic and reward model)."""
+    """N of LlamaForCausalLM by the formula at the top of this file, the worked example of what arch_numbers counts
+    on the model itself (tests/test_scale.py checks both agree for the aliases). value_head=True: of
+    LlamaForSequenceClassification with one label (the backbone plus a bias-free h → 1 `score` head, no lm_head)."""
     c = llama_config_numbers(cfg)
     h, V, n_layers = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     backbone = V * h + n_layers * _layer_params(c) + h  # embeddings + layers + final RMSNorm
@@ -199,25 +221,100 @@ def llama_param_count(cfg: Mapping[str, Any] | str | Any, *, value_head: bool = 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Counts from the model itself: a meta-device copy of the architecture (shapes only, no weights, no memory)
+# ---------------------------------------------------------------------------------------------------------
+_ARCH: dict[str, dict] = {}  # arch_numbers' counts, once per architecture
+
+
+def model_config(cfg):
+    """A transformers config for cfg: an alias (its LlamaConfig numbers, no download), a model directory or a hub id
+    in the local cache, a dict of LlamaConfig numbers, or a transformers config (returned as it is)."""
+    if isinstance(cfg, Mapping):
+        from transformers import LlamaConfig
+        return LlamaConfig(**llama_config_numbers(cfg))
+    if isinstance(cfg, (str, Path)):
+        if str(cfg) == "tiny":
+            llama_config_numbers("tiny")  # raises: the synthetic model has no directory
+        return hf_config(cfg)
+    return cfg
+
+
+def arch_numbers(cfg) -> dict:
+    """What a plan needs of a causal LM, counted on a meta-device copy of its architecture (any model transformers'
+    AutoModelForCausalLM builds: LLaMA, Qwen2, Mistral, GPT-2, GPT-NeoX, ...; shapes only, so a 70B model costs no
+    memory and no time), once per architecture:
+        n_params N, n_tensors t      the parameters (a tied output head once) and the parameter tensors
+        output_params N_o, t_o       the output head's parameters and tensors when it is not tied (else 0)
+        quantized Q                  the Linear / Conv1D weights but the output head's: what 8-/4-bit loading
+                                     quantizes (biases, norms, embeddings and the output head stay unquantized)
+        layer_params                 one decoder layer's parameters (ZeRO-3 gathers a layer at a time)
+        hidden_size h, num_hidden_layers ℓ, num_attention_heads a, num_key_value_heads k (= a without GQA),
+        head_dim d (= h/a unless the config says), vocab_size V, tie_word_embeddings, model_type
+    cfg: what model_config takes; a dict these numbers came from is returned as it is."""
+    if isinstance(cfg, Mapping) and "n_params" in cfg:
+        return dict(cfg)
+    config = model_config(cfg)
+    key = config.to_json_string(use_diff=False)
+    if key not in _ARCH:
+        import copy
+
+        import torch
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):  # from_config writes its dtype into the config: a copy leaves the caller's alone
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        params = list(model.parameters())                         # tied parameters once
+        out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        out_params = [] if out is None or out.weight is emb.weight else list(out.parameters())
+        linear = [m for m in model.modules() if (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+                  and m is not out]
+        n_layers = config.num_hidden_layers
+        blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers), None)
+        h, a = config.hidden_size, config.num_attention_heads
+        _ARCH[key] = dict(
+            model_type=config.model_type, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=a,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or a,
+            head_dim=getattr(config, "head_dim", None) or h // a, vocab_size=config.vocab_size,
+            tie_word_embeddings=not out_params, n_params=sum(p.numel() for p in params), n_tensors=len(params),
+            output_params=sum(p.numel() for p in out_params), output_tensors=len(out_params),
+            quantized=sum(m.weight.numel() for m in linear),
+            layer_params=sum(p.numel() for p in blocks[0].parameters()) if blocks is not None else 0)
+    return dict(_ARCH[key])
+
+
+def param_count(cfg, *, value_head: bool = False) -> int:
+    """N of the causal LM (arch_numbers); value_head=True: of reward_model.ScalarHeadModel, which keeps the LM's
+    output head (Eq. 2's LM term reads it) and adds the h → 1 head with its bias: N + h + 1. The reward model, the
+    critic and the judge are such models."""
+    a = arch_numbers(cfg)
+    return a["n_params"] + (a["hidden_size"] + 1 if value_head else 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Memory plan
 # ---------------------------------------------------------------------------------------------------------
-PHASES = ("generate", "policy train", "critic train", "reference fwd", "reward fwd")
+MODELS = ("policy", "critic", "reference", "reward", "judge")
+# The phases of one PPO iteration in train.py's order: each holds its rows only while it runs, so the peak is the
+# largest. make_experience's three (reward score, log-probs, critic values) see the whole rollout batch at once.
+PHASES = ("generate", "reward score", "log-probs", "critic values", "policy train", "policy step", "critic train",
+          "critic step", "judge score")
+ENGINES = ("deepspeed", "torch")  # DeepSpeed engines (the launcher or --deepspeed) | one process, torch.optim.AdamW
 
 # The paper's set-up (section 5): 8 × A100-80GB, ZeRO-2, bf16, gradient checkpointing; 128 prompts per PPO
 # iteration = 16 per GPU, minibatch 32 = micro batch 4 per GPU; max length 2048 = 1024 prompt + 1024 response.
-# Generation runs in chunks of 4 prompts per GPU: all 16 at once would need 16 GiB of KV cache for llama-7b
-# and the plan says that does not fit next to four replicated 7B models.
+# train.py's PPO-max preset adds the ptx term (λ_ptx 0.5) on 16 SFT rows per step = 2 per GPU. train.py generates
+# a GPU's 16 prompts at once (ppo_max.rollout) and scores them in one batch (make_experience).
 PAPER_PRESET: dict[str, Any] = dict(num_gpus=8, gpu_mem_gb=80, zero_stage=2, dtype_bytes=2, micro_batch=4,
-                                    rollout_batch_per_gpu=16, generate_batch_per_gpu=4, prompt_len=1024,
+                                    rollout_batch_per_gpu=16, ptx_batch_per_gpu=2, prompt_len=1024,
                                     response_len=1024, grad_ckpt=True, offload_optimizer=False,
-                                    ref_reward_offload=False)
+                                    ref_reward_offload=False, engine="deepspeed")
 
 
 @dataclass
 class Row:
-    model: str                # policy | critic | reference | reward
-    component: str            # weights | gradients | optimizer | activations | logits | kv_cache | gathered
-                              # (LoRA: frozen | adapters | optimizer | activations | logits | kv_cache)
+    model: str                # policy | critic | reference | reward | judge
+    component: str            # held: weights | frozen | adapters | gradients | optimizer
+                              # in a phase: kv_cache | hidden_states | activations | logits | temporaries |
+                              #             step | gathered
     bytes: int
     device: str               # gpu | cpu
     phases: tuple[str, ...]   # () = held for the whole run; else held only while one of these phases runs
@@ -236,13 +333,13 @@ class Suggestion:
 @dataclass
 class MemoryPlan:
     name: str
-    cfg: dict
-    reward_cfg: dict
+    cfg: dict                 # arch_numbers of the policy
+    reward_cfg: dict          # arch_numbers of the reward model
     settings: dict
-    n_params: dict[str, int]
+    n_params: dict[str, int]  # of each model present (a shared model: the weights it reads)
     rows: list[Row]
     resident_bytes: int       # GPU bytes held the whole run
-    phase_bytes: dict[str, int]  # extra GPU bytes while each phase runs
+    phase_bytes: dict[str, int]  # extra GPU bytes while each phase runs (the phases this run has)
     peak_phase: str
     overhead_bytes: int
     total_bytes: int          # = resident + max(phase) + overhead
@@ -252,29 +349,48 @@ class MemoryPlan:
     suggestions: list[Suggestion] = field(default_factory=list)
     lora: dict | None = None  # with --lora-r R > 0: r, targets, modules, bits, trainable {"policy", "critic"}
     one_gpu: list[dict] = field(default_factory=list)  # one_gpu_table's cells (LoRA on one GPU)
+    held_by: dict[str, str] = field(default_factory=dict)  # each model: its own weights, or whose it reads
+    stages: list[dict] = field(default_factory=list)  # train.py --plan: stages 1-2 (plan_stage_memory) of the run
 
     def get(self, model: str, component: str, device: str = "gpu") -> int:
         """Bytes of one row (0 when the plan has no such row)."""
         return sum(r.bytes for r in self.rows if (r.model, r.component, r.device) == (model, component, device))
 
+    def static(self, model: str) -> dict[str, int]:
+        """What `model` holds the whole run, GPU and host together: {"weights" (frozen + trainable), "gradients",
+        "optimizer"}, the numbers tools/memory_check.py measures on a real run's tensors."""
+        rows = [r for r in self.rows if r.model == model and not r.phases]
+        pick = lambda *names: sum(r.bytes for r in rows if r.component in names)  # noqa: E731
+        return {"weights": pick("weights", "frozen", "adapters"), "gradients": pick("gradients"),
+                "optimizer": pick("optimizer")}
 
-def _layer_working_set(c: Mapping[str, Any], b: int, s: int, beta: int, flash: bool) -> tuple[int, str]:
-    """One layer's activations while it runs: Korthikanti et al. 2022, eq. 1, s·b·h·(34 + 5·a·s/h) bytes at
-    16 bits (scaled by β/2 otherwise). 34·s·b·h assumes an MLP of width 4h with dropout masks; LLaMA's SwiGLU
-    (i ≈ 2.7h, three i-wide tensors, no dropout) stores about as much. With flash-style attention (SDPA /
-    FlashAttention) the a·s² scores are never stored: the 5·a·s²·b term is dropped."""
-    h, a = c["hidden_size"], c["num_attention_heads"]
-    n = 34 * s * b * h + (0 if flash else 5 * a * s * s * b)
-    return n * beta // 2, "34·b·L·h" + ("" if flash else " + 5·a·L²·b") + ("" if beta == 2 else f" ×{beta}/2")
+
+def _working_set(a: Mapping[str, Any], n: int, s: int, beta: int, flash: bool, name: str = "n") -> tuple[int, str]:
+    """One layer's activations while it runs for n sequences of s tokens: Korthikanti et al. 2022, eq. 1,
+    s·n·h·(34 + 5·a·s/h) bytes at 16 bits (scaled by β/2 otherwise). 34·s·n·h assumes an MLP of width 4h with dropout
+    masks; LLaMA's SwiGLU (i ≈ 2.7h, three i-wide tensors, no dropout) stores about as much. With flash-style
+    attention (SDPA / FlashAttention) the a·s² scores are never stored: the 5·a·s²·n term is dropped."""
+    h, heads = a["hidden_size"], a["num_attention_heads"]
+    x = 34 * s * n * h + (0 if flash else 5 * heads * s * s * n)
+    formula = f"34·{name}·L·h" + ("" if flash else f" + 5·a·L²·{name}")
+    return x * beta // 2, formula + ("" if beta == 2 else f" ×{beta}/2")
+
+
+def _hidden_states(a: Mapping[str, Any], n: int, s: int, beta: int) -> int:
+    """(ℓ + 1)·n·s·h·β: every layer's output of a forward pass with output_hidden_states=True (reward_model.
+    ScalarHeadModel reads the last one), all kept until the pass returns. Without grad this is what the pass holds;
+    with grad the same tensors are the stored activations, so a training pass adds nothing for it."""
+    return (a["num_hidden_layers"] + 1) * n * s * a["hidden_size"] * beta
 
 
 # ---------------------------------------------------------------------------------------------------------
 # LoRA (lora.py): a frozen backbone and its adapters
 # ---------------------------------------------------------------------------------------------------------
 LORA_BITS = (16, 8, 4)
-KBIT_REST_BYTES = 4  # at 8 / 4 bits, per unquantized frozen weight (embeddings, norms, lm_head): fp32, frozen_bytes
+KBIT_REST_BYTES = 4  # at 8 / 4 bits, per unquantized weight of a trained model (peft's prepare_model_for_kbit_training
+                     # upcasts embeddings, norms and the output head to fp32): frozen_bytes
 _BITS_WORDS = {16: "bf16", 8: "8-bit (int8)", 4: "4-bit (NF4)"}  # 16: fp32 when planned with --fp32 (β = 4)
-ADAPTER_BYTES = 16  # per trainable parameter: weight + gradient + Adam m, v (peft keeps adapters in fp32: 4+4+8)
+ADAPTER_BYTES = 16  # per trainable parameter under DeepSpeed: weight + gradient + Adam m, v, all fp32 (4+4+8)
 _TARGETS: dict[tuple, dict] = {}  # _lora_targets' counts, per architecture and --lora-targets
 
 
@@ -293,24 +409,15 @@ def check_lora(lora_r: int, lora_targets: str, lora_bits: int) -> None:
 
 
 def _lora_targets(cfg, spec: str) -> dict:
-    """{"per_rank": Σ over adapted layers (d_in + d_out), "layers", "modules", "model_type", "hidden_size"} for
-    --lora-targets on cfg's architecture (alias, directory, dict of LlamaConfig numbers or a transformers config),
-    counted by lora.count_trainable on a meta-device copy (no weights), once per architecture and spec. Each name
-    of a comma-separated spec must match a linear layer, as training requires."""
+    """{"per_rank": Σ over adapted layers (d_in + d_out), "layers", "output_per_rank", "output_layers" (the adapters
+    on the output head itself), "modules", "model_type", "hidden_size"} for --lora-targets on cfg's architecture
+    (what model_config takes), counted by lora.count_trainable on a meta-device copy (no weights), once per
+    architecture and spec. Each name of a comma-separated spec must match a linear layer, as training requires."""
     import lora
 
-    if isinstance(cfg, Mapping):
-        key: tuple = ("numbers", json.dumps(llama_config_numbers(cfg), sort_keys=True), spec)
-    elif isinstance(cfg, (str, Path)):
-        key = ("name", str(cfg), spec)
-    else:
-        key = ("config", cfg.to_json_string(use_diff=False), spec)
+    config = model_config(cfg)
+    key = (config.to_json_string(use_diff=False), spec)
     if key not in _TARGETS:
-        if isinstance(cfg, Mapping):
-            from transformers import LlamaConfig
-            config = LlamaConfig(**llama_config_numbers(cfg))
-        else:
-            config = hf_config(cfg) if isinstance(cfg, (str, Path)) else cfg
         modules = lora.target_modules(config.model_type, spec)
         for name in modules if isinstance(modules, list) else ():
             try:
@@ -319,7 +426,8 @@ def _lora_targets(cfg, spec: str) -> dict:
                 raise ValueError(f"--lora-targets {spec}: {name} matches no linear layer of this "
                                  f"{config.model_type} model") from None
         n = lora.count_trainable(config, 1, spec)  # at r = 1: Σ (d_in + d_out)
-        _TARGETS[key] = dict(per_rank=n["adapters"], layers=n["layers"], model_type=config.model_type,
+        _TARGETS[key] = dict(per_rank=n["adapters"], layers=n["layers"], output_per_rank=n["output_adapters"],
+                             output_layers=n["output_layers"], model_type=config.model_type,
                              modules=modules if isinstance(modules, str) else ",".join(modules),
                              hidden_size=config.hidden_size)
     return _TARGETS[key]
@@ -328,259 +436,411 @@ def _lora_targets(cfg, spec: str) -> dict:
 def lora_trainable(cfg, r: int, spec: str = "auto", heads: int = 0) -> int:
     """n, the trainable parameters of LoRA rank r on cfg: the adapters A (r, d_in) and B (d_out, r) of every adapted
     layer, n = r·Σ(d_in + d_out), plus `heads` scalar heads of h + 1 (the reward model's, the critic's), trained in
-    full. What the plan counts 16 bytes each for, and what peft's get_nb_trainable_parameters() reports."""
+    full. What the plan counts, and what peft's get_nb_trainable_parameters() reports."""
     t = _lora_targets(cfg, spec)
     return r * t["per_rank"] + heads * (t["hidden_size"] + 1)
 
 
-def frozen_bytes(c: Mapping[str, Any], bits: int, beta: int) -> tuple[int, str]:
-    """Bytes of one frozen causal LM under LoRA (N = llama_param_count(c)), and the formula.
+def frozen_bytes(cfg, bits: int, beta: int, prepared: bool = True) -> tuple[int, str]:
+    """Bytes of one frozen causal LM (N = arch_numbers(cfg)'s n_params; cfg as model_config takes, or its numbers),
+    and the formula.
 
-    16 bits: β·N. At 8 and 4 bits bitsandbytes quantizes only the decoder layers' Linear weights,
-    Q = ℓ·(h·a·d + 2·h·k·d + a·d·h + 3·h·i); it loads the rest, N − Q (embeddings, RMSNorms, lm_head), in bf16, and
-    lora.add_adapters' prepare_model_for_kbit_training (peft) then upcasts that rest to fp32 for stable training:
-    KBIT_REST_BYTES·(N − Q), 4 bytes each.
+    16 bits: β·N. At 8 and 4 bits bitsandbytes quantizes the Linear weights but the output head's, Q; it loads the
+    rest, N − Q (embeddings, norms, biases, the output head), in bf16. A model that trains adapters goes through
+    peft's prepare_model_for_kbit_training (lora.add_adapters, `prepared`), which upcasts that rest to fp32,
+    KBIT_REST_BYTES each; a frozen model loaded on its own (the reference when it is not the policy's base, the
+    judge) keeps it in bf16.
     8 bits (LLM.int8): Q bytes (its fp32 scale per output row, < 0.1 %, is not counted).
     4 bits (NF4 with double quantization, Dettmers et al. 2023): 4 bits + an 8-bit absmax per block of 64 + an fp32
     constant per 256 blocks = 4 + 8/64 + 32/16384 = 4.127 bits per weight, Q/2 + Q/64 + Q/4096 bytes."""
-    N = llama_param_count(c)
+    a = arch_numbers(cfg)
+    N, Q = a["n_params"], a["quantized"]
     if bits == 16:
         return beta * N, f"{beta}·N"
-    Q = c["num_hidden_layers"] * (_layer_params(c) - 2 * c["hidden_size"])  # each layer but its two norm weights
     q = Q if bits == 8 else Q // 2 + Q // 64 + Q // 4096
-    return q + KBIT_REST_BYTES * (N - Q), ("Q" if bits == 8 else "4.127/8·Q") + f" + {KBIT_REST_BYTES}·(N − Q)"
+    rest = KBIT_REST_BYTES if prepared else beta
+    return q + rest * (N - Q), ("Q" if bits == 8 else "4.127/8·Q") + f" + {rest}·(N − Q)"
 
 
-def plan_memory(cfg: Mapping[str, Any] | str, *, num_gpus: int = 8, gpu_mem_gb: float = 80, zero_stage: int = 2,
-                dtype_bytes: int = 2, micro_batch: int = 4, rollout_batch_per_gpu: int = 16,
-                generate_batch_per_gpu: int = 4, prompt_len: int = 1024, response_len: int = 1024,
-                grad_ckpt: bool = True, offload_optimizer: bool = False, ref_reward_offload: bool = False,
-                flash_attention: bool = True, overhead_gb: float = 2.0,
-                reward_cfg: Mapping[str, Any] | str | None = None, suggest: bool = True,
-                lora_r: int = 0, lora_targets: str = "auto", lora_bits: int = 16) -> MemoryPlan:
-    """Per-GPU memory of PPO's four models: policy and critic (trained), reference and reward model (frozen).
+# ---------------------------------------------------------------------------------------------------------
+# The plan of PPO's models
+# ---------------------------------------------------------------------------------------------------------
+def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_mem_gb: float = 80,
+                zero_stage: int = 2, dtype_bytes: int = 2, micro_batch: int = 4, rollout_batch_per_gpu: int = 16,
+                ptx_batch_per_gpu: int = 2, prompt_len: int = 1024, response_len: int = 1024, grad_ckpt: bool = True,
+                offload_optimizer: bool = False, ref_reward_offload: bool = False, flash_attention: bool = True,
+                overhead_gb: float = 2.0, engine: str = "deepspeed", lora_r: int = 0, lora_targets: str = "auto",
+                lora_bits: int = 16, critic: bool = True, critic_init: str = "rm", policy_init: str = "sft",
+                judge: bool = False, reward_cfg=None, critic_cfg=None, judge_cfg=None,
+                suggest: bool = True) -> MemoryPlan:
+    """Per-GPU memory of PPO's models as train.py holds them: policy and critic (trained), reference, reward model
+    and, on real data, the judge (frozen).
 
-    cfg: the policy's (= reference's) config: alias, path, dict or LlamaConfig; reward_cfg: the reward model's
-    (= critic's, which starts from it), default cfg. gpu_mem_gb is in GiB as nvidia-smi reports it (an
-    A100-80GB shows 81920 MiB = 80 GiB). Defaults = PAPER_PRESET. Every number below is bytes per GPU.
+    cfg: the policy's (= the reference's) architecture, anything arch_numbers takes (alias, directory, dict,
+    config); reward_cfg the reward model's (default cfg); critic_cfg the critic's (default: the reward model's for
+    critic_init="rm", PPO-max's choice, cfg's for "sft"; critic_init="model" is a --critic-model of its own);
+    judge_cfg the judge's (default cfg). critic=False: no critic (the critic-free estimators: GRPO, RLOO, ...).
+    gpu_mem_gb is in GiB as nvidia-smi reports it (an A100-80GB shows 81920 MiB = 80 GiB). Defaults = PAPER_PRESET.
 
-    Held the whole run (N_pol = llama_param_count(cfg), N_rm = ... value_head=True, shards ÷G as noted):
-        weights      β·N              ÷G with ZeRO-3 (all four models; frozen ones follow the stage, as in
-                                      DeepSpeed-Chat); on the CPU for reference/reward with ref_reward_offload
+    Held the whole run. N = arch_numbers(cfg)["n_params"] of the causal LM; the critic, reward model and judge are
+    reward_model.ScalarHeadModel: N + h + 1 (they keep the LM's output head). β = dtype_bytes.
+      engine="torch" (one process, torch.optim.AdamW, what `python train.py` runs): exact, to the byte, for the
+      tensors of a run (tests/test_scale.py checks it on real runs, full weights and LoRA, fp32 and bf16):
+        weights      β·N
+        gradients    β·n  over the parameters that get one: every one of the policy's; the critic's but its untied
+                     output head (its values never read the logits): n = N + h + 1 − N_o
+        optimizer    2·β·n + 4·t   Adam's m and v in the weights' dtype, and a 4-byte step count per tensor
+      engine="deepspeed" (DeepSpeed engines; the ZeRO paper's mixed-precision formula, not measured here):
+        weights      β·N              ÷G with ZeRO-3; frozen models on the CPU with ref_reward_offload
         gradients    β·N              trained models only; ÷G with ZeRO-2 and 3
-        optimizer    12·N             AdamW in mixed precision: fp32 master + m + v (8·N in pure fp32, β = 4);
-                                      ÷G with ZeRO ≥ 1; on the CPU with offload_optimizer (ZeRO-Offload)
-    Held only while one phase runs (the phases take turns; the peak is the largest):
-        generate       kv_cache   2·ℓ·g·L·k·d·β   (K and V of every layer, g sequences grown to L = P + T)
-        policy train   activations, with checkpointing: ℓ·b·L·h·β (each layer's input) + one layer's working
-                       set while it is recomputed, 34·b·L·h (+ 5·a·L²·b without flash attention), Korthikanti
-                       et al. 2022; without checkpointing: ℓ × the working set
-                       logits     b·L·V·4         (fp32 for the log-softmax of the log-probs)
-        critic train   activations as the policy (its h → 1 head has no V-wide logits)
-        reference fwd  one layer's working set + logits b·L·V·4 (no grad: nothing is stored across layers;
-                       scoring runs in chunks of b sequences)
-        reward fwd     one layer's working set
-        gathered       with ZeRO-3 or offloaded weights, 2 blocks of full bf16 weights live at a time
-                       (current + prefetched; a block = the larger of one layer and the V·h embedding),
-                       counted in every phase of that model
-    Plus overhead_gb (CUDA context, NCCL and ZeRO bucket buffers, allocator fragmentation: a stated guess,
-    2 GiB). The experience buffer (ids, log-probs, values, advantages: ~36 bytes per token, ~1 MB here) is
-    ignored. total = resident + max over phases + overhead; fits = total ≤ gpu_mem_gb GiB.
-
-    lora_r = R > 0 (lora.py): the rows of _lora_rows instead: two frozen backbones (policy = reference, critic =
-    reward model), adapters, the same activations, logits and KV cache; with one GPU also plan.one_gpu.
+        optimizer    12·N             fp32 master + m + v (8·N in pure fp32, β = 4); ÷G with ZeRO ≥ 1; on the CPU
+                                      with offload_optimizer (ZeRO-Offload); every trainable parameter, used or not
+      LoRA (lora_r = R > 0), see _lora_rows: the frozen backbones, shared where train.load_models shares them.
+    Held while one phase runs, with B = rollout_batch_per_gpu, b = micro_batch, x = ptx_batch_per_gpu,
+    L = P + T, u = B·T·V·4 (fp32 logits over the responses of the whole rollout batch):
+        generate       kv_cache       2·ℓ·B·L·k·d·β   K and V of every layer, the whole rollout batch at once
+                       prefill        one layer's working set for the B prompts' first forward (34·B·P·h)
+        reward score   hidden_states  (ℓ+1)·B·L·h·β + one layer's working set (no grad)
+        log-probs      logprobs       2·u             π's and π_ref's fp32 logits, kept to the end of make_experience
+                       temporaries    max(5·u, u + B·L·V·β, working set): kl_full's log-softmaxes, exp and product;
+                                      a forward's logits and their fp32 copy
+        critic values  hidden_states  as the reward score, beside the 2·u logits
+        policy train   activations    with checkpointing ℓ·(b+x)·L·h·β + one layer's working set (Korthikanti
+                                      et al. 2022, _working_set); without, ℓ × the working set, for b and x
+                       logits         max(4·b·T·V·4 + 2·x·L·V·β, 2·b·T·V·4 + x·L·V·(3β+4)): the PPO loss's fp32
+                                      log-probs (4 tensors at its backward's peak) and the ptx loss's (3 in the
+                                      weights' dtype and one fp32), whichever backward runs while the other's graph
+                                      is held; the bf16 logits b·L·V·β + 2·b·T·V·4 when the prompt is long
+        policy step    step           β·n  (engine torch) foreach AdamW's √v of every tensor at once (on a GPU)
+        critic train   activations    as the policy's, b sequences
+        critic step    step           as the policy's
+        judge score    hidden_states  as the reward score, the judge's architecture
+        gathered       with ZeRO-3 or offloaded weights, 2 blocks of full bf16 weights live at a time (current +
+                       prefetched; a block = the larger of one layer and the V·h embedding), in every phase of that
+                       model
+    Plus overhead_gb (CUDA context, NCCL and ZeRO bucket buffers, allocator fragmentation: a stated guess, 2 GiB).
+    The experience buffer (ids, log-probs, values, advantages: ~36 bytes per token) is ignored.
+    total = resident + max over phases + overhead; fits = total ≤ gpu_mem_gb GiB. The phases' coefficients come from
+    the code's order of operations and are measured against the torch profiler in docs/real-scale.md.
     """
     settings = dict(num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, zero_stage=zero_stage, dtype_bytes=dtype_bytes,
                     micro_batch=micro_batch, rollout_batch_per_gpu=rollout_batch_per_gpu,
-                    generate_batch_per_gpu=generate_batch_per_gpu, prompt_len=prompt_len,
-                    response_len=response_len, grad_ckpt=grad_ckpt, offload_optimizer=offload_optimizer,
-                    ref_reward_offload=ref_reward_offload, flash_attention=flash_attention, overhead_gb=overhead_gb,
-                    lora_r=lora_r, lora_targets=lora_targets, lora_bits=lora_bits)
-    check_lora(lora_r, lora_targets, lora_bits)
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"plan_memory: zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if dtype_bytes not in (2, 4):
-        raise ValueError(f"plan_memory: dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes}")
-    for k in ("num_gpus", "micro_batch", "generate_batch_per_gpu", "prompt_len", "response_len"):
-        if settings[k] < 1:
-            raise ValueError(f"plan_memory: {k} must be ≥ 1, got {settings[k]}")
-    name = cfg if isinstance(cfg, str) else "custom"
-    c = llama_config_numbers(cfg)
-    rc = llama_config_numbers(reward_cfg) if reward_cfg is not None else c
-    G, beta, b, g = num_gpus, dtype_bytes, micro_batch, generate_batch_per_gpu
-    L = prompt_len + response_len
-    opt_per_param = 12 if beta < 4 else 8
-    n_params = {"policy": llama_param_count(c), "critic": llama_param_count(rc, value_head=True),
-                "reference": llama_param_count(c), "reward": llama_param_count(rc, value_head=True)}
-    rows: list[Row] = []
-    lora_info = None
-
-    def add(model: str, comp: str, n: int, formula: str, phases: tuple[str, ...] = (), device: str = "gpu"):
-        rows.append(Row(model, comp, int(n), device, phases, formula))
-
-    if lora_r:
-        rows, n_params, lora_info = _lora_rows(cfg, reward_cfg, c, rc, settings)
-    else:
-        for model in ("policy", "critic", "reference", "reward"):
-            mc = c if model in ("policy", "reference") else rc
-            N = n_params[model]
-            h, n_layers, V = mc["hidden_size"], mc["num_hidden_layers"], mc["vocab_size"]
-            trained = model in ("policy", "critic")
-            train_phase = f"{model} train" if trained else f"{model} fwd"
-            my_phases = ("generate", "policy train") if model == "policy" else (train_phase,)
-            # weights
-            if not trained and ref_reward_offload:
-                add(model, "weights", beta * N // G, f"{beta}·N/{G} (ZeRO-3 offload)", device="cpu")
-            elif zero_stage == 3:
-                add(model, "weights", beta * N // G, f"{beta}·N/{G}")
-            else:
-                add(model, "weights", beta * N, f"{beta}·N")
-            sharded = zero_stage == 3 or (not trained and ref_reward_offload)
-            if sharded:
-                block = max(_layer_params(mc), V * h)
-                add(model, "gathered", 2 * block * beta, f"2·{beta}·max(layer, V·h)", my_phases)
-            if trained:
-                # gradients and optimizer states
-                gd = G if zero_stage >= 2 else 1
-                add(model, "gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
-                od = G if zero_stage >= 1 else 1
-                add(model, "optimizer", opt_per_param * N // od, f"{opt_per_param}·N" + (f"/{od}" if od > 1 else ""),
-                    device="cpu" if offload_optimizer else "gpu")
-                # activations for training
-                ws, ws_formula = _layer_working_set(mc, b, L, beta, flash_attention)
-                if grad_ckpt:
-                    add(model, "activations", n_layers * b * L * h * beta + ws,
-                        f"ℓ·b·L·h·{beta} + {ws_formula}", (train_phase,))
-                else:
-                    add(model, "activations", n_layers * ws, f"ℓ·({ws_formula})", (train_phase,))
-            else:
-                ws, ws_formula = _layer_working_set(mc, b, L, beta, flash_attention)
-                add(model, "activations", ws, ws_formula + " (no grad)", (train_phase,))
-            if model in ("policy", "reference"):
-                add(model, "logits", b * L * V * 4, "b·L·V·4", (train_phase,))
-            if model == "policy":
-                k, d = mc["num_key_value_heads"], mc["head_dim"]
-                add(model, "kv_cache", 2 * n_layers * g * L * k * d * beta, f"2·ℓ·g·L·k·d·{beta}", ("generate",))
-
+                    ptx_batch_per_gpu=ptx_batch_per_gpu, prompt_len=prompt_len, response_len=response_len,
+                    grad_ckpt=grad_ckpt, offload_optimizer=offload_optimizer, ref_reward_offload=ref_reward_offload,
+                    flash_attention=flash_attention, overhead_gb=overhead_gb, engine=engine, lora_r=lora_r,
+                    lora_targets=lora_targets, lora_bits=lora_bits, critic=critic, critic_init=critic_init,
+                    policy_init=policy_init, judge=judge)
+    _check_settings(settings, critic_cfg)
+    src = {"policy": cfg, "reference": cfg, "reward": cfg if reward_cfg is None else reward_cfg}
+    if critic:
+        src["critic"] = critic_cfg if critic_init == "model" else src["reward"] if critic_init == "rm" else cfg
+    if judge:
+        src["judge"] = cfg if judge_cfg is None else judge_cfg
+    arch = {role: arch_numbers(c) for role, c in src.items()}
+    rows, held_by, lora_info = _static_rows(src, arch, settings)
+    rows += _phase_rows(arch, settings) + (_step_rows(rows) if engine == "torch" else [])
+    rows.sort(key=lambda row: MODELS.index(row.model))  # stable: each model's rows in the order they were added
+    phases = [p for p in PHASES if any(p in r.phases for r in rows)]
     resident = sum(r.bytes for r in rows if r.device == "gpu" and not r.phases)
-    phase_bytes = {p: sum(r.bytes for r in rows if r.device == "gpu" and p in r.phases) for p in PHASES}
-    peak_phase = max(PHASES, key=lambda p: phase_bytes[p])
+    phase_bytes = {p: sum(r.bytes for r in rows if r.device == "gpu" and p in r.phases) for p in phases}
+    peak_phase = max(phases, key=lambda p: phase_bytes[p])
     overhead = int(overhead_gb * GiB)
     total = resident + phase_bytes[peak_phase] + overhead
     capacity = int(gpu_mem_gb * GiB)
-    plan = MemoryPlan(name=name, cfg=c, reward_cfg=rc, settings=settings, n_params=n_params, rows=rows,
-                      resident_bytes=resident, phase_bytes=phase_bytes, peak_phase=peak_phase,
-                      overhead_bytes=overhead, total_bytes=total, capacity_bytes=capacity, fits=total <= capacity,
-                      cpu_bytes=sum(r.bytes for r in rows if r.device == "cpu"), lora=lora_info)
+    n_params = {role: param_count(arch[role], value_head=role in ("critic", "reward", "judge")) for role in arch}
+    plan = MemoryPlan(name=cfg if isinstance(cfg, str) else "custom", cfg=arch["policy"], reward_cfg=arch["reward"],
+                      settings=settings, n_params=n_params, rows=rows, resident_bytes=resident,
+                      phase_bytes=phase_bytes, peak_phase=peak_phase, overhead_bytes=overhead, total_bytes=total,
+                      capacity_bytes=capacity, fits=total <= capacity,
+                      cpu_bytes=sum(r.bytes for r in rows if r.device == "cpu"), lora=lora_info, held_by=held_by)
+    cfgs = dict(reward_cfg=reward_cfg, critic_cfg=critic_cfg, judge_cfg=judge_cfg)
     if suggest and not plan.fits:
-        plan.suggestions = _suggestions(lambda s: plan_memory(cfg, reward_cfg=reward_cfg, suggest=False, **s).total_bytes,
+        plan.suggestions = _suggestions(lambda s: plan_memory(cfg, suggest=False, **cfgs, **s).total_bytes,
                                         settings, total, capacity)
     if suggest and lora_r and num_gpus == 1:
-        plan.one_gpu = one_gpu_table(cfg, reward_cfg=reward_cfg, **settings)
+        plan.one_gpu = one_gpu_table(cfg, **cfgs, **settings)
     return plan
 
 
-def _lora_rows(cfg, reward_cfg, c: dict, rc: dict, s: dict) -> tuple[list[Row], dict[str, int], dict]:
-    """PPO's rows under LoRA, per GPU (every GPU holds all of it: data parallel, nothing sharded).
+def _check_settings(s: dict, critic_cfg=None) -> None:
+    check_lora(s["lora_r"], s["lora_targets"], s["lora_bits"])
+    if s["zero_stage"] not in (0, 1, 2, 3):
+        raise ValueError(f"plan_memory: zero_stage must be 0, 1, 2 or 3, got {s['zero_stage']}")
+    if s["dtype_bytes"] not in (2, 4):
+        raise ValueError(f"plan_memory: dtype_bytes must be 2 (bf16) or 4 (fp32), got {s['dtype_bytes']}")
+    for k in ("num_gpus", "micro_batch", "rollout_batch_per_gpu", "prompt_len", "response_len"):
+        if s[k] < 1:
+            raise ValueError(f"plan_memory: {k} must be ≥ 1, got {s[k]}")
+    if s["ptx_batch_per_gpu"] < 0:
+        raise ValueError(f"plan_memory: ptx_batch_per_gpu must be ≥ 0 (0 = no ptx term), got "
+                         f"{s['ptx_batch_per_gpu']}")
+    if s["engine"] not in ENGINES:
+        raise ValueError(f"plan_memory: engine must be one of {ENGINES}, got {s['engine']!r}")
+    if s["engine"] == "torch" and s["num_gpus"] > 1:
+        raise ValueError(f"plan_memory: {s['num_gpus']} GPUs run DeepSpeed engines (the launcher); engine='torch' is "
+                         f"one process")
+    if s["critic_init"] not in ("rm", "sft", "model") or (s["critic_init"] == "model" and critic_cfg is None):
+        raise ValueError(f"plan_memory: critic_init must be 'rm', 'sft' or 'model' (with critic_cfg), got "
+                         f"{s['critic_init']!r}")
+    if s["policy_init"] not in ("sft", "pretrained"):
+        raise ValueError(f"plan_memory: policy_init must be 'sft' or 'pretrained', got {s['policy_init']!r}")
 
-    Two frozen backbones, not four: the policy's (SFT weights; the reference is the policy with its adapters off)
-    and the critic's (the reward model's weights and its frozen h → 1 head; the reward model is the critic with its
-    adapters off). Both keep lm_head (reward_model.ScalarHeadModel wraps the causal LM): N = llama_param_count.
-        frozen       frozen_bytes(N, bits): β·N, or quantized at 8 / 4 bits; no gradient, no optimizer state
-        adapters     8·n   fp32 weight + gradient of the n = lora_trainable(...) trainable parameters
-        optimizer    8·n   Adam m and v in fp32 (16 bytes per trainable parameter in all)
-    The phases are plan_memory's: activations with gradient checkpointing ℓ·b·L·h·β + one layer's working set
-    (the frozen layers still pass gradients to the adapters below them), logits b·L·V·4, KV cache 2·ℓ·g·L·k·d·β."""
-    beta, b, g, L = s["dtype_bytes"], s["micro_batch"], s["generate_batch_per_gpu"], s["prompt_len"] + s["response_len"]
-    r, spec, bits = s["lora_r"], s["lora_targets"], s["lora_bits"]
-    rcfg = cfg if reward_cfg is None else reward_cfg
-    n = {"policy": lora_trainable(cfg, r, spec), "critic": lora_trainable(rcfg, r, spec, heads=1)}
-    n_params = {"policy": llama_param_count(c), "critic": llama_param_count(rc) + rc["hidden_size"] + 1}
-    n_params.update(reference=n_params["policy"], reward=n_params["critic"])  # the same weights, held once
+
+def _static_rows(src: dict, arch: dict, s: dict) -> tuple[list[Row], dict[str, str], dict | None]:
+    """The rows held the whole run (plan_memory's docstring), and how each model is held."""
+    if s["lora_r"]:
+        return _lora_rows(src, arch, s)
+    beta, G, z, torch_engine = s["dtype_bytes"], s["num_gpus"], s["zero_stage"], s["engine"] == "torch"
+    rows: list[Row] = []
+    for role in MODELS:
+        if role not in arch:
+            continue
+        a = arch[role]
+        head = a["hidden_size"] + 1 if role in ("critic", "reward", "judge") else 0   # the h → 1 head and its bias
+        N = a["n_params"] + head
+        n_formula = f"N = {N:,}" + (" with the h+1 head" if head else "")
+
+        def add(comp: str, n: int, formula: str, device: str = "gpu"):
+            rows.append(Row(role, comp, int(n), device, (), formula))
+
+        if role not in ("policy", "critic") and s["ref_reward_offload"]:
+            add("weights", beta * N // G, f"{beta}·N/{G} (ZeRO-3 offload)   ({n_formula})", "cpu")
+        elif z == 3 and not torch_engine:
+            add("weights", beta * N // G, f"{beta}·N/{G}   ({n_formula})")
+        else:
+            add("weights", beta * N, f"{beta}·N   ({n_formula})")
+        if role not in ("policy", "critic"):
+            continue
+        if torch_engine:  # the parameters that get a gradient, and so an Adam state
+            unused = a["output_params"] if role == "critic" else 0
+            n = N - unused
+            t = a["n_tensors"] + (2 if head else 0) - (a["output_tensors"] if role == "critic" else 0)
+            why = " (no gradient for the untied output head)" if unused else ""
+            add("gradients", beta * n, f"{beta}·n   (n = {n:,}{why})")
+            add("optimizer", 2 * beta * n + 4 * t, f"2·{beta}·n + 4·t   (Adam m, v; a 4-byte step for each of "
+                                                   f"t = {t})")
+        else:
+            gd = G if z >= 2 else 1
+            add("gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
+            opt_per_param = 12 if beta < 4 else 8  # fp32 master + m + v in mixed precision; m + v in pure fp32
+            od = G if z >= 1 else 1
+            add("optimizer", opt_per_param * N // od, f"{opt_per_param}·N" + (f"/{od}" if od > 1 else ""),
+                "cpu" if s["offload_optimizer"] else "gpu")
+    return rows, {role: "its own weights" for role in arch}, None
+
+
+def _lora_rows(src: dict, arch: dict, s: dict) -> tuple[list[Row], dict[str, str], dict]:
+    """The rows held the whole run under LoRA, per GPU (every GPU holds all of it: data parallel, nothing sharded),
+    as train.load_models holds them:
+        policy     frozen    frozen_bytes(N, bits) of its base (8/4 bits: prepared, the rest in fp32)
+        critic     frozen    the same for its base
+        reference  nothing of its own when it starts from the policy's directory (policy_init "sft": the policy with
+                   its adapters off); else its own frozen copy, quantized like the others
+        reward     its own frozen head, h + 1, when the critic starts from it (critic_init "rm": the critic's
+                   backbone with the critic's adapters off); else its own copy β·(N + h + 1), which train.load_models
+                   loads unquantized
+        judge      its own frozen copy (quantized like the reference) + its head β·(h + 1)
+    and the trainable parameters, n adapters (fp32: peft keeps them so) of the policy, n adapters + the h + 1 value
+    head (in the weights' dtype; fp32 at 8/4 bits) of the critic:
+        engine torch       adapters 4·n (+ the head), gradients for all but adapters on the critic's output head,
+                           optimizer 2× the gradients' bytes + 4 bytes per tensor (Adam's m, v and step)
+        engine deepspeed   ADAPTER_BYTES = 16 per trainable parameter: weight, gradient (4 + 4) and Adam m, v (8)"""
+    beta, r, spec, bits = s["dtype_bytes"], s["lora_r"], s["lora_targets"], s["lora_bits"]
+    torch_engine = s["engine"] == "torch"
+    share_ref = s["policy_init"] == "sft"
+    share_rm = "critic" in arch and s["critic_init"] == "rm"
+    hb = 4 if bits != 16 else beta  # the value head's bytes per number: lora.add_adapters makes it fp32 at 8/4 bits
+    rows: list[Row] = []
+    held_by = {role: "its own weights" for role in arch}
+    trainable = {}
+
+    def add(model: str, comp: str, n: int, formula: str):
+        rows.append(Row(model, comp, int(n), "gpu", (), formula))
+
+    for role in ("policy", "critic"):
+        if role not in arch:
+            continue
+        a, t = arch[role], _lora_targets(src[role], spec)
+        h = a["hidden_size"]
+        fb, formula = frozen_bytes(a, bits, beta)
+        if role == "policy":
+            add(role, "frozen", fb, formula + ("   (= the reference: adapters off)" if share_ref else ""))
+        else:
+            add(role, "frozen", fb, formula + ("   (= the reward model's backbone: adapters off)" if share_rm else ""))
+        n_a, t_a = r * t["per_rank"], 2 * t["layers"]  # each adapted layer: A and B
+        n_o, t_o = (r * t["output_per_rank"], 2 * t["output_layers"]) if role == "critic" else (0, 0)
+        n_head, t_head = (h + 1, 2) if role == "critic" else (0, 0)
+        trainable[role] = n_a + n_head
+        if not torch_engine:
+            n = n_a + n_head
+            add(role, "adapters", 4 * n, f"4·n   (n = {n:,}: fp32 weights)")
+            add(role, "gradients", 4 * n, "4·n")
+            add(role, "optimizer", 8 * n, "8·n   (Adam m, v)")
+            continue
+        head_words = f" + {hb}·(h+1) head" if n_head else ""
+        add(role, "adapters", 4 * n_a + hb * n_head, f"4·n{head_words}   (n = {n_a:,} fp32 adapter weights)")
+        g = 4 * (n_a - n_o) + hb * n_head
+        unused = "; none for the adapters on the output head" if n_o else ""
+        add(role, "gradients", g, f"4·n{head_words}{unused}")
+        add(role, "optimizer", 2 * g + 4 * (t_a - t_o + t_head),
+            f"2 × the gradients + 4·t   (Adam m, v; a 4-byte step for each of t = {t_a - t_o + t_head})")
+    if share_ref:
+        held_by["reference"] = "the policy with its adapters off"
+    else:
+        fb, formula = frozen_bytes(arch["reference"], bits, beta, prepared=False)
+        add("reference", "frozen", fb, formula + "   (its own copy: policy_init pretrained)")
+    a = arch["reward"]
+    if share_rm:
+        held_by["reward"] = "the critic's backbone with its adapters off, and its own head"
+        add("reward", "frozen", hb * (a["hidden_size"] + 1), f"{hb}·(h+1)   (its own frozen head)")
+    else:
+        N = a["n_params"] + a["hidden_size"] + 1
+        add("reward", "frozen", beta * N, f"{beta}·(N+h+1)   (its own copy, loaded unquantized)")
+    if "judge" in arch:
+        a = arch["judge"]
+        fb, formula = frozen_bytes(a, bits, beta, prepared=False)
+        add("judge", "frozen", fb + beta * (a["hidden_size"] + 1), formula + f" + {beta}·(h+1)   (its own copy)")
+    t = _lora_targets(src["policy"], spec)
+    info = dict(r=r, targets=spec, modules=t["modules"] + (" (auto)" if spec == "auto" else ""), bits=bits,
+                trainable=trainable, layers=t["layers"], share_ref=share_ref, share_rm=share_rm)
+    return rows, held_by, info
+
+
+def _phase_rows(arch: dict, s: dict) -> list[Row]:
+    """The rows held while one phase runs (plan_memory's docstring)."""
+    beta, flash = s["dtype_bytes"], s["flash_attention"]
+    B, b, x = s["rollout_batch_per_gpu"], s["micro_batch"], s["ptx_batch_per_gpu"]
+    T, L = s["response_len"], s["prompt_len"] + s["response_len"]
+    critic = "critic" in arch
     rows: list[Row] = []
 
-    def add(model: str, comp: str, nbytes: int, formula: str, phases: tuple[str, ...] = ()):
-        rows.append(Row(model, comp, int(nbytes), "gpu", phases, formula))
+    def add(model: str, comp: str, n: int, formula: str, phases: tuple[str, ...]):
+        rows.append(Row(model, comp, int(n), "gpu", phases, formula))
 
-    for model, mc in (("policy", c), ("critic", rc)):
-        h, n_layers, V = mc["hidden_size"], mc["num_hidden_layers"], mc["vocab_size"]
-        fb, formula = frozen_bytes(mc, bits, beta)
-        if model == "policy":
-            add(model, "frozen", fb, formula + "   (= the reference: adapters off)")
-        else:
-            add(model, "frozen", fb + beta * (h + 1), formula + f" + {beta}·(h+1)   (= the reward model + its head)")
-        add(model, "adapters", 8 * n[model], f"8·n   (n = {n[model]:,}: fp32 weight + gradient)")
-        add(model, "optimizer", 8 * n[model], "8·n   (Adam m, v)")
-        ws, ws_formula = _layer_working_set(mc, b, L, beta, s["flash_attention"])
-        train, fwd = f"{model} train", "reference fwd" if model == "policy" else "reward fwd"
+    pa = arch["policy"]
+    V, n_layers, h = pa["vocab_size"], pa["num_hidden_layers"], pa["hidden_size"]
+    k, d = pa["num_key_value_heads"], pa["head_dim"]
+    add("policy", "kv_cache", 2 * n_layers * B * L * k * d * beta, f"2·ℓ·B·L·k·d·{beta}   (B = {B} at once)",
+        ("generate",))
+    ws, wf = _working_set(pa, B, s["prompt_len"], beta, flash, "B")
+    add("policy", "prefill", ws, wf.replace("L", "P") + "   (the first forward, over the B prompts)", ("generate",))
+    for role, phase in (("reward", "reward score"), ("critic", "critic values"), ("judge", "judge score")):
+        if role in arch:
+            ws, wf = _working_set(arch[role], B, L, beta, flash, "B")
+            add(role, "hidden_states", _hidden_states(arch[role], B, L, beta) + ws,
+                f"(ℓ+1)·B·L·h·{beta} + {wf}   (no grad)", (phase,))
+    u = B * T * V * 4
+    add("policy", "logprobs", 2 * u, "2·B·T·V·4   (π's and π_ref's fp32 logits)",
+        ("log-probs", "critic values") if critic else ("log-probs",))
+    ws, _ = _working_set(pa, B, L, beta, flash)
+    add("policy", "temporaries", max(5 * u, u + B * L * V * beta, ws), f"max(5·B·T·V·4, B·T·V·4 + B·L·V·{beta}, "
+        "working set)   (kl_full; a forward's logits)", ("log-probs",))
+    for role in ("policy", "critic") if critic else ("policy",):
+        a = arch[role]
+        n = b + (x if role == "policy" else 0)
+        ws, wf = _working_set(a, max(b, x) if role == "policy" else b, L, beta, flash,
+                              "max(b,x)" if role == "policy" and x else "b")
+        seqs = "(b+x)" if role == "policy" and x else "b"
         if s["grad_ckpt"]:
-            add(model, "activations", n_layers * b * L * h * beta + ws, f"ℓ·b·L·h·{beta} + {ws_formula}", (train,))
+            add(role, "activations", a["num_hidden_layers"] * n * L * a["hidden_size"] * beta + ws,
+                f"ℓ·{seqs}·L·h·{beta} + {wf}", (f"{role} train",))
         else:
-            add(model, "activations", n_layers * ws, f"ℓ·({ws_formula})", (train,))
-        ref = "reference" if model == "policy" else "reward"
-        add(ref, "activations", ws, ws_formula + " (no grad)", (fwd,))
-        if model == "policy":
-            add(model, "logits", b * L * V * 4, "b·L·V·4", (train,))
-            add(ref, "logits", b * L * V * 4, "b·L·V·4", (fwd,))
-            k, d = mc["num_key_value_heads"], mc["head_dim"]
-            add(model, "kv_cache", 2 * n_layers * g * L * k * d * beta, f"2·ℓ·g·L·k·d·{beta}", ("generate",))
-    order = {m: i for i, m in enumerate(("policy", "critic", "reference", "reward"))}
-    rows.sort(key=lambda row: order[row.model])
-    t = _lora_targets(cfg, spec)
-    info = dict(r=r, targets=spec, modules=t["modules"] + (" (auto)" if spec == "auto" else ""), bits=bits,
-                trainable=n, layers=t["layers"])
-    return rows, n_params, info
+            every = sum(_working_set(a, m, L, beta, flash)[0] for m in ((b, x) if role == "policy" and x else (b,)))
+            add(role, "activations", a["num_hidden_layers"] * every, f"ℓ·({wf}) for {seqs}", (f"{role} train",))
+    pg = max(4 * b * T * V * 4, b * L * V * beta + 2 * b * T * V * 4)   # the PPO loss's log-probs at their peak
+    if x:
+        held_ptx, peak_ptx = 2 * x * L * V * beta, x * L * V * (3 * beta + 4)
+        add("policy", "logits", max(pg + held_ptx, 2 * b * T * V * 4 + peak_ptx),
+            f"max(4·b·T·V·4 + 2·x·L·V·{beta}, 2·b·T·V·4 + x·L·V·{3 * beta + 4})   (PPO and ptx losses)",
+            ("policy train",))
+    else:
+        add("policy", "logits", pg, f"max(4·b·T·V·4, b·L·V·{beta} + 2·b·T·V·4)   (the PPO loss)",
+            ("policy train",))
+    if s["zero_stage"] == 3 and s["engine"] == "deepspeed" or s["ref_reward_offload"]:
+        phases_of = {"policy": ("generate", "log-probs", "policy train"), "critic": ("critic values", "critic train"),
+                     "reference": ("log-probs",), "reward": ("reward score",), "judge": ("judge score",)}
+        for role, a in arch.items():
+            sharded = (s["zero_stage"] == 3 and s["engine"] == "deepspeed") or role not in ("policy", "critic")
+            if sharded and not s["lora_r"]:
+                block = max(a["layer_params"], a["vocab_size"] * a["hidden_size"])
+                add(role, "gathered", 2 * block * beta, f"2·{beta}·max(layer, V·h)", phases_of[role])
+    return rows
 
 
-def plan_stage_memory(cfg: Mapping[str, Any] | str, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float = 80,
-                      zero_stage: int = 2, dtype_bytes: int = 2, micro_batch: int = 4, prompt_len: int = 1024,
-                      response_len: int = 1024, grad_ckpt: bool = True, offload_optimizer: bool = False,
-                      flash_attention: bool = True, overhead_gb: float = 2.0, lora_r: int = 0,
+def _step_rows(rows: list[Row]) -> list[Row]:
+    """engine torch: foreach AdamW (a GPU's default) computes √v of every tensor in one temporary as large as the
+    gradients, while they are held (on the CPU torch steps one tensor at a time)."""
+    return [Row(r.model, "step", r.bytes, "gpu", (f"{r.model} step",), "the gradients' bytes   (foreach AdamW's √v)")
+            for r in rows if r.component == "gradients" and not r.phases]
+
+
+def plan_stage_memory(cfg, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float = 80, zero_stage: int = 2,
+                      dtype_bytes: int = 2, micro_batch: int = 4, prompt_len: int = 1024, response_len: int = 1024,
+                      grad_ckpt: bool = True, offload_optimizer: bool = False, flash_attention: bool = True,
+                      overhead_gb: float = 2.0, engine: str = "deepspeed", lora_r: int = 0,
                       lora_targets: str = "auto", lora_bits: int = 16, suggest: bool = True, **_ignored) -> dict:
     """Per-GPU memory of stage 1 (stage="sft") or stage 2 ("rm"): one trained model and nothing beside it.
 
     Same terms as plan_memory's policy: weights β·N, gradients β·N (÷G with ZeRO ≥ 2), AdamW 12·N (÷G with ZeRO ≥ 1;
-    on the CPU with offload), activations with checkpointing ℓ·s·L·h·β + one layer's working set, where s sequences
-    of L = P + T tokens go through per step: s = b for SFT, s = 2b for the reward model (chosen and rejected of b
-    pairs in one batch). Logits: SFT b·L·V·β plus the fp32 log-softmax b·L·V·4; the reward model computes them for
-    all 2b sequences (2b·L·V·β) and upcasts the chosen half for Eq. 2's LM term (b·L·V·4). The reward model keeps
-    its LM head (Eq. 2 needs it): N = the causal LM's parameters + the h + 1 of the scalar head.
+    on the CPU with offload; engine "torch": 2·β·N + 4·t), activations with checkpointing ℓ·s·L·h·β + one layer's
+    working set, where s sequences of L = P + T tokens go through per step: s = b for SFT, s = 2b for the reward
+    model (chosen and rejected of b pairs in one batch). Logits: SFT's loss is ppo_loss.ptx_loss on the model's
+    logits, b·L·V·(3β + 4) at its backward's peak (measured for the ptx term, plan_memory); the reward model computes
+    them for all 2b sequences (2b·L·V·β) and upcasts the chosen half for Eq. 2's LM term (b·L·V·4, the plan's reading
+    of reward_model.py, not measured). The reward model keeps its LM head (Eq. 2 needs it): N = the causal LM's
+    parameters + the h + 1 of the scalar head.
 
     lora_r = R > 0: the weights are frozen, frozen_bytes(N, bits) (bf16, or 8 / 4 bits), held once per GPU with no
     gradient and no optimizer state; the n = lora_trainable(cfg, R, targets) adapters (+ the reward model's h + 1
-    head) cost 8·n for their fp32 weights and gradients and 8·n for Adam's m and v. Activations and logits as above.
-    Every GPU holds all of it (ZeRO and offload do not apply). With suggest, "suggestions" when it does not fit."""
+    head) cost 8·n for their fp32 weights and gradients and 8·n for Adam's m and v (engine "torch": + 4 bytes of step
+    per tensor). Every GPU holds all of it (ZeRO and offload do not apply). With suggest, "suggestions" when it does
+    not fit."""
     if stage not in ("sft", "rm"):
         raise ValueError(f"plan_stage_memory: stage must be 'sft' or 'rm', got {stage!r}")
     check_lora(lora_r, lora_targets, lora_bits)
-    c = llama_config_numbers(cfg)
+    a = arch_numbers(cfg)
     G, beta, b, L = num_gpus, dtype_bytes, micro_batch, prompt_len + response_len
-    h, n_layers, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    N = llama_param_count(c) + (h + 1 if stage == "rm" else 0)
+    h, n_layers, V = a["hidden_size"], a["num_hidden_layers"], a["vocab_size"]
+    N = a["n_params"] + (h + 1 if stage == "rm" else 0)
+    t = a["n_tensors"] + (2 if stage == "rm" else 0)
     s = b if stage == "sft" else 2 * b
-    ws, _ = _layer_working_set(c, s, L, beta, flash_attention)
+    ws, _ = _working_set(a, s, L, beta, flash_attention)
     activations = (n_layers * s * L * h * beta + ws) if grad_ckpt else n_layers * ws
-    logits = s * L * V * beta + b * L * V * 4
-    if not lora_r:
-        rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
-                "gradients": beta * N // (G if zero_stage >= 2 else 1),
-                "optimizer": 0 if offload_optimizer else (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1),
-                "activations": activations, "logits": logits, "overhead": int(overhead_gb * GiB)}
-        total = sum(rows.values())
-        return {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
-                "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB}
-    n = lora_trainable(cfg, lora_r, lora_targets, heads=1 if stage == "rm" else 0)
-    frozen, _ = frozen_bytes(c, lora_bits, beta)
-    rows = {"frozen": frozen, "adapters": 8 * n, "optimizer": 8 * n,  # 16 bytes per trainable parameter
-            "activations": activations, "logits": logits, "overhead": int(overhead_gb * GiB)}
-    total = sum(rows.values())
+    logits = b * L * V * (3 * beta + 4) if stage == "sft" else s * L * V * beta + b * L * V * 4
+    torch_engine = engine == "torch"
     settings = dict(num_gpus=num_gpus, gpu_mem_gb=gpu_mem_gb, zero_stage=zero_stage, dtype_bytes=dtype_bytes,
                     micro_batch=micro_batch, prompt_len=prompt_len, response_len=response_len, grad_ckpt=grad_ckpt,
                     offload_optimizer=offload_optimizer, flash_attention=flash_attention, overhead_gb=overhead_gb,
-                    lora_r=lora_r, lora_targets=lora_targets, lora_bits=lora_bits)
-    plan = {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
-            "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB, "trainable": n,
-            "lora": dict(r=lora_r, targets=lora_targets, bits=lora_bits, dtype_bytes=beta), "suggestions": []}
+                    engine=engine, lora_r=lora_r, lora_targets=lora_targets, lora_bits=lora_bits)
+    if not lora_r:
+        if torch_engine:
+            rows = {"weights": beta * N, "gradients": beta * N, "optimizer": 2 * beta * N + 4 * t}
+        else:
+            rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
+                    "gradients": beta * N // (G if zero_stage >= 2 else 1),
+                    "optimizer": 0 if offload_optimizer else
+                    (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1)}
+        rows.update(activations=activations, logits=logits, overhead=int(overhead_gb * GiB))
+        total = sum(rows.values())
+        plan = {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
+                "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB, "suggestions": []}
+    else:
+        tg = _lora_targets(cfg, lora_targets)
+        n_a = lora_r * tg["per_rank"]
+        n = n_a + (h + 1 if stage == "rm" else 0)
+        frozen, _ = frozen_bytes(a, lora_bits, beta)
+        if torch_engine:  # fp32 adapters; the head in the weights' dtype (fp32 at 8/4 bits)
+            hb = 4 if lora_bits != 16 else beta
+            head = (h + 1) * hb if stage == "rm" else 0
+            tensors = 2 * tg["layers"] + (2 if stage == "rm" else 0)
+            rows = {"frozen": frozen, "adapters": 8 * n_a + 2 * head, "optimizer": 8 * n_a + 2 * head + 4 * tensors}
+        else:
+            rows = {"frozen": frozen, "adapters": 8 * n, "optimizer": 8 * n}  # 16 bytes per trainable parameter
+        rows.update(activations=activations, logits=logits, overhead=int(overhead_gb * GiB))
+        total = sum(rows.values())
+        plan = {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
+                "capacity_bytes": int(gpu_mem_gb * GiB), "fits": total <= gpu_mem_gb * GiB, "trainable": n,
+                "lora": dict(r=lora_r, targets=lora_targets, bits=lora_bits, dtype_bytes=beta), "suggestions": []}
     if suggest and not plan["fits"]:
         plan["suggestions"] = _suggestions(
             lambda x: plan_stage_memory(cfg, stage, suggest=False, **x)["total_bytes"], settings, total,
@@ -606,36 +866,44 @@ def format_stage_plans(plans: list[dict]) -> str:
 
 
 def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
-    """(change in words, overrides, changes the experiment?) for every single step that could save memory. Under
-    LoRA nothing is sharded or offloaded: the steps are the rank, the frozen weights' bits and the batch shapes."""
-    out = []
+    """(change in words, overrides, changes the experiment?) for every single step that could save memory and that
+    train.py can run. Under LoRA nothing is sharded or offloaded: the steps are the rank, the frozen weights' bits
+    and the batch shapes. ZeRO-3 and offloading the frozen models are plan_memory settings (what they would save)
+    but not suggestions: train.py refuses ZeRO-3 for the trained models and replicates the frozen ones."""
     if s.get("lora_r"):
         return _lora_candidates(s) + _shape_candidates(s)
+    out = []
+    if s.get("engine") == "torch":
+        out.append(("DeepSpeed engine with the optimizer states on the CPU (--deepspeed --deepspeed_config with "
+                    "zero_optimization.offload_optimizer: ZeRO-Offload)",
+                    {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": True}, False))
+        out.append(("LoRA adapters instead of full weights (--lora-r 16; changes what trains)", {"lora_r": 16}, True))
+        return out + _shape_candidates(s)
+    out.append(("LoRA adapters instead of full weights (--lora-r 16; changes what trains)", {"lora_r": 16}, True))
     if not s["offload_optimizer"]:
-        out.append(("offload optimizer states to CPU (ZeRO-Offload, offload_optimizer)",
-                    {"offload_optimizer": True}, False))
-    for z in (2, 3):
-        if s["zero_stage"] < z:
-            what = "gradients and optimizer" if z == 2 else "weights of all four models too; generation slows"
-            out.append((f"ZeRO-{z} (shards {what})", {"zero_stage": z}, False))
-    if not s["ref_reward_offload"]:
-        out.append(("keep reference and reward model on CPU (ZeRO-3 parameter offload)",
-                    {"ref_reward_offload": True}, False))
+        out.append(("optimizer states on the CPU (ZeRO-Offload: zero_optimization.offload_optimizer in "
+                    "--deepspeed_config)", {"offload_optimizer": True}, False))
+    if s["zero_stage"] < 2:
+        out.append(("ZeRO-2 (--zero-stage 2: shards gradients and optimizer states)", {"zero_stage": 2}, False))
     return out + _shape_candidates(s)
 
 
 def _shape_candidates(s: dict) -> list[tuple[str, dict, bool]]:
     out = []
     if not s["grad_ckpt"]:
-        out.append(("turn on gradient checkpointing", {"grad_ckpt": True}, False))
+        out.append(("turn on gradient checkpointing (--grad-ckpt)", {"grad_ckpt": True}, False))
     if s["micro_batch"] > 1:
         m = s["micro_batch"]
-        out.append((f"micro batch {m} → {m // 2} (double gradient accumulation: same minibatch)",
+        out.append((f"micro batch {m} → {m // 2} (a smaller --minibatch, or twice the GPUs)",
                     {"micro_batch": m // 2}, False))
-    if s.get("generate_batch_per_gpu", 1) > 1:
-        g = s["generate_batch_per_gpu"]
-        out.append((f"generate in chunks of {g // 2} prompts per GPU instead of {g}",
-                    {"generate_batch_per_gpu": g // 2}, False))
+    if s.get("rollout_batch_per_gpu", 1) > 1:
+        B = s["rollout_batch_per_gpu"]
+        out.append((f"{B} → {B // 2} prompts per GPU per iteration (twice the GPUs; or a smaller --rollout-batch, "
+                    f"which changes the experiment)", {"rollout_batch_per_gpu": B // 2}, True))
+    if s.get("ptx_batch_per_gpu", 0) > 1:
+        x = s["ptx_batch_per_gpu"]
+        out.append((f"ptx rows per GPU {x} → {x // 2} (--ptx-batch; changes the experiment)",
+                    {"ptx_batch_per_gpu": x // 2}, True))
     if s["response_len"] > 1:
         t = s["response_len"]
         out.append((f"shorter rollouts: response_len {t} → {t // 2} (changes the experiment)",
@@ -658,8 +926,8 @@ def _lora_candidates(s: dict) -> list[tuple[str, dict, bool]]:
 
 def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacity: int) -> list[Suggestion]:
     """Each single change, recomputed by run(settings) → total bytes (plan_memory's or plan_stage_memory's); then
-    greedy combinations (largest saving first, changes that keep the experiment before shorter rollouts) until the
-    plan fits."""
+    greedy combinations (largest saving first, changes that keep the experiment before the others, none that saves
+    less than 0.5 % of the total) until the plan fits."""
     out = []
     for change, over, _ in _candidates(settings):
         t = run({**settings, **over})
@@ -676,7 +944,7 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
                 if changes_experiment and not allow_experiment:
                     continue
                 t = run({**s, **over})
-                if t < cur and (best is None or t < best[2]):
+                if t < cur - total // 200 and (best is None or t < best[2]):  # a step that saves < 0.5 %: not worth it
                     best = (change, over, t)
             if best is None:
                 break
@@ -693,17 +961,35 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
     return out
 
 
-# ---- hook for the critic-free estimators (critic_free.py): the plan without the critic's rows -------------------
-def without_critic(plan: MemoryPlan) -> tuple[int, int]:
-    """(peak bytes per GPU, bytes saved) of `plan` for a run with no critic (train.py --advantage grpo, rloo, ...):
-    the critic's weights, gradients, optimizer states and training activations go; under LoRA its frozen backbone
-    stays, as the reward model it shares weights with. Recomputed as plan_memory sums: resident + the largest phase
-    + overhead."""
-    keep = [r for r in plan.rows if r.model != "critic" or (plan.lora and r.component == "frozen")]
-    resident = sum(r.bytes for r in keep if r.device == "gpu" and not r.phases)
-    phase = max(sum(r.bytes for r in keep if r.device == "gpu" and p in r.phases) for p in PHASES)
-    total = resident + phase + plan.overhead_bytes
-    return total, plan.total_bytes - total
+def _engine_words(s: dict) -> str:
+    if s["engine"] == "torch":
+        return "one process, torch AdamW (states in the weights' dtype: exact)"
+    return (f"{s['num_gpus']} GPU{'s' if s['num_gpus'] > 1 else ''} × DeepSpeed ZeRO-{s['zero_stage']} "
+            f"(mixed-precision Adam, 12 bytes/param: the ZeRO formula)")
+
+
+def _shape_words(s: dict) -> str:
+    x = s["ptx_batch_per_gpu"]
+    on = lambda flag: "on" if s[flag] else "off"  # noqa: E731
+    return (f"grad ckpt {on('grad_ckpt')}, flash attention {on('flash_attention')}, "
+            f"micro batch b={s['micro_batch']}, B={s['rollout_batch_per_gpu']} prompts/GPU generated and scored at "
+            f"once, {f'ptx x={x}' if x else 'no ptx'}, L = {s['prompt_len']} + {s['response_len']}")
+
+
+def _models_words(plan: MemoryPlan) -> str:
+    """Which models the run holds, their parameters, and which share another's weights."""
+    n, s, words = plan.n_params, plan.settings, []
+    for role in MODELS:
+        if role in n:
+            held = plan.held_by.get(role, "its own weights")
+            size = f"{n[role] / 1e9:.2f} B" if n[role] >= 1e8 else f"{n[role] / 1e6:.2f} M"
+            words.append(f"{role} {size}" + ("" if held == "its own weights" else f" (= {held})"))
+    if "critic" in n:
+        words.append("critic from " + {"rm": "the reward model", "sft": "the SFT model",
+                                       "model": "its own directory"}[s["critic_init"]])
+    else:
+        words.append("no critic")
+    return "  models: " + "; ".join(words)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -711,28 +997,37 @@ def format_plan(plan: MemoryPlan) -> str:
     one-GPU table)."""
     s, c = plan.settings, plan.cfg
     gib = lambda n: f"{n / GiB:8.2f}"  # noqa: E731
-    lines = _lora_header(plan) if plan.lora else [
-        f"Memory plan per GPU: {plan.name} (policy/reference {plan.n_params['policy'] / 1e9:.2f} B params, "
-        f"critic/reward {plan.n_params['reward'] / 1e9:.2f} B; h={c['hidden_size']}, ℓ={c['num_hidden_layers']}, "
-        f"a={c['num_attention_heads']}, k={c['num_key_value_heads']}, V={c['vocab_size']})",
-        f"  {s['num_gpus']} GPUs × {s['gpu_mem_gb']} GiB, ZeRO-{s['zero_stage']}, "
-        f"{'bf16' if s['dtype_bytes'] == 2 else 'fp32'}, grad ckpt {'on' if s['grad_ckpt'] else 'off'}, "
-        f"flash attention {'on' if s['flash_attention'] else 'off'}, micro batch b={s['micro_batch']}, "
-        f"{s['rollout_batch_per_gpu']} prompts/GPU generated g={s['generate_batch_per_gpu']} at a time, "
-        f"L = {s['prompt_len']} + {s['response_len']}, optimizer offload {'on' if s['offload_optimizer'] else 'off'}"
-        f", ref/reward offload {'on' if s['ref_reward_offload'] else 'off'}",
-    ]
-    lines.append(f"  {'model':10s} {'component':12s} {'GiB':>8s}  {'held':22s} formula")
+    dtype = "bf16" if s["dtype_bytes"] == 2 else "fp32"
+    arch = (f"h={c['hidden_size']}, ℓ={c['num_hidden_layers']}, a={c['num_attention_heads']}, "
+            f"k={c['num_key_value_heads']}, V={c['vocab_size']}")
+    if plan.lora:
+        lo, n = plan.lora, plan.lora["trainable"]
+        engine = "one process, torch AdamW" if s["engine"] == "torch" else "DeepSpeed engines"
+        gpus = f"{s['num_gpus']} GPU{'s' if s['num_gpus'] > 1 else ''}"
+        lines = [f"Memory plan per GPU: {plan.name} ({c['model_type']}: {arch}) with LoRA r={lo['r']} on "
+                 f"{lo['modules']} ({lo['layers']} adapted layers), frozen weights "
+                 f"{_frozen_words(lo['bits'], s['dtype_bytes'])}",
+                 f"  {gpus} × {s['gpu_mem_gb']} GiB, each holding every model (LoRA: ZeRO and offload flags do not "
+                 f"apply), {engine}, {_shape_words(s)}",
+                 f"  trainable: policy {n['policy']:,}"
+                 + (f"; critic {n['critic']:,} (adapters + the h+1 value head)" if "critic" in n else "")]
+    else:
+        lines = [f"Memory plan per GPU: {plan.name} ({c['model_type']}: {arch})",
+                 f"  {s['gpu_mem_gb']} GiB per GPU, {_engine_words(s)}, {dtype}, {_shape_words(s)}, optimizer offload "
+                 f"{'on' if s['offload_optimizer'] else 'off'}, frozen-model offload "
+                 f"{'on' if s['ref_reward_offload'] else 'off'}"]
+    lines.append(_models_words(plan))
+    lines.append(f"  {'model':10s} {'component':13s} {'GiB':>8s}  {'held':26s} formula")
     for r in plan.rows:
         if r.device == "gpu":
             held = "always" if not r.phases else ", ".join(r.phases)
-            lines.append(f"  {r.model:10s} {r.component:12s} {gib(r.bytes)}  {held:22s} {r.formula}")
-    lines.append(f"  {'held always':23s} {gib(plan.resident_bytes)}")
-    for p in PHASES:
+            lines.append(f"  {r.model:10s} {r.component:13s} {gib(r.bytes)}  {held:26s} {r.formula}")
+    lines.append(f"  {'held always':24s} {gib(plan.resident_bytes)}")
+    for p, n in plan.phase_bytes.items():
         mark = "  ← peak" if p == plan.peak_phase else ""
-        lines.append(f"  {'+ while ' + p:23s} {gib(plan.phase_bytes[p])}{mark}")
-    lines.append(f"  {'+ overhead':23s} {gib(plan.overhead_bytes)}  (CUDA context, NCCL/ZeRO buffers, fragmentation)")
-    lines.append(f"  {'peak per GPU':23s} {gib(plan.total_bytes)}  of {plan.capacity_bytes / GiB:.2f} GiB → "
+        lines.append(f"  {'+ while ' + p:24s} {gib(n)}{mark}")
+    lines.append(f"  {'+ overhead':24s} {gib(plan.overhead_bytes)}  (CUDA context, NCCL/ZeRO buffers, fragmentation)")
+    lines.append(f"  {'peak per GPU':24s} {gib(plan.total_bytes)}  of {plan.capacity_bytes / GiB:.2f} GiB → "
                  + ("fits" if plan.fits else "DOES NOT FIT"))
     cpu = [r for r in plan.rows if r.device == "cpu"]
     if cpu:
@@ -749,36 +1044,14 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _lora_header(plan: MemoryPlan) -> list[str]:
-    s, c, lo = plan.settings, plan.cfg, plan.lora
-    n = lo["trainable"]
-    h_rm = plan.reward_cfg["hidden_size"]
-    return [
-        f"Memory plan per GPU: {plan.name} with LoRA r={lo['r']} on {lo['modules']} ({lo['layers']} adapted "
-        f"layers), frozen weights {_frozen_words(lo['bits'], s['dtype_bytes'])} (policy = reference "
-        f"{plan.n_params['policy'] / 1e9:.2f} B params, critic = reward model {plan.n_params['critic'] / 1e9:.2f} B; "
-        f"h={c['hidden_size']}, ℓ={c['num_hidden_layers']}, a={c['num_attention_heads']}, "
-        f"k={c['num_key_value_heads']}, V={c['vocab_size']})",
-        f"  {s['num_gpus']} GPU{'s' if s['num_gpus'] > 1 else ''} × {s['gpu_mem_gb']} GiB, each holding every model "
-        f"(LoRA: ZeRO and offload flags do not apply), grad ckpt {'on' if s['grad_ckpt'] else 'off'}, "
-        f"flash attention {'on' if s['flash_attention'] else 'off'}, micro batch b={s['micro_batch']}, "
-        f"{s['rollout_batch_per_gpu']} prompts/GPU generated g={s['generate_batch_per_gpu']} at a time, "
-        f"L = {s['prompt_len']} + {s['response_len']}",
-        f"  trainable, {ADAPTER_BYTES} bytes each with Adam: policy adapters {n['policy']:,}; critic adapters "
-        f"{n['critic'] - h_rm - 1:,} + value head {h_rm + 1:,} = {n['critic']:,}. Two frozen backbones, not four: "
-        f"the reference is the policy with its adapters off, the reward model the critic's backbone with its adapters "
-        f"off and its own frozen head",
-    ]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # One GPU with LoRA: which GPU holds PPO-max, at which bits
 # ---------------------------------------------------------------------------------------------------------
 ONE_GPU_MEMS = (24, 48, 80)  # GiB: RTX 4090 / A10-class, A6000 / L40S, A100-80GB / H100
 
 
-def one_gpu_table(cfg, *, reward_cfg=None, gpu_mems: tuple = ONE_GPU_MEMS, bits: tuple = LORA_BITS,
-                  **settings) -> list[dict]:
+def one_gpu_table(cfg, *, reward_cfg=None, critic_cfg=None, judge_cfg=None, gpu_mems: tuple = ONE_GPU_MEMS,
+                  bits: tuple = LORA_BITS, **settings) -> list[dict]:
     """PPO-max with LoRA on one GPU: for each GPU memory M (GiB) and frozen-weight bits, the peak over its stages,
     max(SFT, reward model, PPO) total bytes, at the settings' rank, targets, micro batch and lengths (plan_memory's
     keywords; lora_r > 0). Critic pre-training holds PPO's models and trains only the critic: never above PPO.
@@ -788,12 +1061,13 @@ def one_gpu_table(cfg, *, reward_cfg=None, gpu_mems: tuple = ONE_GPU_MEMS, bits:
     s = {k: v for k, v in settings.items() if k not in ("lora_bits", "gpu_mem_gb", "num_gpus")}
     if s.get("lora_r", 0) < 1:
         raise ValueError(f"--lora-r {s.get('lora_r', 0)}: the one-GPU table is for LoRA; pass --lora-r R (e.g. 16)")
+    cfgs = dict(reward_cfg=reward_cfg, critic_cfg=critic_cfg, judge_cfg=judge_cfg)
     cells = []
     for q in bits:
         stage_bytes = {
             "SFT": plan_stage_memory(cfg, "sft", num_gpus=1, lora_bits=q, suggest=False, **s)["total_bytes"],
             "reward model": plan_stage_memory(cfg, "rm", num_gpus=1, lora_bits=q, suggest=False, **s)["total_bytes"],
-            "PPO": plan_memory(cfg, reward_cfg=reward_cfg, num_gpus=1, lora_bits=q, suggest=False, **s).total_bytes}
+            "PPO": plan_memory(cfg, **cfgs, num_gpus=1, lora_bits=q, suggest=False, **s).total_bytes}
         peak = max(stage_bytes, key=stage_bytes.get)
         for m in gpu_mems:
             cells.append(dict(gpu_mem_gb=m, lora_bits=q, total_bytes=stage_bytes[peak], peak_stage=peak,
@@ -808,9 +1082,10 @@ def format_one_gpu_table(cells: list[dict], settings: Mapping[str, Any], modules
     mems = sorted({x["gpu_mem_gb"] for x in cells})
     cell = {(x["gpu_mem_gb"], x["lora_bits"]): x for x in cells}
     words = {q: "frozen " + _frozen_words(q, s.get("dtype_bytes", 2)).split(" ")[0] for q in bits}
+    x = s.get("ptx_batch_per_gpu", 0)
     lines = [f"One GPU, LoRA r={s['lora_r']}{' on ' + modules if modules else ''}, micro batch b={s['micro_batch']}, "
-             f"g={s.get('generate_batch_per_gpu', 1)}, L = {s['prompt_len']} + {s['response_len']}: PPO-max's peak "
-             f"stage (max of SFT, reward model, PPO), GiB",
+             f"B={s.get('rollout_batch_per_gpu', 1)} prompts at once, {f'ptx x={x}' if x else 'no ptx'}, "
+             f"L = {s['prompt_len']} + {s['response_len']}: PPO-max's peak stage (max of SFT, reward model, PPO), GiB",
              (f"  {'GPU':8s}" + "".join(f"{words[q]:18s}" for q in bits)).rstrip()]
     for m in mems:
         row = [f"{'fits' if cell[m, q]['fits'] else 'no'} ({cell[m, q]['total_bytes'] / GiB:.2f} GiB)" for q in bits]
@@ -884,16 +1159,22 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
     a("--num-gpus", type=int, default=p["num_gpus"], help="GPUs in the whole job (G)")
     a("--gpu-mem", type=float, default=p["gpu_mem_gb"], help="memory of one GPU in GiB (A100-80GB = 80)")
-    a("--zero-stage", type=int, default=p["zero_stage"], choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
+    a("--zero-stage", type=int, default=p["zero_stage"], choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage (3: what "
+      "it would save; train.py refuses it for the trained models)")
+    a("--engine", default="auto", choices=("auto",) + ENGINES, help="deepspeed (engines: the launcher or --deepspeed) "
+      "or torch (one process, torch AdamW); auto = deepspeed on more than one GPU")
     a("--fp32", action="store_true", help="plan for fp32 instead of bf16 (β = 4)")
     a("--micro-batch", type=int, default=p["micro_batch"], help="training sequences per GPU per step (b)")
-    a("--rollout-batch-per-gpu", type=int, default=p["rollout_batch_per_gpu"], help="prompts per GPU per PPO iteration")
-    a("--generate-batch-per-gpu", type=int, default=p["generate_batch_per_gpu"], help="prompts generated at once (g)")
+    a("--rollout-batch-per-gpu", type=int, default=p["rollout_batch_per_gpu"], help="prompts per GPU per PPO "
+      "iteration (B), generated and scored at once")
+    a("--ptx-batch-per-gpu", type=int, default=p["ptx_batch_per_gpu"], help="SFT rows per GPU in the ptx term of "
+      "each step (x; 0 = no ptx term)")
     a("--prompt-len", type=int, default=p["prompt_len"], help="prompt tokens (P)")
     a("--response-len", type=int, default=p["response_len"], help="response tokens (T)")
     a("--no-grad-ckpt", action="store_true", help="plan without gradient checkpointing")
     a("--offload-optimizer", action="store_true", help="optimizer states on the CPU (ZeRO-Offload)")
-    a("--ref-reward-offload", action="store_true", help="reference and reward weights on the CPU")
+    a("--ref-reward-offload", action="store_true", help="frozen models' weights on the CPU (what it would save; "
+      "train.py replicates them)")
     a("--no-flash-attention", action="store_true", help="count the a·L² attention scores")
     a("--overhead-gb", type=float, default=2.0, help="CUDA context, buffers, fragmentation (GiB)")
     a("--lora-r", type=int, default=0, help="LoRA rank r: plan frozen weights + adapters (0 = full fine-tuning)")
@@ -904,46 +1185,49 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _lora_args(args: argparse.Namespace) -> dict:
-    return dict(lora_r=getattr(args, "lora_r", 0), lora_targets=getattr(args, "lora_targets", "auto"),
-                lora_bits=getattr(args, "lora_bits", 16))
+def plan_settings(args: argparse.Namespace, **run) -> dict:
+    """plan_memory's keywords from the plan's flags; `run` (train.py --plan: the run's own choices) wins."""
+    engine = args.engine if args.engine != "auto" else "deepspeed" if args.num_gpus > 1 else "torch"
+    s = dict(num_gpus=args.num_gpus, gpu_mem_gb=args.gpu_mem, zero_stage=args.zero_stage, engine=engine,
+             dtype_bytes=4 if args.fp32 else 2, micro_batch=args.micro_batch,
+             rollout_batch_per_gpu=args.rollout_batch_per_gpu, ptx_batch_per_gpu=args.ptx_batch_per_gpu,
+             prompt_len=args.prompt_len, response_len=args.response_len, grad_ckpt=not args.no_grad_ckpt,
+             offload_optimizer=args.offload_optimizer, ref_reward_offload=args.ref_reward_offload,
+             flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb, lora_r=args.lora_r,
+             lora_targets=args.lora_targets, lora_bits=args.lora_bits)
+    return {**s, **run}
 
 
-def stage_plans_from_args(model: str, args: argparse.Namespace) -> list[dict]:
-    return [plan_stage_memory(model, stage, num_gpus=args.num_gpus, gpu_mem_gb=args.gpu_mem,
-                              zero_stage=args.zero_stage, dtype_bytes=4 if args.fp32 else 2,
-                              micro_batch=args.micro_batch, prompt_len=args.prompt_len, response_len=args.response_len,
-                              grad_ckpt=not args.no_grad_ckpt, offload_optimizer=args.offload_optimizer,
-                              flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb,
-                              **_lora_args(args))
-            for stage in ("sft", "rm")]
+_STAGE_KEYS = ("num_gpus", "gpu_mem_gb", "zero_stage", "dtype_bytes", "micro_batch", "prompt_len", "response_len",
+               "grad_ckpt", "offload_optimizer", "flash_attention", "overhead_gb", "engine", "lora_r", "lora_targets",
+               "lora_bits")
 
 
-def plan_from_args(model: str, args: argparse.Namespace, reward_model: str | None = None) -> MemoryPlan:
-    return plan_memory(model, reward_cfg=reward_model, num_gpus=args.num_gpus, gpu_mem_gb=args.gpu_mem,
-                       zero_stage=args.zero_stage, dtype_bytes=4 if args.fp32 else 2, micro_batch=args.micro_batch,
-                       rollout_batch_per_gpu=args.rollout_batch_per_gpu,
-                       generate_batch_per_gpu=args.generate_batch_per_gpu, prompt_len=args.prompt_len,
-                       response_len=args.response_len, grad_ckpt=not args.no_grad_ckpt,
-                       offload_optimizer=args.offload_optimizer, ref_reward_offload=args.ref_reward_offload,
-                       flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb,
-                       **_lora_args(args))
+def stage_plans(model, settings: dict, sft_batch: int | None = None, rm_batch: int | None = None) -> list[dict]:
+    """Stages 1 and 2 (plan_stage_memory) at the PPO plan's settings; sft_batch (sequences) and rm_batch (pairs)
+    per GPU per step, when given, instead of its micro batch."""
+    keep = {k: settings[k] for k in _STAGE_KEYS}
+    return [plan_stage_memory(model, stage, **{**keep, "micro_batch": n or keep["micro_batch"]})
+            for stage, n in (("sft", sft_batch), ("rm", rm_batch))]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-7b", help="alias, hub id (local cache) or model directory")
     parser.add_argument("--reward-model", default=None, help="reward model (= critic) if it differs from --model")
+    parser.add_argument("--judge", action="store_true", help="one more frozen reward model during PPO: the held-out "
+                                                             "judge train.py trains on real data (--judge-frac)")
     parser.add_argument("--ds-config", action="store_true", help="also print the DeepSpeed JSON for a trained engine")
     args = add_plan_args(parser).parse_args(argv)
     try:
-        plan = plan_from_args(args.model, args, args.reward_model)
-        stage_plans = stage_plans_from_args(args.model, args) if args.lora_r else []
+        settings = plan_settings(args, judge=args.judge)
+        plan = plan_memory(args.model, reward_cfg=args.reward_model, **settings)
+        stages = stage_plans(args.model, settings) if args.lora_r else []
     except (ModelNotFound, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    if stage_plans:  # LoRA: the reward model's 2b sequences per step can make stage 2 the peak
-        print(format_stage_plans(stage_plans))
+    if stages:  # LoRA: the reward model's 2b sequences per step can make stage 2 the peak
+        print(format_stage_plans(stages))
     print(format_plan(plan))
     if args.ds_config:
         print(json.dumps(deepspeed_config(zero_stage=args.zero_stage, bf16=not args.fp32,
@@ -953,24 +1237,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Worked example: `python scale.py` = the paper preset for llama-7b (8 × A100-80GB, ZeRO-2, bf16, gradient
-    # checkpointing, micro batch 4, 16 prompts per GPU generated 4 at a time, L = 1024 + 1024). Printed
-    # (tests/test_scale.py checks 71.47 and 77.51):
-    #   policy     weights         12.55  always                 2·N          (N = 6,738,415,616)
-    #   policy     gradients        1.57  always                 2·N/8
-    #   policy     optimizer        9.41  always                 12·N/8
-    #   policy     activations      3.06  policy train           ℓ·b·L·h·2 + 34·b·L·h
-    #   policy     logits           0.98  policy train           b·L·V·4
-    #   policy     kv_cache         4.00  generate               2·ℓ·g·L·k·d·2
-    #   critic     weights         12.31  always                 2·N          (N = 6,607,347,712: no lm_head)
-    #   ... (critic gradients 1.54, optimizer 9.23, activations 3.06; reference weights 12.55, reward 12.31)
-    #   held always                71.47
-    #   + while policy train        4.04  ← peak      (generate 4.00, critic train 3.06, reference fwd 2.04)
-    #   + overhead                  2.00
-    #   peak per GPU               77.51  of 80.00 GiB → fits
-    # With `--generate-batch-per-gpu 16` (all 16 prompts at once) the KV cache is 16 GiB and the peak 89.47 GiB:
-    # does not fit. With `--gpu-mem 24`, ZeRO-3 + optimizer offload together bring it to 16.11 GiB.
-    # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, and
-    # 8,388,608 + 8,392,705 trainable adapter and head parameters at 16 bytes each (0.25 GiB), peak 31.39 GiB, so it
-    # does not fit; `--lora-bits 4` brings it to 14.47 GiB (tests/test_scale.py checks both; docs/one-gpu.md).
+    # Worked example: `python scale.py` = the paper preset for llama-7b as train.py runs it (8 × A100-80GB, ZeRO-2,
+    # bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows per GPU,
+    # L = 1024 + 1024). Printed (tests/test_scale.py checks 72.17, 92.29 and 73.47):
+    #   policy     weights          12.55  always                     2·N   (N = 6,738,415,616)
+    #   policy     gradients         1.57  always                     2·N/8
+    #   policy     optimizer         9.41  always                     12·N/8
+    #   policy     kv_cache         16.00  generate                   2·ℓ·B·L·k·d·2   (B = 16 at once)
+    #   policy     prefill           2.12  generate                   34·B·P·h   (the first forward, over the B prompts)
+    #   policy     logprobs          3.91  log-probs, critic values   2·B·T·V·4   (π's and π_ref's fp32 logits)
+    #   policy     temporaries       9.77  log-probs                  max(5·B·T·V·4, ...)   (kl_full; ...)
+    #   ... (critic 12.55 + 1.57 + 9.41 with N + h + 1, its hidden states 12.50 while it scores; reference 12.55,
+    #   reward model 12.55)
+    #   held always                 72.17
+    #   + while generate            18.12  ← peak   (critic values 16.41, log-probs 13.67, reward score 12.50)
+    #   + overhead                   2.00
+    #   peak per GPU                92.29  of 80.00 GiB → DOES NOT FIT
+    # Optimizer offload (zero_optimization.offload_optimizer in --deepspeed_config) brings it to 73.47 GiB: fits.
+    # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, the same
+    # phases, peak 45.48 GiB; `--lora-bits 4` 28.55 GiB; with 8 prompts per GPU as well 19.49 GiB, which fits
+    # (tests/test_scale.py; docs/one-gpu.md).
     main(sys.argv[1:])

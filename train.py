@@ -559,33 +559,65 @@ def make_out_dir(run: RunConfig) -> Path:
 # Stages 1-2 (pipeline.py: the cached base, a real model's stage directories) and the memory plan
 # =========================================================================================================
 def print_plan(argv: list[str]) -> "scale.MemoryPlan":
-    """--plan: scale.py's per-GPU memory plan for --model (for `tiny`, its LlamaConfig), without loading weights.
-    The plan's own flags (--num-gpus, --gpu-mem, --zero-stage, --micro-batch, ...) default to the paper's set-up."""
+    """--plan: scale.py's per-GPU memory plan of the run these flags describe, loading no weights: --model (for
+    `tiny`, its LlamaConfig) and its reward model, the critic's start (--critic-init, --critic-model), the judge (on
+    real data with --judge-frac > 0), LoRA and the sharing load_models does, DeepSpeed engines (more than one GPU, or
+    --deepspeed) or one process with torch AdamW, and the weights' dtype as the run loads them (--bf16 or DeepSpeed's
+    bf16; else as saved). The shapes are the plan's flags (--micro-batch, --rollout-batch-per-gpu, --prompt-len, ...,
+    the paper's set-up by default), or this run's own --minibatch, --rollout-batch, --ptx-batch, --max-prompt-tokens,
+    --max-new-tokens, --sft-batch and --rm-batch (over the GPUs) when those are on the command line. The plan comes
+    back with its stages 1-2 in plan.stages."""
     plan_args, rest = scale.add_plan_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    run, sft_cfg, _, cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
-    if run.model == "tiny":
-        model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+    run, sft_cfg, rm_cfg, cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
+    real = run.model != "tiny"
+    if real:
+        model, reward, critic_model = run.sft_model or run.model, run.reward_model or None, run.critic_model or None
     else:
-        model, reward = run.sft_model or run.model, run.reward_model or None
+        model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+        critic_model = None
+    G = plan_args.num_gpus
+    engines = run.deepspeed or G > 1 if plan_args.engine == "auto" else plan_args.engine == "deepspeed"
+    if plan_args.fp32:
+        beta = 4
+    elif run.bf16 or engines:  # DeepSpeed on an accelerator with bf16 (pipeline.use_bf16)
+        beta = 2
+    else:  # one process without --bf16: from_pretrained loads the weights as saved (the tiny world trains in fp32)
+        beta = scale.saved_dtype_bytes(model) if real else 4
+    given, shapes = given_flags(rest), {}
+    for flag, key, per_gpu in (("minibatch", "micro_batch", True), ("rollout_batch", "rollout_batch_per_gpu", True),
+                               ("ptx_batch", "ptx_batch_per_gpu", True), ("max_prompt_tokens", "prompt_len", False),
+                               ("max_new_tokens", "response_len", False)):
+        if flag in given and f"--{key.replace('_', '-')}" not in argv:  # the plan's own flag wins
+            value = getattr(cfg if hasattr(cfg, flag) else run, flag)
+            shapes[key] = max(1, value // G) if per_gpu else value
+    stage_batch = {f"{k}_batch": max(1, getattr(c, f"{k}_batch") // G) if f"{k}_batch" in given else None
+                   for k, c in (("sft", sft_cfg), ("rm", rm_cfg))}  # stages 1-2: sequences / pairs per GPU per step
+    judge = bool(run.data and run.judge_frac) and (not real or "rm" in run.stages.split(","))
+    settings = scale.plan_settings(plan_args, engine="deepspeed" if engines else "torch", dtype_bytes=beta,
+                                   critic_init="model" if critic_model else cfg.critic_init,
+                                   policy_init=cfg.policy_init, judge=judge, critic=cfg.advantage == "gae", **shapes)
+    if not cfg.ptx_coef:
+        settings["ptx_batch_per_gpu"] = 0
     try:
-        plan = scale.plan_from_args(model, plan_args, reward)
-        stage_plans = scale.stage_plans_from_args(model, plan_args)
+        plan = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, **settings)
+        # the tiny world and --data alone train stages 1-2 from scratch, in full (lora.py)
+        plan.stages = scale.stage_plans(model, settings if real else {**settings, "lora_r": 0, "lora_bits": 16},
+                                        **stage_batch)
     except (scale.ModelNotFound, ValueError) as e:
         fail(str(e))
     if run.model == "tiny":
         plan.name = "tiny (the synthetic world's LLaMA)"
-    print(scale.format_stage_plans(stage_plans))
+    print(scale.format_stage_plans(plan.stages))
     print(scale.format_plan(plan))
-    total, saved = scale.without_critic(plan)  # the critic-free estimators hold no critic at all
-    which = (f"this run (--advantage {cfg.advantage})" if cfg.advantage != "gae" else
-             f"a critic-free run (--advantage {'|'.join(critic_free.CRITIC_FREE)})")
-    print(f"Without the critic, {which}: peak {total / scale.GiB:.2f} GiB per GPU, {saved / scale.GiB:.2f} GiB less "
-          f"(its weights, gradients, optimizer states and activations{'; its frozen backbone is the reward model' if plan.lora else ''})")
-    if run.judge_frac and (run.data or run.model != "tiny"):  # the judge: one more frozen model, on every GPU
-        judge, _ = scale.frozen_bytes(scale.llama_config_numbers(model), plan_args.lora_bits, 2)
-        print(f"Not counted above: with --data, the held-out judge (--judge-frac {run.judge_frac:g}) is one more frozen "
-              f"model during PPO,\n  + {judge / scale.GiB:.2f} GiB per GPU; --judge-frac 0 judges by the proxy "
-              f"reward model instead")
+    other = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, suggest=False,
+                              **{**settings, "critic": not settings["critic"]})  # the same run with / without a critic
+    if settings["critic"]:
+        print(f"A critic-free run (--advantage {'|'.join(critic_free.CRITIC_FREE)}) holds no critic: "
+              f"{other.total_bytes / scale.GiB:.2f} GiB per GPU, {(plan.total_bytes - other.total_bytes) / scale.GiB:.2f} "
+              f"GiB less")
+    else:
+        print(f"--advantage {cfg.advantage} holds no critic: {(other.total_bytes - plan.total_bytes) / scale.GiB:.2f} GiB "
+              f"per GPU less than PPO with GAE's critic ({other.total_bytes / scale.GiB:.2f} GiB)")
     return plan
 
 

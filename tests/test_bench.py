@@ -54,4 +54,5 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     assert [(r["variant"], r["stage"]) for r in results] == [(v, s) for v in ("full", "lora")
                                                              for s in ("sft", "rm", "critic+ppo")]
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)
+    assert all(r["plan_gib"] > 0 for r in results)  # the plan's prediction beside each stage's measurement
     assert (tmp_path / "check" / "run-lora" / "policy" / "adapter" / "adapter_config.json").is_file()

@@ -305,15 +305,21 @@ def test_lora_adapters_get_gradients_under_gradient_checkpointing(arch, tmp_path
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
 
 
-def test_lora_plan_names_the_judge_it_does_not_count(capsys):
-    """On real data the held-out judge is a third frozen model during PPO: the plan says what it adds."""
+def test_lora_plan_counts_the_judge(capsys):
+    """On real data the held-out judge is one more frozen model during PPO, quantized like the reference: the plan
+    holds it, and scores with it in a phase of its own."""
     import scale
-    train.main(["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16",
-                "--lora-bits", "4"])
+    argv = ["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16", "--lora-bits", "4"]
+    without = train.print_plan(argv)
+    capsys.readouterr()
+    hh = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
+    judged = train.print_plan(argv + ["--data", str(hh), "--skip-bad"])
     printed = capsys.readouterr().out
-    judge, _ = scale.frozen_bytes(scale.llama_config_numbers("llama-7b"), 4, 2)
-    assert "peak per GPU               14.47  of 24.00 GiB → fits" in printed
-    assert f"+ {judge / scale.GiB:.2f} GiB per GPU; --judge-frac 0" in printed and 3.5 < judge / scale.GiB < 4.5
+    assert "judge" not in without.n_params and "judge score" in judged.phase_bytes
+    weights, _ = scale.frozen_bytes("llama-7b", 4, 2, prepared=False)
+    assert judged.static("judge")["weights"] == weights + 2 * (4096 + 1) and 3.5 < weights / scale.GiB < 4.5
+    assert judged.resident_bytes == without.resident_bytes + judged.static("judge")["weights"]
+    assert "judge      frozen" in printed
 
 
 def test_lora_stage_under_bf16_writes_bf16(tmp_path):

@@ -92,20 +92,23 @@ def test_combinations_that_cannot_work_are_one_line(flags, message, capsys):
 
 
 def test_plan_prints_what_a_critic_free_run_saves(capsys):
-    """LLaMA-7B on 8 × 80 GiB, ZeRO-2: without the critic the peak drops by exactly its resident rows (weights,
-    gradients, optimizer states: its training activations never set the peak, the policy's phase does)."""
+    """LLaMA-7B on 8 × 80 GiB, ZeRO-2: without the critic (plan_memory(critic=False)) the peak drops by exactly the
+    critic's resident rows (weights, gradients, optimizer states: its training activations never set the peak, the
+    policy's phase does), and --plan prints that difference."""
     import scale
     plan = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80"])
-    total, saved = scale.without_critic(plan)
-    resident = sum(plan.get("critic", c) for c in ("weights", "gradients", "optimizer"))
-    assert saved == resident and total == plan.total_bytes - resident
     out = capsys.readouterr().out
-    assert f"peak {total / scale.GiB:.2f} GiB per GPU, {saved / scale.GiB:.2f} GiB less" in out and "23.08" in out
-    plan = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16",
+    free = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80",
                              "--advantage", "grpo", "--group-size", "4"])
-    total, saved = scale.without_critic(plan)
-    assert 0 < saved < 0.01 * plan.total_bytes  # LoRA: the critic's frozen backbone is the reward model, it stays
-    assert "this run (--advantage grpo)" in capsys.readouterr().out
+    resident = sum(plan.get("critic", c) for c in ("weights", "gradients", "optimizer"))
+    assert "critic" not in free.n_params and free.total_bytes == plan.total_bytes - resident > 0
+    saved = f"{resident / scale.GiB:.2f} GiB"
+    assert f"holds no critic: {free.total_bytes / scale.GiB:.2f} GiB per GPU, {saved} less" in out
+    assert f"--advantage grpo holds no critic: {saved} per GPU less" in capsys.readouterr().out
+    lora = ["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16"]
+    with_critic, free = train.print_plan(lora), train.print_plan(lora + ["--advantage", "rloo", "--group-size", "4"])
+    assert 0 < with_critic.total_bytes - free.total_bytes < 0.01 * with_critic.total_bytes  # LoRA: the critic's
+    # frozen backbone is the reward model's, which stays
 
 
 def test_reward_model_size_flags_leave_the_default_base_unchanged():

@@ -12,6 +12,12 @@ one stage each time, so finished stages are reused and each call's peak memory a
 (the last call, `ppo`, also pre-trains the critic again: its line is critic + PPO). Tokens/s count the tokens the
 stage trained on or generated: SFT steps × batch × mean SFT length; RM steps × 2 × batch × mean pair length; PPO
 steps × rollout batch × (prompt + response), forward and update together.
+
+Beside each stage's torch.cuda.max_memory_allocated it prints what `train.py --plan` predicts for the same flags
+(scale.py: plan_stage_memory for SFT and the reward model, plan_memory for PPO), without the plan's flat overhead
+(the CUDA context and NCCL buffers are not the caching allocator's): the first GPU run checks the plan. The plan
+assumes the longest sequences the flags allow (P = --max-prompt-tokens, T = --max-new-tokens); the data's are
+shorter, so measured < planned is expected by about that ratio.
 """
 from __future__ import annotations
 
@@ -40,9 +46,21 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
 
 
+def planned_gib(argv: list[str]) -> dict[str, float]:
+    """What `train.py ARGV --plan` predicts per stage, in GiB, less its flat overhead: {"sft", "rm", "critic+ppo"}."""
+    import contextlib
+    import io
+    mem = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if torch.cuda.is_available() else 80
+    with contextlib.redirect_stdout(io.StringIO()):
+        plan = train.print_plan(argv + ["--plan", "--num-gpus", "1", "--gpu-mem", f"{mem:.1f}"])
+    sft, rm = (p["total_bytes"] - p["rows"]["overhead"] for p in plan.stages)
+    return {"sft": sft / 2 ** 30, "rm": rm / 2 ** 30, "critic+ppo": (plan.total_bytes - plan.overhead_bytes) / 2 ** 30}
+
+
 def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pair_len: float) -> list[dict]:
     """SFT, then the reward model, then critic + PPO: one train.main call each (finished stages reused), with
-    each call's wall time, tokens/s and peak GPU memory."""
+    each call's wall time, tokens/s and peak GPU memory beside the plan's."""
+    plan = planned_gib(argv)
     results = []
     for stages in ("sft", "sft,rm", "sft,rm,critic,ppo"):
         if torch.cuda.is_available():
@@ -62,9 +80,10 @@ def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pai
             lengths = [json.loads(l)["response/length"] for l in (run / "metrics.jsonl").read_text().splitlines()]
             tokens = 32 * sum(P + n for n in lengths)
             seconds = summary["timings"]["ppo"] + summary["timings"].get("critic_pretrain", 0.0)
-        results.append({"variant": variant, "stage": "critic+ppo" if stage == "ppo" else stage,
-                        "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
-                        "peak_gib": round(peak_gib(), 2)})
+        name = "critic+ppo" if stage == "ppo" else stage
+        results.append({"variant": variant, "stage": name, "seconds": round(seconds, 1),
+                        "tokens_per_s": round(tokens / seconds, 1), "peak_gib": round(peak_gib(), 2),
+                        "plan_gib": round(plan[name], 4)})
         print(f"[gpu check] {results[-1]}", file=sys.stderr)
     return results
 
@@ -106,6 +125,9 @@ def main(argv=None) -> list[dict]:
         extra = ["--lora-r", "16", "--lora-targets", "all-linear"] if variant == "lora" else []
         results += stages(common + extra + ["--out", str(out / f"run-{variant}")], out / f"run-{variant}", variant,
                           P, sft_len, pair_len)
+    for r in results:  # the plan beside the measurement, one line per stage
+        print(f"[gpu check] {r['variant']:4s} {r['stage']:10s} plan {r['plan_gib']:8.3f} GiB   "
+              f"torch.cuda.max_memory_allocated {r['peak_gib']:8.2f} GiB", file=sys.stderr)
     n = sum(x.numel() for x in pipeline.load_lm(model, False, torch.device("cpu"), False).parameters())
     print(json.dumps({"params": n, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "stages": results}, indent=2))
