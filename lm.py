@@ -4,7 +4,8 @@ them needs the PPO recipe to do so.
 
 Implements (no equation: the token bookkeeping the equations rely on):
     position_ids_from_mask(attention_mask)  → 0, 1, 2, … from each row's first real token (left padding too)
-    disable_dropout(model, keep)            → every dropout probability 0, so ρ = 1 on the first minibatch
+    disable_dropout(model, keep)            → every dropout, LayerDrop and MoE-router jitter probability 0, so
+                                              ρ = 1 on the first minibatch
     gradient_checkpointing(model)           → activations recomputed in backward (the paper trains with it)
 
 Run: python -m pytest tests/test_architectures.py -q     (the invariants on five architectures)
@@ -20,11 +21,25 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
+# The other randomness transformers' causal LMs draw in train() mode only: LayerDrop skips whole layers (OPT, BART,
+# Whisper, ...: `layerdrop`, `decoder_layerdrop`), and MoE routers multiply their input by uniform noise (Mixtral,
+# MiniMax: `jitter_noise`; PhiMoE: `input_jitter_noise`; DBRX: `moe_jitter_eps`). PhiMoE's `router_jitter_noise` is
+# not among them: its SparseMixer router reads it in eval mode too, as part of the function.
+TRAINING_NOISE = ("layerdrop", "jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+
+
+def is_noise(name: str, value) -> bool:
+    """A float attribute that is a probability or amplitude of train-mode randomness."""
+    return isinstance(value, float) and not isinstance(value, bool) and (
+        "dropout" in name or name.endswith(("pdrop", "_layerdrop")) or name in TRAINING_NOISE)
+
+
 def disable_dropout(model: torch.nn.Module, keep: str | None = None) -> torch.nn.Module:
     """Dropout off for good, in train() mode too (which gradient checkpointing needs): every nn.Dropout gets p = 0,
-    and so does every float attribute or config field named like a dropout probability. The ratio ρ compares the
-    same network at the same weights, so with dropout on it is not 1 on the first minibatch (GPT-2's default 0.1:
-    about 1.02), and the log-probs of rollout, experience and update would each see another random network.
+    and so does every float attribute or config field named like a dropout probability, a LayerDrop probability or
+    an MoE router's jitter (TRAINING_NOISE). The ratio ρ compares the same network at the same weights, so with
+    dropout on it is not 1 on the first minibatch (GPT-2's default 0.1: about 1.02), and the log-probs of rollout,
+    experience and update would each see another random network.
     `keep`: modules whose name contains it keep their dropout (SFT and the reward model keep --lora-dropout)."""
     for path, module in model.named_modules():
         if keep and keep in path:
@@ -32,11 +47,11 @@ def disable_dropout(model: torch.nn.Module, keep: str | None = None) -> torch.nn
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for name, value in list(vars(module).items()):
-            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            if is_noise(name, value):
                 setattr(module, name, 0.0)      # e.g. LlamaAttention.attention_dropout, read inside forward()
     config = getattr(model, "config", None)
     for name, value in (list(vars(config).items()) if config is not None else []):
-        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+        if is_noise(name, value):
             setattr(config, name, 0.0)          # what the saved config.json says, too
     return model
 
