@@ -83,8 +83,6 @@ SIZES = {
     "attention_window": (32, ("attention_window_size",)),
     "mamba_head_dim": (16, ("mamba_d_head",)),
 }
-SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "decoder", "text_encoder", "audio_encoder",
-               "depth_decoder_config", "audio_encoder_config", "vq_config", "attn_config", "ffn_config")
 
 # Per-architecture details the generic shrink gets wrong (a field of the config class: value), found by the sweep
 OVERRIDES: dict[str, dict] = {
@@ -111,6 +109,8 @@ OVERRIDES: dict[str, dict] = {
     "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,  # input, looped
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
     "dots3_note_text": dict(head_dim=16),             # its sliding-window layers: head_dim = nope + rope dims
+    "blt": dict(encoder_hash_byte_group_vocab=1024, encoder_config=dict(hidden_size_global=64),
+                decoder_config=dict(hidden_size_global=64)),  # byte n-gram hash tables and the global model's width
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # None by default
 }
 OVERRIDES["qwen4_exp"] = {"text_config": OVERRIDES["qwen4_exp_text"]}
@@ -155,6 +155,9 @@ def shrunk(config_cls, extra: dict, token_ids: dict | None) -> dict:
         for name in names:
             if isinstance(d.get(name), int) and not isinstance(d.get(name), bool):
                 kw[name] = value
+    if any(n in kw for n in SIZES["experts"][1]):  # a mixture of experts: its routing fields, even where None
+        for key in ("experts_per_token", "groups"):
+            kw.update({n: SIZES[key][0] for n in SIZES[key][1] if n in d and d[n] is None})
     heads = next((d[n] for n in SIZES["heads"][1] if isinstance(d.get(n), int)), None)
     for name in SIZES["kv_heads"][1]:
         if name in d and d[name] in (heads, None):  # multi-head attention stays so: as many KV heads as heads
@@ -171,7 +174,7 @@ def shrunk(config_cls, extra: dict, token_ids: dict | None) -> dict:
     if per_layer:  # keep layer 0 and the first layer that differs from it, so both kinds of layer are built
         j = max(range(1, n_default), key=lambda i: (sum(v[i] != v[0] for v in per_layer.values()), -i))
         kw.update({k: [v[0], v[j]] for k, v in per_layer.items()})
-    for name in SUB_CONFIGS:
+    for name in getattr(config_cls, "sub_configs", {}):  # text_config, vision_config, attn_config, ...
         sub = getattr(default, name, None)
         if sub is not None and hasattr(sub, "to_dict") and not isinstance(sub, dict):
             kw[name] = (type(sub), shrunk(type(sub), extra.get(name, {}),
@@ -186,7 +189,7 @@ def shrunk(config_cls, extra: dict, token_ids: dict | None) -> dict:
                 kw[name] = token_ids["vocab_size"]
     if "is_decoder" in d:
         kw["is_decoder"] = True  # encoder families listed as causal LMs (BERT, RoBERTa, ...) as decoders
-    kw.update({k: v for k, v in extra.items() if k not in SUB_CONFIGS})
+    kw.update({k: v for k, v in extra.items() if k not in getattr(config_cls, "sub_configs", {})})
     return kw
 
 
@@ -246,6 +249,23 @@ def probe(model, tokenizer) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # One architecture, in its own process
 # ---------------------------------------------------------------------------------------------------------
+MAX_PARAMETERS = 30_000_000  # a "small" config above this kept a size field SIZES does not know
+
+
+def check_size(config) -> None:
+    """Count the parameters on the meta device (no memory) before building for real."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    except Exception:  # noqa: BLE001 - the real build below says what is wrong
+        return
+    if n > MAX_PARAMETERS:
+        raise RuntimeError(f"the small config still has {n / 1e6:.0f} M parameters (a size field the shrink "
+                           f"does not know)")
+
+
 def reason(e: BaseException, err_text: str = "") -> str:
     """One line: the exception and where it was raised (innermost frame, and the innermost one of this project)."""
     if isinstance(e, SystemExit):
@@ -320,6 +340,7 @@ def worker(model_type: str, work: Path, probe_only: bool = False) -> dict:
         tokenizer, row["style"] = tokenizer_for(model_type, work)
         config = small_config(model_type, tokenizer)
         from transformers import AutoModelForCausalLM
+        check_size(config)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         row["parameters"] = sum(p.numel() for p in model.parameters())
@@ -396,8 +417,8 @@ def run_one(model_type: str, work: Path, timeout: float, probe_only: bool = Fals
             proc.wait()
             why = f"timeout after {timeout:.0f} s"
     if result.exists():
-        return json.loads(result.read_text())
-    row = {"type": model_type, "class": model_types()[model_type], "seconds": time.time() - t0}
+        return {**json.loads(result.read_text()), "wall_s": time.time() - t0}
+    row = {"type": model_type, "class": model_types()[model_type], "wall_s": time.time() - t0}
     model_dir = work / "models" / model_type
     row["build"] = "ok" if (model_dir / "config.json").exists() else f"fails: {why}"
     if row["build"] == "ok":
@@ -454,6 +475,13 @@ def main(argv: list[str] | None = None) -> None:
                       f"{time.time() - t_start:.0f} s so far)", flush=True)
         with ThreadPoolExecutor(max(1, a.jobs)) as pool:
             list(pool.map(one, todo))
+        if todo and not a.probe_only:  # the sweep's cost, summed over resumed invocations
+            meta_path = work / "meta.json"
+            meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"wall_s": 0.0}
+            seconds = sorted(r.get("wall_s", r.get("seconds", 0)) for r in results.values())
+            meta.update(wall_s=meta["wall_s"] + time.time() - t_start, jobs=a.jobs,
+                        median_s=seconds[len(seconds) // 2], when=time.strftime(", %Y-%m-%d"))
+            meta_path.write_text(json.dumps(meta, indent=1))
     if a.probe_only:
         return
     write_doc(results, Path(a.doc), json.loads((work / "meta.json").read_text()) if (work / "meta.json").exists() else None)
@@ -547,7 +575,8 @@ def write_doc(results: dict, path: Path, meta: dict | None = None) -> None:
     ]
     if meta.get("wall_s"):
         lines.append(f"- the sweep's wall time: {meta['wall_s'] / 60:.0f} min (`--jobs {meta.get('jobs', 1)}` on a "
-                     f"shared 2-core machine); per architecture {meta.get('median_s', 0):.0f} s median")
+                     f"shared 2-core machine); per architecture {meta.get('median_s', 0):.0f} s median, its process's start "
+                     f"included")
     lines += ["", "## Per architecture", "",
               "| model type | class | generate | SFT | RM | critic | PPO | eval | ρ (step 0) | approx_kl (step 0) | "
               "what fails, or what the config needed |",
