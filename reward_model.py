@@ -8,6 +8,8 @@ Implements (equation numbers as in Zheng et al. 2023, see docs/paper.md):
     ScalarHeadModel.score(input_ids, mask)        r(x, y): head on the last real token            (Eq. 1–2, 18–19)
     ScalarHeadModel.forward(input_ids, mask)      V(s_t): head on every token (the critic)        (Eq. 8–11, 16)
     last_token_index(attention_mask)              index of the last position where mask == 1
+    head_width(lm), backbones(lm)                 the width and the source of the state the LM head reads, which
+                                                  the value head reads too (OPT-350m, Gemma 3, Gemma 3n differ)
     train_reward_model(rm, tokenizer, pairs, ..)  stage 2: Eq. 2 on the training pairs, held-out accuracy along
                                                   the way (Fig. 3); one process or a DeepSpeed engine
 
@@ -152,6 +154,24 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (L - 1) - real.flip(-1).int().argmax(dim=-1)           # (B,)  first 1 seen from the right
 
 
+def head_width(lm) -> int:
+    """H of the hidden state the LM head reads, which the value head reads too: the LM head's input width (OPT-350m
+    projects its 1024-wide states to 512 before it), else the text config's hidden size (composite configs such as
+    Gemma 3's keep it in text_config)."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    width = getattr(head, "in_features", None)
+    return width if isinstance(width, int) else lm.config.get_text_config().hidden_size
+
+
+def backbones(lm) -> list[torch.nn.Module]:
+    """The modules whose output the causal LM may hand its LM head, outermost first: its base model
+    (LlamaForCausalLM.model, GPT2LMHeadModel.transformer, Gemma3ForConditionalGeneration.model) and its decoder (what
+    OPTForCausalLM calls instead, OPTModel.decoder), through a peft wrapper too; none where transformers names none."""
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
+    found = [getattr(hf, "base_model", None), hf.get_decoder() if hasattr(hf, "get_decoder") else None]
+    return [m for i, m in enumerate(found) if isinstance(m, torch.nn.Module) and m is not hf and m not in found[:i]]
+
+
 def reward_model_kind(path: str | os.PathLike) -> str | None:
     """"scalar-head" (ours: value_head.safetensors), "sequence-classification" (transformers' format), or None (no
     reward head: a plain causal LM, whose head would be random). Reads file names and config.json only."""
@@ -184,7 +204,7 @@ class ScalarHeadModel(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, head: torch.nn.Linear | None = None, seed: int | None = 0):
         super().__init__()
         self.lm = lm
-        hidden = lm.config.hidden_size
+        hidden = head_width(lm)
         if head is None:
             head = torch.nn.Linear(hidden, 1)
             # A fresh head: N(0, 1/(H+1)) weights and zero bias, so initial scores are O(1) whatever H is
@@ -216,9 +236,25 @@ class ScalarHeadModel(torch.nn.Module):
         """
         position_ids = position_ids_from_mask(attention_mask)  # (B, L)  0, 1, … from the first real token
         extra = {} if return_logits or not self._has_logits_to_keep else {"logits_to_keep": 1}
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      output_hidden_states=True, use_cache=False, **extra)
-        hidden = out.hidden_states[-1]                            # (B, L, H)  last layer, after the final norm
+        # The hidden state the LM head reads: the backbone's last_hidden_state (after the final norm), caught on its
+        # way out. hidden_states[-1] is not that everywhere: Gemma 3n's is its last layer's 4 AltUp streams, before
+        # they are merged and normed. Where no backbone is named or called, hidden_states[-1] after all.
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        caught: dict[int, torch.Tensor] = {}
+        hooks = [m.register_forward_hook(lambda m, args, out, i=i: caught.__setitem__(
+            i, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+            for i, m in enumerate(backbones(self.lm))]
+        try:
+            out = self.lm(**kw, output_hidden_states=not hooks, **extra)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if hooks and not caught:  # a backbone is named but the LM calls something else
+            out = self.lm(**kw, output_hidden_states=True, **extra)
+        hidden = caught[min(caught)] if caught else out.hidden_states[-1]  # (B, L, H)  the outermost backbone's
+        if hidden.shape[:2] != input_ids.shape:
+            raise ValueError(f"ScalarHeadModel: {type(self.lm).__name__}'s last hidden state is "
+                             f"{tuple(hidden.shape)}, not (B, L, H) for input ids {tuple(input_ids.shape)}")
         values = self.head(hidden).squeeze(-1)                    # (B, L)     V(s_t)
         return (values, out.logits) if return_logits else values  # logits (B, L, V)
 
@@ -242,7 +278,7 @@ class ScalarHeadModel(torch.nn.Module):
         out_dir = Path(out_dir)
         state = {k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}
         safetensors.torch.save_file(state, str(out_dir / VALUE_HEAD_WEIGHTS))
-        meta = {"hidden_size": self.lm.config.hidden_size, "dtype": str(self.head.weight.dtype).removeprefix("torch."),
+        meta = {"hidden_size": head_width(self.lm), "dtype": str(self.head.weight.dtype).removeprefix("torch."),
                 "reads": "score(): the last position where attention_mask == 1; forward(): every position",
                 "weights": VALUE_HEAD_WEIGHTS}
         (out_dir / VALUE_HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
@@ -277,7 +313,7 @@ class ScalarHeadModel(torch.nn.Module):
         if kind is None and require_head:
             raise ValueError(not_a_reward_model(path))
         lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kwargs)
-        hidden = lm.config.hidden_size
+        hidden = head_width(lm)
         if not head_file.is_file():
             return cls(lm, head=None, seed=seed)
         state = safetensors.torch.load_file(str(head_file))
