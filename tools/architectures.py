@@ -111,6 +111,7 @@ OVERRIDES: dict[str, dict] = {
     "dots3_note_text": dict(head_dim=16),             # its sliding-window layers: head_dim = nope + rope dims
     "blt": dict(encoder_hash_byte_group_vocab=1024, encoder_config=dict(hidden_size_global=64),
                 decoder_config=dict(hidden_size_global=64)),  # byte n-gram hash tables and the global model's width
+    "falcon_h1": dict(mamba_d_ssm=128),               # the Mamba-2 width: n_heads · d_head = 8 · 16
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # None by default
 }
 OVERRIDES["qwen4_exp"] = {"text_config": OVERRIDES["qwen4_exp_text"]}
