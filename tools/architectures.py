@@ -62,9 +62,11 @@ SIZES = {
     "intermediate": (128, ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "d_ff", "dim_ff", "dff",
                            "ffn_hidden_size")),
     "expert_intermediate": (64, ("moe_intermediate_size", "shared_expert_intermediate_size",
-                                 "shared_intermediate_size", "shared_experts_intermediate_size")),
+                                 "shared_intermediate_size", "shared_experts_intermediate_size",
+                                 "expert_ffn_hidden_size")),
     "positions": (512, ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length")),
     "experts": (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
+    "zero_experts": (2, ("zero_expert_num",)),  # LongCat's identity experts, on top of the routed ones
     "experts_per_token": (2, ("num_experts_per_tok", "moe_topk", "top_k_experts", "num_experts_per_token", "moe_k")),
     "groups": (1, ("n_group", "topk_group", "num_expert_group")),
     "shared_experts": (1, ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")),
