@@ -155,12 +155,15 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def head_width(lm) -> int:
-    """H of the hidden state the LM head reads, which the value head reads too: the LM head's input width (OPT-350m
-    projects its 1024-wide states to 512 before it), else the text config's hidden size (composite configs such as
-    Gemma 3's keep it in text_config)."""
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    """H of the hidden state the backbone hands the LM head, which the value head reads too: the LM head's input width
+    where the head is one Linear of the causal LM (OPT-350m projects its 1024-wide states to 512 before it), else
+    the text config's hidden size (a BERT-style head transforms first; composite configs such as Gemma 3's keep
+    hidden_size in text_config)."""
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     width = getattr(head, "in_features", None)
-    return width if isinstance(width, int) else lm.config.get_text_config().hidden_size
+    direct = head is not None and any(child is head for child in hf.children())
+    return width if direct and isinstance(width, int) else hf.config.get_text_config().hidden_size
 
 
 def backbones(lm) -> list[torch.nn.Module]:
@@ -252,9 +255,9 @@ class ScalarHeadModel(torch.nn.Module):
         if hooks and not caught:  # a backbone is named but the LM calls something else
             out = self.lm(**kw, output_hidden_states=True, **extra)
         hidden = caught[min(caught)] if caught else out.hidden_states[-1]  # (B, L, H)  the outermost backbone's
-        if hidden.shape[:2] != input_ids.shape:
+        if hidden.shape != (*input_ids.shape, self.head.in_features):
             raise ValueError(f"ScalarHeadModel: {type(self.lm).__name__}'s last hidden state is "
-                             f"{tuple(hidden.shape)}, not (B, L, H) for input ids {tuple(input_ids.shape)}")
+                             f"{tuple(hidden.shape)}, not (B, L, H) = {(*input_ids.shape, self.head.in_features)}")
         values = self.head(hidden).squeeze(-1)                    # (B, L)     V(s_t)
         return (values, out.logits) if return_logits else values  # logits (B, L, V)
 

@@ -263,8 +263,9 @@ def test_one_ppo_step_of_a_sampled_architecture_through_train_main(arch, tmp_pat
 
 
 def head_input_configs():
-    """Three models whose LM head does not read hidden_states[-1] at width config.hidden_size: OPT projecting 32 → 16
-    before its head, Gemma 3n whose last recorded hidden state is its 4 AltUp streams (4, B, L, H), and Gemma 3
+    """Models whose LM head does not read hidden_states[-1] at the width of the output embeddings' input or of
+    config.hidden_size: OPT projecting 32 → 16 before its head, RemBERT whose head transforms 32 → 48 before its
+    output embeddings, Gemma 3n whose last recorded hidden state is its 4 AltUp streams (4, B, L, H), and Gemma 3
     with its vision tower, whose config keeps hidden_size in text_config."""
     common = dict(vocab_size=V, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -272,6 +273,10 @@ def head_input_configs():
     return {
         "opt-projected": transformers.OPTConfig(hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,
                                                 num_attention_heads=4, **common),
+        "rembert-decoupled": transformers.RemBertConfig(hidden_size=32, input_embedding_size=16,
+                                                        output_embedding_size=48, intermediate_size=64,
+                                                        num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
+                                                        **common),
         "gemma3n-altup": transformers.Gemma3nTextConfig(**text, vocab_size_per_layer_input=V,
                                                         hidden_size_per_layer_input=8, num_kv_shared_layers=0,
                                                         laurel_rank=4, activation_sparsity_pattern=[0.0, 0.0]),
@@ -282,15 +287,17 @@ def head_input_configs():
     }
 
 
-@pytest.mark.parametrize("name", ["opt-projected", "gemma3n-altup", "gemma3-composite"])
+@pytest.mark.parametrize("name", ["opt-projected", "rembert-decoupled", "gemma3n-altup", "gemma3-composite"])
 def test_value_head_reads_what_the_lm_head_reads(name):
-    """V(s_t) = w·h_t + b with h_t the very input of the LM head (caught here by a hook on the LM head itself), so the
-    value head has the head's width and reads the final, normed, merged state, whatever hidden_states[-1] holds."""
+    """V(s_t) = w·h_t + b with h_t the very input of the LM head (the causal LM's child module that holds the output
+    embeddings, caught here by a hook on it), so the value head has its width and reads the final, normed, merged
+    state, whatever hidden_states[-1] holds."""
     torch.manual_seed(0)
     model = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(head_input_configs()[name])).eval()
     query, query_mask = prompts("llama")
-    read = []
-    hook = model.lm.get_output_embeddings().register_forward_pre_hook(lambda m, args: read.append(args[0]))
+    read, out = [], model.lm.get_output_embeddings()
+    lm_head = next(c for c in model.lm.children() if c is out or any(m is out for m in c.modules()))
+    hook = lm_head.register_forward_pre_hook(lambda m, args: read.append(args[0]))
     with torch.no_grad():
         values, _ = model(query, query_mask, return_logits=True)                             # (B, L), (B, L, V)
     hook.remove()
