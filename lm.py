@@ -7,6 +7,8 @@ Implements (no equation: the token bookkeeping the equations rely on):
     disable_dropout(model, keep)            → every dropout, LayerDrop and MoE-router jitter probability 0, so
                                               ρ = 1 on the first minibatch
     gradient_checkpointing(model)           → activations recomputed in backward (the paper trains with it)
+    causal_lm_class(path)                   → what loads a causal-LM directory: AutoModelForCausalLM, or the class
+                                              its config.json names where the Auto mapping lacks the saved config
 
 Run: python -m pytest tests/test_architectures.py -q     (the invariants on five architectures)
 """
@@ -60,3 +62,18 @@ def gradient_checkpointing(model) -> None:
     """Recompute the model's activations in backward. transformers ≥ 5.x renamed `gradient_checkpointing_enable`
     `activation_checkpointing_enable`; use that name where it exists."""
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+
+
+def causal_lm_class(path):
+    """The class whose from_pretrained loads the causal LM saved in `path`: AutoModelForCausalLM, or, where the Auto
+    mapping does not know the saved config's type, the transformers class its config.json's `architectures` names.
+    Mllama and Emu3 need it: AutoModelForCausalLM builds MllamaForCausalLM from an `mllama` config, and what that
+    saves (an `mllama_text_model` config) AutoModelForCausalLM cannot load back. Only transformers' own classes:
+    never remote code."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM
+    named = [getattr(transformers, name, None) for name in (config.architectures or [])]
+    return next((cls for cls in named if isinstance(cls, type)), transformers.AutoModelForCausalLM)

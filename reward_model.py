@@ -135,7 +135,7 @@ import data
 import engine
 import lora
 from cli import arg
-from lm import disable_dropout, gradient_checkpointing, position_ids_from_mask
+from lm import causal_lm_class, disable_dropout, gradient_checkpointing, position_ids_from_mask
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -315,7 +315,7 @@ class ScalarHeadModel(torch.nn.Module):
             return cls._from_sequence_classification(path, kwargs)
         if kind is None and require_head:
             raise ValueError(not_a_reward_model(path))
-        lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kwargs)
+        lm = causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kwargs)
         hidden = head_width(lm)
         if not head_file.is_file():
             return cls(lm, head=None, seed=seed)

@@ -304,3 +304,21 @@ def test_value_head_reads_what_the_lm_head_reads(name):
     (h,) = read                                                                              # (B, L, H_head)
     assert h.shape == (*query.shape, model.head.in_features)
     assert_close(values, model.head(h).squeeze(-1), atol=1e-6, rtol=0)
+
+
+def test_causal_lm_class_loads_what_automodel_cannot_load_back(tmp_path):
+    """AutoModelForCausalLM builds MllamaForCausalLM from an `mllama` config, saves an `mllama_text_model` config, and
+    cannot load that back; lm.causal_lm_class names the class that can (config.json's architectures)."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, cross_attention_layers=[1], bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
+    cfg = transformers.MllamaConfig(text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
+                                                                          num_hidden_layers=1, num_global_layers=1,
+                                                                          attention_heads=4, image_size=28,
+                                                                          patch_size=14))
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mllama")
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mllama")
+    assert lm.causal_lm_class(tmp_path / "mllama") is transformers.MllamaForCausalLM
+    lm.causal_lm_class(tmp_path / "mllama").from_pretrained(tmp_path / "mllama")
+    transformers.AutoModelForCausalLM.from_config(config("llama")).save_pretrained(tmp_path / "llama")
+    assert lm.causal_lm_class(tmp_path / "llama") is transformers.AutoModelForCausalLM
