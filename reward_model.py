@@ -8,8 +8,9 @@ Implements (equation numbers as in Zheng et al. 2023, see docs/paper.md):
     ScalarHeadModel.score(input_ids, mask)        r(x, y): head on the last real token            (Eq. 1–2, 18–19)
     ScalarHeadModel.forward(input_ids, mask)      V(s_t): head on every token (the critic)        (Eq. 8–11, 16)
     last_token_index(attention_mask)              index of the last position where mask == 1
-    head_width(lm), backbones(lm)                 the width and the source of the state the LM head reads, which
-                                                  the value head reads too (OPT-350m, Gemma 3, Gemma 3n differ)
+    head_width(lm), backbones(lm)                 the width and the source of the state the backbone hands the LM
+                                                  head, which the value head reads too (OPT-350m, Electra, Gemma 3,
+                                                  Gemma 3n differ from hidden_states[-1] or config.hidden_size)
     train_reward_model(rm, tokenizer, pairs, ..)  stage 2: Eq. 2 on the training pairs, held-out accuracy along
                                                   the way (Fig. 3); one process or a DeepSpeed engine
 
@@ -155,15 +156,35 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def head_width(lm) -> int:
-    """H of the hidden state the backbone hands the LM head, which the value head reads too: the LM head's input width
-    where the head is one Linear of the causal LM (OPT-350m projects its 1024-wide states to 512 before it), else
-    the text config's hidden size (a BERT-style head transforms first; composite configs such as Gemma 3's keep
-    hidden_size in text_config)."""
+    """H of the hidden state the backbone hands the LM head, which the value head reads too: the text config's hidden
+    size (composite configs such as Gemma 3's keep it in text_config) where the output embeddings read that width or
+    are not a Linear; else measured (measured_width), since a head can read another width for either of two
+    reasons: OPT-350m's backbone projects its 1024-wide states to 512 before the head, Electra's head transforms its
+    64-wide states to 128 itself."""
     hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
-    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
-    width = getattr(head, "in_features", None)
-    direct = head is not None and any(child is head for child in hf.children())
-    return width if direct and isinstance(width, int) else hf.config.get_text_config().hidden_size
+    hidden = hf.config.get_text_config().hidden_size
+    width = getattr(hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None, "in_features", None)
+    return hidden if not isinstance(width, int) or width == hidden else measured_width(lm) or hidden
+
+
+def measured_width(lm) -> int | None:
+    """The width of the backbone's output on one token (no gradient, eval mode, torch's RNG left where it was);
+    None if no backbone runs."""
+    caught: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda m, args, out, i=i: caught.__setitem__(
+        i, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])) for i, m in enumerate(backbones(lm))]
+    training = lm.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            ids = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
+            lm.eval()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception:  # noqa: BLE001 - an architecture that cannot run one token alone: the config's width then
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        lm.train(training)
+    return caught[min(caught)].shape[-1] if caught else None
 
 
 def backbones(lm) -> list[torch.nn.Module]:

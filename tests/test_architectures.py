@@ -263,20 +263,19 @@ def test_one_ppo_step_of_a_sampled_architecture_through_train_main(arch, tmp_pat
 
 
 def head_input_configs():
-    """Models whose LM head does not read hidden_states[-1] at the width of the output embeddings' input or of
-    config.hidden_size: OPT projecting 32 → 16 before its head, RemBERT whose head transforms 32 → 48 before its
-    output embeddings, Gemma 3n whose last recorded hidden state is its 4 AltUp streams (4, B, L, H), and Gemma 3
-    with its vision tower, whose config keeps hidden_size in text_config."""
+    """Models whose LM head does not read hidden_states[-1], or not at config.hidden_size, or not at the width of its
+    output embeddings: OPT projecting 32 → 16 before its head, Gemma 3n whose last recorded hidden state is its 4
+    AltUp streams (4, B, L, H), Gemma 3 with its vision tower, whose config keeps hidden_size in text_config; and two
+    whose head transforms the backbone's state before its output embeddings: RemBERT (32 → 48) and Electra
+    (32 → 48)."""
     common = dict(vocab_size=V, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8, **common)
+    encoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
+                   **common)
     return {
         "opt-projected": transformers.OPTConfig(hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,
                                                 num_attention_heads=4, **common),
-        "rembert-decoupled": transformers.RemBertConfig(hidden_size=32, input_embedding_size=16,
-                                                        output_embedding_size=48, intermediate_size=64,
-                                                        num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
-                                                        **common),
         "gemma3n-altup": transformers.Gemma3nTextConfig(**text, vocab_size_per_layer_input=V,
                                                         hidden_size_per_layer_input=8, num_kv_shared_layers=0,
                                                         laurel_rank=4, activation_sparsity_pattern=[0.0, 0.0]),
@@ -284,24 +283,30 @@ def head_input_configs():
             text_config=dict(text, query_pre_attn_scalar=8), vision_config=dict(
                 hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=28,
                 patch_size=14), mm_tokens_per_image=4),
+        "rembert-transformed": transformers.RemBertConfig(**encoder, input_embedding_size=16, output_embedding_size=48),
+        "electra-transformed": transformers.ElectraConfig(**encoder, embedding_size=48),
     }
 
 
-@pytest.mark.parametrize("name", ["opt-projected", "rembert-decoupled", "gemma3n-altup", "gemma3-composite"])
-def test_value_head_reads_what_the_lm_head_reads(name):
-    """V(s_t) = w·h_t + b with h_t the very input of the LM head (the causal LM's child module that holds the output
-    embeddings, caught here by a hook on it), so the value head has its width and reads the final, normed, merged
-    state, whatever hidden_states[-1] holds."""
+@pytest.mark.parametrize("name", ["opt-projected", "gemma3n-altup", "gemma3-composite", "rembert-transformed",
+                                  "electra-transformed"])
+def test_value_head_reads_what_the_backbone_hands_the_lm_head(name):
+    """V(s_t) = w·h_t + b with h_t what the backbone hands the LM head: where the head is one Linear, its very input
+    (caught by a hook on it); where the head transforms first, the backbone's own output (called directly). So the
+    value head has that width and reads the final, normed, merged state, whatever hidden_states[-1] holds."""
     torch.manual_seed(0)
     model = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(head_input_configs()[name])).eval()
     query, query_mask = prompts("llama")
     read, out = [], model.lm.get_output_embeddings()
-    lm_head = next(c for c in model.lm.children() if c is out or any(m is out for m in c.modules()))
-    hook = lm_head.register_forward_pre_hook(lambda m, args: read.append(args[0]))
+    hook = out.register_forward_pre_hook(lambda m, args: read.append(args[0]))
     with torch.no_grad():
         values, _ = model(query, query_mask, return_logits=True)                             # (B, L), (B, L, V)
+        if name.endswith("transformed"):  # the head's input is its transform's output: not what the value head reads
+            assert read[0].shape[-1] == 48 and model.head.in_features == 32
+            read = [model.lm.base_model(input_ids=query, attention_mask=query_mask,
+                                        position_ids=lm.position_ids_from_mask(query_mask)).last_hidden_state]
     hook.remove()
-    (h,) = read                                                                              # (B, L, H_head)
+    h = read[-1]                                                                             # (B, L, H)
     assert h.shape == (*query.shape, model.head.in_features)
     assert_close(values, model.head(h).squeeze(-1), atol=1e-6, rtol=0)
 
