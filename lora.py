@@ -259,14 +259,15 @@ def merge(adapter_dir, out_dir, base_dir=None, dtype: torch.dtype | None = None)
     reward_model.py saves one), with the base's tokenizer. With `dtype` (the dtype the stage trained in, e.g. bf16)
     the merge is done in fp32 and the result written in `dtype`; without, in the base's dtype as saved."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM
+
+    from lm import causal_lm_class
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     base_dir = Path(base_dir or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path)
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    lm = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=False,
-                                              **({"dtype": torch.float32} if dtype else {}))
+    lm = causal_lm_class(base_dir).from_pretrained(base_dir, trust_remote_code=False,
+                                                   **({"dtype": torch.float32} if dtype else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' renamed is_gradient_checkpointing
         merged = PeftModel.from_pretrained(lm, adapter_dir).merge_and_unload()   # W₀ + (α/r)·B·A, layer by layer

@@ -468,10 +468,9 @@ def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: R
 def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
     """A causal LM from a local directory (never remote code), in bf16 if asked, on `device`; with --lora-r, its
     weights frozen (quantized with --lora-bits) under fresh adapters (lora.add_adapters)."""
-    from transformers import AutoModelForCausalLM
     adapters = run is not None and lora.enabled(run)
     kw = lora.load_kwargs(run, bf16)
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kw)
+    model = lm.causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kw)
     model = model if "quantization_config" in kw else model.to(device)
     if grad_ckpt:
         lm.gradient_checkpointing(model)

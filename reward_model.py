@@ -10,6 +10,9 @@ Implements (equation numbers as in Zheng et al. 2023, see docs/paper.md):
     ScalarHeadModel.forward(input_ids, mask)      V(s_t): head on every token (the critic)        (Eq. 8–11, 16)
     last_token_index(attention_mask)              index of the last position where mask == 1
     score_index(input_ids, mask, pad_token_id)    transformers' *ForSequenceClassification pooling, on real tokens
+    head_width(lm), backbones(lm)                 the width and the source of the state the backbone hands the LM
+                                                  head, which the value head reads too (OPT-350m, Electra, Gemma 3,
+                                                  Gemma 3n differ from hidden_states[-1] or config.hidden_size)
     train_reward_model(rm, tokenizer, pairs, ..)  stage 2: Eq. 2 on the training pairs, held-out accuracy along
                                                   the way (Fig. 3); one process or a DeepSpeed engine
 
@@ -138,7 +141,7 @@ import lora
 from cli import arg
 from monitor import progress
 from data import position_ids_from_mask
-from lm import disable_dropout, gradient_checkpointing
+from lm import causal_lm_class, disable_dropout, gradient_checkpointing
 
 VALUE_HEAD_WEIGHTS = "value_head.safetensors"
 VALUE_HEAD_CONFIG = "value_head.json"
@@ -177,6 +180,47 @@ def score_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
     return torch.where(read.any(dim=-1), last, first_real)
 
 
+def head_width(lm) -> int:
+    """H of the hidden state the backbone hands the LM head, which the value head reads too: the text config's hidden
+    size (composite configs such as Gemma 3's keep it in text_config) where the output embeddings read that width or
+    are not a Linear; else measured (measured_width), since a head can read another width for either of two
+    reasons: OPT-350m's backbone projects its 1024-wide states to 512 before the head, Electra's head transforms its
+    64-wide states to 128 itself."""
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
+    hidden = hf.config.get_text_config().hidden_size
+    width = getattr(hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None, "in_features", None)
+    return hidden if not isinstance(width, int) or width == hidden else measured_width(lm) or hidden
+
+
+def measured_width(lm) -> int | None:
+    """The width of the backbone's output on one token (no gradient, eval mode, torch's RNG left where it was);
+    None if no backbone runs."""
+    caught: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda m, args, out, i=i: caught.__setitem__(
+        i, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])) for i, m in enumerate(backbones(lm))]
+    training = lm.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            ids = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
+            lm.eval()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception:  # noqa: BLE001 - an architecture that cannot run one token alone: the config's width then
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        lm.train(training)
+    return caught[min(caught)].shape[-1] if caught else None
+
+
+def backbones(lm) -> list[torch.nn.Module]:
+    """The modules whose output the causal LM may hand its LM head, outermost first: its base model
+    (LlamaForCausalLM.model, GPT2LMHeadModel.transformer, Gemma3ForConditionalGeneration.model) and its decoder (what
+    OPTForCausalLM calls instead, OPTModel.decoder), through a peft wrapper too; none where transformers names none."""
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
+    found = [getattr(hf, "base_model", None), hf.get_decoder() if hasattr(hf, "get_decoder") else None]
+    return [m for i, m in enumerate(found) if isinstance(m, torch.nn.Module) and m is not hf and m not in found[:i]]
+
+
 def reward_model_kind(path: str | os.PathLike) -> str | None:
     """"scalar-head" (ours: value_head.safetensors), "sequence-classification" (transformers' format), or None (no
     reward head: a plain causal LM, whose head would be random). Reads file names and config.json only."""
@@ -213,7 +257,7 @@ class ScalarHeadModel(torch.nn.Module):
         # None: score() reads the last real token (our reward models). A sequence-classification reward model's
         # config.pad_token_id: score() reads where transformers does (score_index), the token it was trained on.
         self.score_pad_id = score_pad_id
-        hidden = lm.config.hidden_size
+        hidden = head_width(lm)
         if head is None:
             head = torch.nn.Linear(hidden, 1)
             # A fresh head: N(0, 1/(H+1)) weights and zero bias, so initial scores are O(1) whatever H is
@@ -245,9 +289,25 @@ class ScalarHeadModel(torch.nn.Module):
         """
         position_ids = position_ids_from_mask(attention_mask)  # (B, L)  0, 1, … from the first real token
         extra = {} if return_logits or not self._has_logits_to_keep else {"logits_to_keep": 1}
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      output_hidden_states=True, use_cache=False, **extra)
-        hidden = out.hidden_states[-1]                            # (B, L, H)  last layer, after the final norm
+        # The hidden state the LM head reads: the backbone's last_hidden_state (after the final norm), caught on its
+        # way out. hidden_states[-1] is not that everywhere: Gemma 3n's is its last layer's 4 AltUp streams, before
+        # they are merged and normed. Where no backbone is named or called, hidden_states[-1] after all.
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        caught: dict[int, torch.Tensor] = {}
+        hooks = [m.register_forward_hook(lambda m, args, out, i=i: caught.__setitem__(
+            i, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+            for i, m in enumerate(backbones(self.lm))]
+        try:
+            out = self.lm(**kw, output_hidden_states=not hooks, **extra)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if hooks and not caught:  # a backbone is named but the LM calls something else
+            out = self.lm(**kw, output_hidden_states=True, **extra)
+        hidden = caught[min(caught)] if caught else out.hidden_states[-1]  # (B, L, H)  the outermost backbone's
+        if hidden.shape != (*input_ids.shape, self.head.in_features):
+            raise ValueError(f"ScalarHeadModel: {type(self.lm).__name__}'s last hidden state is "
+                             f"{tuple(hidden.shape)}, not (B, L, H) = {(*input_ids.shape, self.head.in_features)}")
         values = self.head(hidden).squeeze(-1)                    # (B, L)     V(s_t)
         return (values, out.logits) if return_logits else values  # logits (B, L, V)
 
@@ -275,7 +335,7 @@ class ScalarHeadModel(torch.nn.Module):
         reads = ("score(): the last position where attention_mask == 1" if self.score_pad_id is None else
                  f"score(): the last position where attention_mask == 1 and the id is not {self.score_pad_id} "
                  f"(transformers' sequence-classification pooling)")
-        meta = {"hidden_size": self.lm.config.hidden_size, "dtype": str(self.head.weight.dtype).removeprefix("torch."),
+        meta = {"hidden_size": head_width(self.lm), "dtype": str(self.head.weight.dtype).removeprefix("torch."),
                 "reads": reads + "; forward(): every position", "score_pad_id": self.score_pad_id,
                 "weights": VALUE_HEAD_WEIGHTS}
         (out_dir / VALUE_HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
@@ -311,8 +371,8 @@ class ScalarHeadModel(torch.nn.Module):
             return cls._from_sequence_classification(path, kwargs)
         if kind is None and require_head:
             raise ValueError(not_a_reward_model(path))
-        lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, **kwargs)
-        hidden = lm.config.hidden_size
+        lm = causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kwargs)
+        hidden = head_width(lm)
         if not head_file.is_file():
             return cls(lm, head=None, seed=seed)
         state = safetensors.torch.load_file(str(head_file))

@@ -82,7 +82,8 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
             order += rng.sample(range(len(rows)), len(rows))
         idx, order = order[:cfg.sft_batch], order[cfg.sft_batch:]
         ids, attn, resp_mask = (t.to(device) for t in data.lm_batch([rows[i] for i in idx[rank::world]], tokenizer))
-        logits = trained(input_ids=ids, attention_mask=attn).logits                    # (B, L, V)
+        logits = trained(input_ids=ids, attention_mask=attn, use_cache=False).logits   # (B, L, V) no KV cache to
+        # build while training (xLSTM's updates its states in place, which backward then cannot use)
         loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens
         engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.sft_lr))
         engine.backward_step(trained, opt, loss, 1.0, "sft", [])

@@ -1,13 +1,20 @@
-"""Token bookkeeping as invariants, on tiny random-init models of every architecture we support (LLaMA, Qwen2,
-Mistral, GPT-2, GPT-NeoX/Pythia), each built here with dropout on where its config has it:
+"""Token bookkeeping as invariants, on tiny random-init models of the families tools/tiny_model.py builds (LLaMA,
+Qwen2, Mistral, GPT-2, GPT-NeoX/Pythia) and of a fixed sample of five more from the sweep of every causal LM
+(tools/architectures.py, docs/architectures.md): OPT (a learned position table offset by 2, LayerDrop), BLOOM (ALiBi:
+no positions, a bias built from the mask), Phi (rotary on half of each head, attention and MLP in parallel), Gemma 2
+(√H-scaled embeddings, soft-capped logits, a sliding window of 4 on every other layer) and Mixtral (4 experts, 2 per
+token, router jitter). Each is built here with dropout (and LayerDrop, router jitter) on where its config has it:
 
     dropout off          the log-probs the update computes (train mode) equal the rollout's: ρ = 1 on the first minibatch
     temperature          the stored log-probs are log-softmax(logits / T): those of π^(1/T), the sampled distribution
     position ids         a left-padded batch gives each sequence the log-probs it has alone (learned positions too)
     padding by the mask  the pad id is the EOS id (as GPT-2 / Pythia tokenizers do) and the EOS still ends and scores
     reward               r(x, y) is the head's value at the last real token, found by a loop over the mask
+
+and one PPO step of each of the five through train.main, from the same small config the sweep builds.
 """
 import copy
+import json
 
 import pytest
 import torch
@@ -32,14 +39,37 @@ def config(arch: str):
         return transformers.GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.1,
                                           attention_dropout=0.1, **common)
+    if arch == "opt":    # positions looked up at cumsum(mask) + 2; LayerDrop skips whole layers in train mode
+        return transformers.OPTConfig(hidden_size=32, word_embed_proj_dim=32, ffn_dim=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, dropout=0.1,
+                                      attention_dropout=0.1, layerdrop=0.5, **common)
+    if arch == "bloom":  # ALiBi: no position ids at all, a per-head linear bias in key distance
+        return transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.1, attention_dropout=0.1,
+                                        **common)
+    if arch == "phi":
+        return transformers.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      partial_rotary_factor=0.5, max_position_embeddings=64, resid_pdrop=0.1,
+                                      embd_pdrop=0.1, attention_dropout=0.1, **common)
+    if arch == "gemma2":  # layer 0 attends to the last 4 tokens only, layer 1 to all
+        return transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         query_pre_attn_scalar=8, sliding_window=4, max_position_embeddings=64,
+                                         attention_dropout=0.1, **common)
+    if arch == "mixtral":  # the router multiplies its input by U(1 − 0.1, 1 + 0.1) noise in train mode
+        return transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2, max_position_embeddings=64, attention_dropout=0.1,
+                                          router_jitter_noise=0.1, **common)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig}[arch]
     return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=64, attention_dropout=0.1, **common)
 
 
-ARCHS = ["llama", "qwen2", "mistral", "gpt2", "gpt_neox"]
-PAD = {"llama": 0, "qwen2": 0, "mistral": 0, "gpt2": EOS, "gpt_neox": EOS}  # GPT-2 / Pythia: no pad token, EOS pads
+SAMPLE = ["opt", "bloom", "phi", "gemma2", "mixtral"]  # five of docs/architectures.md beyond tiny_model.py's families
+ARCHS = ["llama", "qwen2", "mistral", "gpt2", "gpt_neox", *SAMPLE]
+PAD = {"llama": 0, "qwen2": 0, "mistral": 0, "gpt2": EOS, "gpt_neox": EOS,  # GPT-2 / Pythia: no pad token, EOS pads
+       "opt": 0, "bloom": EOS, "phi": EOS, "gemma2": 0, "mixtral": 0}
 
 
 def models(arch: str):
@@ -177,3 +207,123 @@ def test_train_load_models_turns_dropout_off_in_all_four(tmp_path):
         assert drops and set(drops) == {0.0}
         lm = model.lm if isinstance(model, ScalarHeadModel) else model
         assert (lm.config.resid_pdrop, lm.config.embd_pdrop, lm.config.attn_pdrop) == (0.0, 0.0, 0.0)
+
+
+def test_disable_dropout_turns_off_layerdrop_and_router_jitter_but_not_what_eval_mode_reads():
+    """LayerDrop (OPT) and router jitter (Mixtral) draw fresh noise in every train-mode forward, so two passes over one
+    batch differ until disable_dropout; PhiMoE's router_jitter_noise is read in eval mode too and stays as it is."""
+    ids = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(0))
+    for arch, field in (("opt", "layerdrop"), ("mixtral", "router_jitter_noise")):
+        cfg = config(arch)
+        for name in ("dropout", "attention_dropout"):
+            setattr(cfg, name, 0.0)  # only the noise under test is left on
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+        with torch.no_grad():
+            assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits), arch  # the noise is real
+            lm.disable_dropout(model)
+            assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits), arch
+        assert getattr(model.config, field) == (0.0 if field == "layerdrop" else 0.1)
+    phimoe = transformers.PhimoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, num_local_experts=4, vocab_size=V, input_jitter_noise=0.1)
+    with torch.device("meta"):
+        model = lm.disable_dropout(transformers.AutoModelForCausalLM.from_config(phimoe))
+    routers = [m for m in model.modules() if hasattr(m, "router_jitter_noise")]
+    assert routers and all(m.router_jitter_noise == 0.01 for m in routers)
+    inputs = [m.input_jitter_noise for m in model.modules() if hasattr(m, "input_jitter_noise")]
+    assert inputs and set(inputs) == {0.0}  # was 0.1
+
+
+@pytest.mark.parametrize("arch", SAMPLE)
+def test_one_ppo_step_of_a_sampled_architecture_through_train_main(arch, tmp_path, monkeypatch):
+    """The sweep's path for the five: the small config tools/architectures.py builds, a tokenizer of the family's
+    conventions, one rollout minibatch, one PPO epoch: the first update's ρ is 1 and approx_kl 0."""
+    import architectures
+    import tiny_model
+    import train
+    from test_real_data import hh_pairs, write_jsonl
+    monkeypatch.chdir(tmp_path)
+    pairs = hh_pairs(24)
+    tokenizer = tiny_model.build_tokenizer(architectures.style(arch), [p["chosen"] + p["rejected"] for p in pairs],
+                                           tmp_path / "model", vocab_size=300)
+    torch.manual_seed(0)
+    policy = transformers.AutoModelForCausalLM.from_config(architectures.small_config(arch, tokenizer))
+    policy.save_pretrained(tmp_path / "model")
+    ScalarHeadModel(policy).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p["chosen"][:p["chosen"].rindex("Assistant:") + 10]}
+                                                       for p in pairs])
+    train.main(["--model", str(tmp_path / "model"), "--reward-model", str(tmp_path / "rm"), "--prompts", str(prompts),
+                "--out", "run", "--steps", "1", "--rollout-batch", "4", "--minibatch", "4", "--ppo-epochs", "1",
+                "--max-new-tokens", "6", "--max-prompt-tokens", "32", "--critic-pretrain-steps", "1",
+                "--eval-samples", "1", "--heldout-frac", "0.1", "--threads", "1"])
+    (m,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert m["ppo/ratio"] == pytest.approx(1.0, abs=1e-6) and m["ppo/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert m["ppo/clipfrac"] == 0.0
+
+
+def head_input_configs():
+    """Models whose LM head does not read hidden_states[-1], or not at config.hidden_size, or not at the width of its
+    output embeddings: OPT projecting 32 → 16 before its head, Gemma 3n whose last recorded hidden state is its 4
+    AltUp streams (4, B, L, H), Gemma 3 with its vision tower, whose config keeps hidden_size in text_config; and two
+    whose head transforms the backbone's state before its output embeddings: RemBERT (32 → 48) and Electra
+    (32 → 48)."""
+    common = dict(vocab_size=V, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8, **common)
+    encoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
+                   **common)
+    return {
+        "opt-projected": transformers.OPTConfig(hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, **common),
+        "gemma3n-altup": transformers.Gemma3nTextConfig(**text, vocab_size_per_layer_input=V,
+                                                        hidden_size_per_layer_input=8, num_kv_shared_layers=0,
+                                                        laurel_rank=4, activation_sparsity_pattern=[0.0, 0.0]),
+        "gemma3-composite": transformers.Gemma3Config(
+            text_config=dict(text, query_pre_attn_scalar=8), vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=28,
+                patch_size=14), mm_tokens_per_image=4),
+        "rembert-transformed": transformers.RemBertConfig(**encoder, input_embedding_size=16, output_embedding_size=48),
+        "electra-transformed": transformers.ElectraConfig(**encoder, embedding_size=48),
+    }
+
+
+@pytest.mark.parametrize("name", ["opt-projected", "gemma3n-altup", "gemma3-composite", "rembert-transformed",
+                                  "electra-transformed"])
+def test_value_head_reads_what_the_backbone_hands_the_lm_head(name):
+    """V(s_t) = w·h_t + b with h_t what the backbone hands the LM head: where the head is one Linear, its very input
+    (caught by a hook on it); where the head transforms first, the backbone's own output (called directly). So the
+    value head has that width and reads the final, normed, merged state, whatever hidden_states[-1] holds."""
+    torch.manual_seed(0)
+    model = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(head_input_configs()[name])).eval()
+    query, query_mask = prompts("llama")
+    read, out = [], model.lm.get_output_embeddings()
+    hook = out.register_forward_pre_hook(lambda m, args: read.append(args[0]))
+    with torch.no_grad():
+        values, _ = model(query, query_mask, return_logits=True)                             # (B, L), (B, L, V)
+        if name.endswith("transformed"):  # the head's input is its transform's output: not what the value head reads
+            assert read[0].shape[-1] == 48 and model.head.in_features == 32
+            read = [model.lm.base_model(input_ids=query, attention_mask=query_mask,
+                                        position_ids=data.position_ids_from_mask(query_mask)).last_hidden_state]
+    hook.remove()
+    h = read[-1]                                                                             # (B, L, H)
+    assert h.shape == (*query.shape, model.head.in_features)
+    assert_close(values, model.head(h).squeeze(-1), atol=1e-6, rtol=0)
+
+
+def test_causal_lm_class_loads_what_automodel_cannot_load_back(tmp_path):
+    """AutoModelForCausalLM builds MllamaForCausalLM from an `mllama` config, saves an `mllama_text_model` config, and
+    cannot load that back; lm.causal_lm_class names the class that can (config.json's architectures)."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, cross_attention_layers=[1], bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
+    cfg = transformers.MllamaConfig(text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
+                                                                          num_hidden_layers=1, num_global_layers=1,
+                                                                          attention_heads=4, image_size=28,
+                                                                          patch_size=14))
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mllama")
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mllama")
+    assert lm.causal_lm_class(tmp_path / "mllama") is transformers.MllamaForCausalLM
+    lm.causal_lm_class(tmp_path / "mllama").from_pretrained(tmp_path / "mllama")
+    transformers.AutoModelForCausalLM.from_config(config("llama")).save_pretrained(tmp_path / "llama")
+    assert lm.causal_lm_class(tmp_path / "llama") is transformers.AutoModelForCausalLM

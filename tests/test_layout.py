@@ -46,7 +46,8 @@ def test_no_import_cycles():
                     stack.append((nxt, path + [nxt]))
 
 
-DRIVERS = {"train", "gpu_check", "trace_iteration", "memory_check"}  # scripts on top of the entry point (like the notebooks' runner and the tests)
+# scripts on top of the entry point (like the notebooks' runner and the tests)
+DRIVERS = {"train", "gpu_check", "trace_iteration", "memory_check", "architectures"}
 
 
 def test_nothing_imports_the_entry_point():
