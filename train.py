@@ -368,6 +368,9 @@ def resolve(argv):
         run, cfg, sft_cfg, rm_cfg = model_preset_configs(argv, run, cfg, sft_cfg, rm_cfg)
     if cfg.policy_init != "sft" and (run.data or run.model != "tiny"):
         fail("--policy-init pretrained needs the synthetic world")
+    if cfg.ptx_data != "sft" and (run.data or run.model != "tiny"):
+        fail("--ptx-data pretrain needs the synthetic world (its pretraining text); on real data ptx uses --sft-data "
+             "or --data")
     stages = [s.strip() for s in run.stages.split(",") if s.strip()]
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
