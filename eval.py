@@ -28,6 +28,7 @@ import torch
 
 import cli
 import data
+import lm
 import ppo_max
 import toy_world
 from monitor import progress
@@ -387,7 +388,7 @@ def main(argv=None) -> None:
     if argv[:1] in (["score"], ["plot"]):  # `python eval.py score|plot ...`; else the policy-vs-SFT comparison
         from cli import cli_guard
         return cli_guard(score if argv[0] == "score" else plot)(argv[1:])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from reward_model import ScalarHeadModel
     p = cli.OneLineParser(prog="eval.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", help="a run directory written by train.py (reads paths from its summary.json)")
@@ -418,8 +419,8 @@ def main(argv=None) -> None:
         if not path or not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
     tok = AutoTokenizer.from_pretrained(a.policy)
-    policy = AutoModelForCausalLM.from_pretrained(a.policy).eval()
-    sft = AutoModelForCausalLM.from_pretrained(a.sft).eval()
+    policy = lm.causal_lm_class(a.policy).from_pretrained(a.policy).eval()
+    sft = lm.causal_lm_class(a.sft).from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
     # {"prompt"} lines, or the prompts of pairs, cut as in training (data.fit_example) to fit every model
     limits = model_limits(a.reward_model, rm.config)

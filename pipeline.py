@@ -547,6 +547,9 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
         print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
               f"(filler tokens added to a correct answer)")
     records = {k: data.read_records(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
+    if cfg.ptx_data == "pretrain":  # Eq. 17 on the world's pretraining text (prompt-less responses) instead of SFT rows
+        records["sft"] = [{"prompt": "", "response": r["text"]}
+                          for r in data.read_records(base / "data" / "pretrain.jsonl")]
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
                   records, base, json.loads((base / "timings.json").read_text()) if built else {},  # stages that ran

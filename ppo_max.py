@@ -207,7 +207,8 @@ class PPOConfig:
     temperature: float = arg(1.0, "rollout sampling temperature T: samples from π^(1/T), and the log-probs of the "
                                   "ratio and the KL are those of π^(1/T) too (1 = π itself)", ">0")
     # --- optimisation ---
-    policy_lr: float = arg(2e-4, "α for π_θ (paper 5e-7 at 7B)", ">=0")
+    policy_lr: float = arg(7e-5, "α for π_θ (paper 5e-7 at 7B); chosen with the synthetic world so that vanilla PPO "
+                                 "needs tens of steps to find the reward model's errors (docs/findings.md)", ">=0")
     critic_lr: float = arg(5e-4, "α for V_φ (paper 1.65e-6 at 7B)", ">=0")
     warmup_frac: float = arg(0.0, "linear LR warm-up fraction (paper 0.1; PPO-max replaces it by critic "
                                   "pre-training)", "[0,1]")
@@ -259,6 +260,9 @@ class PPOConfig:
     # --- ptx (Eq. 17) ---
     ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off", ">=0")
     ptx_batch: int = arg(16, "SFT sequences per ptx term", ">=1")
+    ptx_data: str = arg("sft", "D of Eq. 17: 'sft' (the SFT demonstrations, this project's default) or 'pretrain' "
+                               "(the synthetic world's pretraining text, responses without prompts: the paper's "
+                               "D_pretrain; Fig. 8)", "sft|pretrain")
     # --- initialisation (Fig. 8) ---
     critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); "
                                          "0 = off", ">=0")

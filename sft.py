@@ -7,7 +7,7 @@ Implements (the SFT model is π_SFT of the paper: the policy's initialisation an
                                           demonstrations), AdamW with cosine decay, global gradient clip 1.0,
                                           dropout off (as in every stage)
     tiny_llama(vocab_size, cfg)         → the synthetic world's LLaMA-architecture model (transformers.LlamaConfig)
-    pretrained_model(base, cfg, seed)   → Fig. 8's "pretrained, not SFT" policy: the same LM on raw word streams
+    pretrained_model(base, cfg, seed)   → Fig. 8's "pretrained, not SFT" policy: the same LM on prompt-less responses
 
 Run: python train.py --rebuild-base      (stage 1 runs again, even when the base is cached)
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -96,22 +96,20 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
 
 
 def pretrained_model(base: Path, cfg: SFTConfig, seed: int) -> Path:
-    """The "pretrained, not SFT" policy of Fig. 8: the same LM trained on raw word streams of the world's
-    vocabulary with no instruction format. Built on first use and cached in the base directory."""
+    """The "pretrained, not SFT" policy of Fig. 8: the same LM trained, as long as SFT, on the synthetic world's
+    pretraining text (base/data/pretrain.jsonl: responses with their prompts dropped), so it speaks the responses'
+    language but has never seen the instruction format. Built on first use and cached in the base directory."""
     from transformers import AutoTokenizer
 
-    import toy_world
     out = base / "pretrained"
     if (out / "config.json").exists():
         return out
     tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
     seed_everything(seed + 1)
     pre = tiny_llama(len(tokenizer), cfg)
-    rng = random.Random(seed + 1)
-    raw = [("", " ".join(rng.choice(toy_world.RESPONSE_WORDS) for _ in range(rng.randint(3, 12))))
-           for _ in range(toy_world.WorldConfig().n_sft)]
+    rows = [("", r["text"]) for r in data.read_records(base / "data" / "pretrain.jsonl")]
     tmp = Path(str(out) + ".tmp")
-    train_sft(pre, tokenizer, raw, replace(cfg, sft_epochs=1.0), seed + 1, "1b. pretrained (no SFT)", out_dir=tmp)
+    train_sft(pre, tokenizer, rows, cfg, seed + 1, "1b. pretrained (no SFT)", out_dir=tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -454,6 +454,9 @@ def resolve(argv):
         run, cfg, sft_cfg, rm_cfg = model_preset_configs(argv, run, cfg, sft_cfg, rm_cfg)
     if cfg.policy_init != "sft" and (run.data or run.model != "tiny"):
         fail("--policy-init pretrained needs the synthetic world")
+    if cfg.ptx_data != "sft" and (run.data or run.model != "tiny"):
+        fail("--ptx-data pretrain needs the synthetic world (its pretraining text); on real data ptx uses --sft-data "
+             "or --data")
     stages = [s.strip() for s in run.stages.split(",") if s.strip()]
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
@@ -644,15 +647,15 @@ def load_models(inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, device: tor
     With --lora-r the policy and the critic train adapters on frozen weights, and the frozen models are those same
     weights with the adapters off (lora.AdaptersOff): the reference is the policy's base when both start from one
     directory (π_SFT), the reward model the critic's when the critic starts from it (PPO-max); no second copy."""
-    from transformers import AutoModelForCausalLM
     bf16 = bool(ds.get("bf16", {}).get("enabled", False)) if ds else run.bf16
     kw = lora.load_kwargs(run, bf16)  # dtype, and --lora-bits' quantization of frozen weights
     place = (lambda m: m) if "quantization_config" in kw else (lambda m: m.to(device))  # quantized: placed on load
     with_critic = cfg.advantage == "gae"  # the critic-free estimators build no critic at all (critic_free.py)
     share_ref = lora.enabled(run) and Path(inp.ref) == Path(inp.policy)
     share_rm = with_critic and lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
-    policy = place(AutoModelForCausalLM.from_pretrained(inp.policy, **kw))
-    ref = None if share_ref else place(AutoModelForCausalLM.from_pretrained(inp.ref, **kw)).eval().requires_grad_(False)
+    load = lambda path: place(lm.causal_lm_class(path).from_pretrained(path, **kw))  # noqa: E731 (Mllama, Emu3: lm.py)
+    policy = load(inp.policy)
+    ref = None if share_ref else load(inp.ref).eval().requires_grad_(False)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
     frozen_q = {} if with_critic else {"quantization": lora.quantization(run)}  # no critic: the RM is frozen alone
     try:  # a reward model without a trained head stops here: it never becomes a random one
@@ -988,13 +991,12 @@ def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig,
                  rank: int, world: int, device: torch.device, t_start: float) -> dict | None:
     """--method dpo (dpo.train_dpo on the reward model's own pairs, from the SFT model) or best-of-n (no training),
     then the held-out evaluation PPO gets: the same judge, prompts, sampling and summary.json layout."""
-    from transformers import AutoModelForCausalLM
     checkpoint.seed_everything(run.seed + rank)
     out, timings, bf16 = Path(run.out), dict(inp.timings), use_bf16(run, device)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
     reward_model = lm.disable_dropout(ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw))
     reward_model = reward_model.eval().requires_grad_(False).to(device)
-    sft = lm.disable_dropout(AutoModelForCausalLM.from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
+    sft = lm.disable_dropout(lm.causal_lm_class(inp.ref).from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
     sft = sft.to(device).eval().requires_grad_(False)
     judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run))
     heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]

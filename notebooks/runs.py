@@ -1,16 +1,22 @@
-"""The figure notebooks' runner: train (or reuse) one run per (name, flags, seed) with `train.main`, then read it back.
+"""The figure notebooks' runner: train (or reuse) one run per (name, flags, seed) with `train.main`, read it back, and
+judge it by one stated rule.
 
-Implements: no equation; the cache and the two budgets behind every figure notebook.
+Implements: no equation; the cache, the two budgets and the verdict rule behind every figure notebook.
   run(name, *flags, seed)        train.main([*flags, --seed s, --out runs/<name>-seed<s>, --threads 1]) unless
                                  that directory already holds a summary.json whose saved config matches the flags
                                  (then the notebook only re-plots); returns the run's summary.json (+ "dir")
-  run_seeds(name, *flags)        run() for every seed of the budget (3 in FULL, 1 in the small budget)
+  run_seeds(name, *flags, n=)    run() for every seed of the budget (n seeds in FULL, default 3; 1 in the small one)
   series(runs_, key)             one metrics.jsonl key of several runs as an array (S, steps)
   samples(run_)                  samples.jsonl of a run: per step the RM scores, gold rewards and 4 examples
   base_dir(seed)                 the default SFT + reward-model directory of a seed (rm_log.json, ... for Fig. 2-3)
   evaluate_checkpoints(run_)     win / tie / lose vs SFT under the gold judge of every saved checkpoint (Fig. 4)
   current_alarm(dir)             the collapse alarm under monitor.py's current thresholds (replayed, not retrained)
-  one_at_a_time()                a file lock (runs/.runner.lock): trainings and evaluations of all processes take turns
+  slot()                         file locks (runs/.slot-<i>.lock): at most PPO_MAX_JOBS (default 1) trainings and
+                                 evaluations of all processes at once, each on one core; a run directory and a new
+                                 base are built by one process only (runs/.locks/)
+  verdict(a, b, margin)          THE rule every notebook's verdict uses (RULE): the per-seed difference a − b, its mean
+                                 with a 95 % t-interval, and "higher" / "lower" / "alike" / "inconclusive"
+  claim(...), tally(...)         a claim's answer from verdicts: yes / no / inconclusive, and partly for mixed parts
   dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
   interval(values), verdict(…)   the 95 % t-interval over seeds, and the stated rule: above / below 0 / inconclusive
@@ -20,12 +26,15 @@ Implements: no equation; the cache and the two budgets behind every figure noteb
   fit_gao(d, gain, form)         α, β of d(α − βd) (best-of-n) or d(α − β log d) (RL)
 Budgets:
   FULL (env PPO_MAX_FULL=1)      train.py's default budget (80 PPO steps unless a notebook asks for more),
-                                 seeds 0, 1, 2, under runs/<name>-seed<s>/. The committed notebook outputs and the
-                                 PNGs in notebooks/figures/ come from this budget.
+                                 seeds 0, 1, 2 (0 … n−1 where a verdict rests on differences between variants), under
+                                 runs/<name>-seed<s>/. The committed notebook outputs and the PNGs in
+                                 notebooks/figures/ come from this budget.
   small (PPO_MAX_FULL unset/0)   a tiny world (SMALL_FLAGS, as tests/test_pipeline.py), SMALL_STEPS PPO steps,
                                  seed 0, under runs/small/<name>-seed0/ (its SFT + RM under runs/_base/ with their own
-                                 hash), so that `pytest -m notebook` runs every notebook in minutes. Its numbers mean nothing; it checks that the notebooks run.
-Run: in a notebook, `import runs; runs.configure(full=FULL); s = runs.run("vanilla", "--preset", "vanilla")`.
+                                 hash), so that `pytest -m notebook` runs every notebook in minutes. Its numbers mean
+                                 nothing (one seed: every verdict is "inconclusive"); it checks that the notebooks run.
+Run: in a notebook, `import runs; runs.configure(full=FULL); s = runs.run("vanilla", "--preset", "vanilla")`;
+     two notebooks side by side with `PPO_MAX_JOBS=2` in the environment of both.
 """
 from __future__ import annotations
 
@@ -46,10 +55,11 @@ if str(ROOT) not in sys.path:
 FULL = os.environ.get("PPO_MAX_FULL", "0") == "1"
 FULL_SEEDS = (0, 1, 2)
 SMALL_SEEDS = (0,)
+JOBS = max(1, int(os.environ.get("PPO_MAX_JOBS", "1")))  # trainings / evaluations at once, over all processes
 # The small budget: a tiny world (as tests/test_pipeline.py), few PPO steps, one evaluation sample per prompt.
 SMALL_FLAGS = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100",
-               "--sft-epochs", "1", "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8",
-               "--critic-pretrain-steps", "4", "--eval-samples", "1"]
+               "--world-n-pretrain", "400", "--sft-epochs", "1", "--rm-epochs", "1", "--rollout-batch", "16",
+               "--minibatch", "8", "--critic-pretrain-steps", "4", "--eval-samples", "1"]
 SMALL_STEPS = 4
 
 
@@ -59,8 +69,9 @@ def configure(full: bool) -> None:
     FULL = bool(full)
 
 
-def seeds() -> tuple[int, ...]:
-    return FULL_SEEDS if FULL else SMALL_SEEDS
+def seeds(n: int | None = None) -> tuple[int, ...]:
+    """The budget's seeds: 0 … n−1 in FULL (default FULL_SEEDS), seed 0 alone in the small budget."""
+    return (tuple(range(n)) if n else FULL_SEEDS) if FULL else SMALL_SEEDS
 
 
 def out_dir(name: str, seed: int) -> Path:
@@ -119,10 +130,13 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
                                f"delete that directory or give this run another name")
         alarm = current_alarm(out) if (out / "metrics.jsonl").exists() else None  # DPO, best-of-n: no PPO steps
         return {**summary, "collapse_alarm": alarm, "dir": out}
-    with one_at_a_time():
+    with _lock(ROOT / "runs" / ".locks" / (str(out.relative_to(ROOT / "runs")).replace("/", "+") + ".lock")):
         if summary_path.exists():          # another process trained it while this one waited
             return run(name, *flags, seed=seed, steps=steps)
-        return _train(out, argv)
+        base = ROOT / "runs" / "_base" / want["base"]
+        new_base = contextlib.nullcontext() if (base / "DONE").exists() else _lock(Path(str(base) + ".lock"))
+        with new_base, slot():             # a base that does not exist yet is built by one run only
+            return _train(out, argv)
 
 
 def current_alarm(out: Path) -> dict | None:
@@ -147,12 +161,11 @@ def _train(out: Path, argv: list[str]) -> dict:
 
 
 @contextlib.contextmanager
-def one_at_a_time():
-    """Trainings and checkpoint evaluations of every process using this runner take turns (runs/.runner.lock):
-    each uses one core, and two notebooks run side by side must not slow down everything else on the machine."""
+def _lock(path: Path):
+    """An exclusive file lock (blocking), released when the block ends or the process dies."""
     import fcntl
-    (ROOT / "runs").mkdir(exist_ok=True)
-    with open(ROOT / "runs" / ".runner.lock", "w") as f:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -160,8 +173,33 @@ def one_at_a_time():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_seeds(name: str, *flags: str, steps: int | None = None, seeds_: tuple[int, ...] | None = None) -> list[dict]:
-    return [run(name, *flags, seed=s, steps=steps) for s in (seeds_ or seeds())]
+@contextlib.contextmanager
+def slot():
+    """One of JOBS slots (runs/.slot-<i>.lock) for a training or an evaluation: each uses one core, and notebooks run
+    side by side (PPO_MAX_JOBS=2 in each one's environment) must not slow down everything else on the machine."""
+    import fcntl
+    (ROOT / "runs").mkdir(exist_ok=True)
+    while True:
+        for i in range(JOBS):
+            f = open(ROOT / "runs" / f".slot-{i}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+            return
+        time.sleep(2.0)
+
+
+def run_seeds(name: str, *flags: str, steps: int | None = None, n: int | None = None,
+              seeds_: tuple[int, ...] | None = None) -> list[dict]:
+    """run() for seeds 0 … n−1 (FULL; default 3) or the small budget's seed, or for `seeds_`."""
+    return [run(name, *flags, seed=s, steps=steps) for s in (seeds_ or seeds(n))]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -215,7 +253,7 @@ def evaluate_checkpoints(run_: dict, samples_per_prompt: int | None = None) -> l
                      and [r["step"] for r in rows[1:]] == [int(p.name[5:]) for p in ckpts])
     if fresh():
         return json.loads(cache.read_text())
-    with one_at_a_time():
+    with _lock(run_["dir"] / ".eval.lock"), slot():
         return json.loads(cache.read_text()) if fresh() else _evaluate_checkpoints(run_, ckpts, n, cache)
 
 
@@ -299,7 +337,7 @@ def frontier(run_: dict) -> dict:
     if not cache.exists():
         import eval as evaluation
         from transformers import AutoModelForCausalLM
-        with one_at_a_time():
+        with slot():
             tokenizer, sft, rm, prompts = _plain_models(base_of(run_))
             policy = AutoModelForCausalLM.from_pretrained(run_["dir"] / "policy").eval()
             point = evaluation.frontier_point(policy, sft, rm, tokenizer, prompts, 4 if FULL else 1, run_["seed"] + 1,
@@ -330,7 +368,7 @@ def frontier_checkpoints(run_: dict, samples_per_prompt: int | None = None) -> l
         return json.loads(cache.read_text())
     import eval as evaluation
     from transformers import AutoModelForCausalLM
-    with one_at_a_time():
+    with slot():
         tokenizer, sft, rm, prompts = _plain_models(base_of(run_))
         rows = []
         for step, model_dir in [(0, None)] + [(int(p.name[5:]), p / "policy") for p in ckpts]:
@@ -354,7 +392,7 @@ def bon_curve(run_: dict, ns=(1, 2, 4, 8, 16, 32, 64), samples_per_prompt: int |
     if cache.exists() and [r["n"] for r in json.loads(cache.read_text())] == list(ns):
         return json.loads(cache.read_text())
     import torch
-    with one_at_a_time():
+    with slot():
         tokenizer, sft, rm, prompts = _plain_models(base_of(run_))
         pool = evaluation.sample(sft, tokenizer, prompts, per * n_max, run_["seed"] + 2,
                                  run_["config"]["max_new_tokens"], sampling=evaluation.PLAIN_SAMPLING)
@@ -390,6 +428,69 @@ def fit_gao(d, gain, form: str) -> tuple[float, float]:
 def mean_std(values) -> str:
     v = np.asarray(values, float)
     return f"{v.mean():.2f} ± {v.std():.2f}" if len(v) > 1 else f"{v.mean():.2f}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The verdict rule: every notebook's verdict is computed here, the same way
+# ---------------------------------------------------------------------------------------------------------
+RULE = ("verdict rule: per seed s (each seed its own world, SFT model and reward model), d_s = variant − reference "
+        "(or the value itself when there is no reference); effect = mean of d_s with its 95 % t-interval "
+        "mean ± t(0.975, n−1)·sd/√n; 'higher' / 'lower' when the interval excludes 0, 'alike' when it lies inside "
+        "±margin (the smallest difference that would matter), otherwise 'inconclusive'; the seeds with d_s > 0 are "
+        "counted beside it")
+# t(0.975, df), the two-sided 95 % quantile of Student's t (tests/test_runs.py checks it by integrating the density)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
+# the margins of "alike", per quantity: differences smaller than these would not change what a reader does
+MARGINS = {"gold": 0.25, "win-lose": 0.10, "kl": 0.05, "length": 1.0, "onset": 5.0}
+
+
+def verdict(a, b=None, margin: float = 0.0, what: str = "") -> dict:
+    """RULE applied to per-seed values a (and a reference b, paired by seed: a[i] and b[i] share seed i).
+
+    Returns {"effect", "lo", "hi", "n", "above" (seeds with d > 0), "verdict", "text"}; verdict is "higher",
+    "lower", "alike" (only when margin > 0) or "inconclusive" (always, with one seed)."""
+    d = np.asarray(a, float) - (0.0 if b is None else np.asarray(b, float))
+    n = len(d)
+    mean = float(d.mean())
+    half = T975.get(n - 1, 1.96) * float(d.std(ddof=1)) / np.sqrt(n) if n > 1 else float("inf")
+    lo, hi = mean - half, mean + half
+    if lo > 0:
+        v = "higher"
+    elif hi < 0:
+        v = "lower"
+    elif margin > 0 and -margin < lo and hi < margin:
+        v = "alike"
+    else:
+        v = "inconclusive"
+    text = (f"{what + ': ' if what else ''}{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] (n = {n}, {int((d > 0).sum())}/{n} "
+            f"seeds > 0{f', margin ±{margin:g}' if margin else ''}) → {v}")
+    return {"effect": mean, "lo": lo, "hi": hi, "n": n, "above": int((d > 0).sum()), "verdict": v, "text": text}
+
+
+def claim(v: dict, expect: str) -> str:
+    """A claim's answer from one verdict: "yes" when it is the expected one ("higher", "lower" or "alike"),
+    "inconclusive" when the verdict is, "no" otherwise."""
+    return "yes" if v["verdict"] == expect else "inconclusive" if v["verdict"] == "inconclusive" else "no"
+
+
+def tally(*answers: str) -> str:
+    """A claim made of parts: yes / no when every part says so, partly when some parts hold and others do not,
+    inconclusive when no part fails and some cannot be told."""
+    if all(a == "yes" for a in answers):
+        return "yes"
+    if all(a == "no" for a in answers):
+        return "no"
+    if "yes" in answers and "no" in answers:
+        return "partly"
+    return "inconclusive" if "no" not in answers else "no"
+
+
+def held_out(rs: list[dict], key: str = "win-lose") -> np.ndarray:
+    """Per seed, the final held-out evaluation against SFT: "win-lose", "gold" (the policy's gold) or "sft_gold"."""
+    if key == "win-lose":
+        return np.array([r["win_rate_vs_sft"]["win"] - r["win_rate_vs_sft"]["lose"] for r in rs])
+    return np.array([r["final" if key == "gold" else "sft"]["gold_reward"] for r in rs])
 
 
 # ---------------------------------------------------------------------------------------------------------

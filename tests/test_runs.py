@@ -1,0 +1,43 @@
+"""The figure notebooks' verdict rule (notebooks/runs.py): the t quantiles, the interval, and the answers it gives."""
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+import runs  # noqa: E402
+
+
+def t_cdf_central(t: float, df: int, steps: int = 200_000) -> float:
+    """P(|T| ≤ t) for Student's t with df degrees of freedom, by the midpoint rule on its density."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    x = (np.arange(steps) + 0.5) * (t / steps)
+    return float(2 * np.sum(c * (1 + x * x / df) ** (-(df + 1) / 2)) * (t / steps))
+
+
+@pytest.mark.parametrize("df", sorted(runs.T975))
+def test_t975_table_is_the_two_sided_95_percent_quantile(df):
+    assert t_cdf_central(runs.T975[df], df) == pytest.approx(0.95, abs=2e-4)
+
+
+def test_verdict_interval_by_hand():
+    v = runs.verdict([3.0, 4.0, 5.0], [1.0, 2.0, 3.0])          # d = 2, 2, 2: sd 0, interval [2, 2]
+    assert (v["effect"], v["lo"], v["hi"], v["verdict"], v["above"]) == (2.0, 2.0, 2.0, "higher", 3)
+    v = runs.verdict([1.0, 2.0, 3.0])                            # mean 2, sd 1, half-width 4.303 / √3
+    assert v["lo"] == pytest.approx(2 - 4.303 / math.sqrt(3)) and v["hi"] == pytest.approx(2 + 4.303 / math.sqrt(3))
+    assert v["verdict"] == "inconclusive"
+    assert runs.verdict([-1.0, -1.2, -0.8, -1.1, -0.9])["verdict"] == "lower"
+    assert runs.verdict([0.01, -0.02, 0.0, 0.02], margin=0.1)["verdict"] == "alike"
+    assert runs.verdict([0.01, -0.02, 0.0, 0.02])["verdict"] == "inconclusive"   # no margin: never "alike"
+    assert runs.verdict([5.0])["verdict"] == "inconclusive"                      # one seed tells nothing
+
+
+def test_claim_and_tally():
+    higher, unclear = runs.verdict([1.0, 1.1, 0.9]), runs.verdict([1.0, -1.0, 0.5])
+    assert runs.claim(higher, "higher") == "yes" and runs.claim(higher, "lower") == "no"
+    assert runs.claim(unclear, "higher") == "inconclusive"
+    assert runs.tally("yes", "yes") == "yes" and runs.tally("no", "no") == "no"
+    assert runs.tally("yes", "no") == "partly" and runs.tally("yes", "no", "inconclusive") == "partly"
+    assert runs.tally("yes", "inconclusive") == "inconclusive" and runs.tally("no", "inconclusive") == "no"
