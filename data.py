@@ -19,7 +19,7 @@ Implements (the data behind the paper's equations; data.py itself computes none)
                         fit_example applied once, kept as text records for the stages
     text_key / prompt_keys / distinct_prompts
                         what "the same prompt" means when training and evaluation are kept apart
-    token_ids / query_ids / response_ids / pad / lm_batch / pair_batch
+    token_ids / query_ids / response_ids / pad / lm_batch(_of_ids) / pair_batch
                         the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
                         (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
     train_bpe_tokenizer byte-level BPE trained with `tokenizers` on the training split, saved as a
@@ -747,12 +747,15 @@ def position_ids_from_mask(attention_mask):
 
 def lm_batch(rows: list[tuple[str, str]], tokenizer):
     """(prompt, response) rows -> right-padded ids (B, L), attention mask (B, L), response-token mask (B, L)."""
-    seqs, resp = [], []
-    for prompt, response in rows:
-        p, r = query_ids(prompt, tokenizer), response_ids(response, tokenizer)
-        seqs.append(p + r)
-        resp.append([0] * len(p) + [1] * len(r))
-    ids, attn = pad(seqs, tokenizer.pad_token_id, "right")
+    return lm_batch_of_ids([(query_ids(p, tokenizer), response_ids(r, tokenizer)) for p, r in rows],
+                           tokenizer.pad_token_id)
+
+
+def lm_batch_of_ids(rows: list[tuple[list[int], list[int]]], pad_id: int | None):
+    """lm_batch of rows already tokenized: (query ids, response ids) each."""
+    seqs = [q + r for q, r in rows]
+    resp = [[0] * len(q) + [1] * len(r) for q, r in rows]
+    ids, attn = pad(seqs, pad_id, "right")
     response_mask, _ = pad(resp, 0, "right")
     return ids, attn, response_mask.float()
 
@@ -766,12 +769,16 @@ def pair_batch(rows: list[dict], tokenizer):
 class RolloutBatches:
     """The PPO stage's batches, drawn from one seeded stream (checkpointed as "prompt", so a resumed run draws the
     same batches): prompts for the rollouts, left-padded (B, P), and SFT rows for the ptx term (Eq. 17),
-    right-padded. Every rank draws the global batch and keeps its rows r, r + W, … (W ranks), or its groups."""
+    right-padded. Every rank draws the global batch and keeps its rows r, r + W, … (W ranks), or its groups.
+    Every text is tokenized once, here (query_ids, response_ids), not at every PPO step."""
 
     def __init__(self, prompts: list[str], sft_rows: list[tuple[str, str]], tokenizer, seed: int, rank: int = 0,
                  world: int = 1, device="cpu"):
         self.prompt_rows, self.sft_rows, self.tokenizer = prompts, sft_rows, tokenizer
         self.rng, self.rank, self.world, self.device = random.Random(seed), rank, world, device
+        self.query = {p: query_ids(p, tokenizer) for p in prompts}                    # prompt → its query ids
+        self.sft_ids = [(query_ids(p, tokenizer), response_ids(r, tokenizer)) for p, r in sft_rows]
+        self.stop_id = stop_id(tokenizer)                                              # ends and scores a response
 
     def prompts(self, n: int, group: int = 1):
         """n rows of the global batch → (this rank's prompts, query ids (b, P), query mask (b, P)). With `group` = G:
@@ -779,13 +786,13 @@ class RolloutBatches:
         (r, r + W, …), so no group is split across ranks; G = 1 draws exactly what it always did."""
         prompts = [self.rng.choice(self.prompt_rows) for _ in range(n // group)][self.rank::self.world]
         rows = [p for p in prompts for _ in range(group)]
-        query, query_mask = pad([query_ids(p, self.tokenizer) for p in rows], self.tokenizer.pad_token_id, "left")
+        query, query_mask = pad([self.query[p] for p in rows], self.tokenizer.pad_token_id, "left")
         return rows, query.to(self.device), query_mask.to(self.device)
 
     def ptx(self, n: int):
         """n SFT rows of the global batch → this rank's ids (b, L), attention mask (b, L), response mask (b, L)."""
-        rows = [self.sft_rows[self.rng.randrange(len(self.sft_rows))] for _ in range(n)][self.rank::self.world]
-        return tuple(t.to(self.device) for t in lm_batch(rows, self.tokenizer))
+        rows = [self.sft_ids[self.rng.randrange(len(self.sft_ids))] for _ in range(n)][self.rank::self.world]
+        return tuple(t.to(self.device) for t in lm_batch_of_ids(rows, self.tokenizer.pad_token_id))
 
 
 def read_records(path) -> list[dict]:

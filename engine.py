@@ -168,10 +168,6 @@ def engine_step(model, loss: Tensor, name: str, nonfinite: list[str]) -> Tensor:
 # Data parallelism (`deepspeed train.py`): rank r of W holds rows r, r + W, r + 2W, … of the global batch.
 # Without torch.distributed (the single-process default) every helper below is the identity.
 # ---------------------------------------------------------------------------------------------------------
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and world_size() > 1
-
-
 def world_size() -> int:
     ok = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_world_size() if ok else 1
@@ -185,7 +181,7 @@ def rank() -> int:
 def gather_batch(x: Tensor, group: int = 1) -> Tensor:
     """Every rank's x (B, …) gathered into the global batch (W·B, …) in prompt order: with groups of `group` rows
     (G responses to one prompt, data.RolloutBatches), group r + W·j of the global batch is rank r's group j."""
-    if not _distributed():
+    if world_size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size())]
     torch.distributed.all_gather(parts, x.contiguous())
@@ -195,7 +191,7 @@ def gather_batch(x: Tensor, group: int = 1) -> Tensor:
 
 def gather_list(xs: list, group: int = 1) -> list:
     """gather_batch for python lists (prompts, texts, gold rewards): the global batch in prompt order."""
-    if not _distributed():
+    if world_size() == 1:
         return xs
     parts = [None] * world_size()
     torch.distributed.all_gather_object(parts, xs)
@@ -206,7 +202,7 @@ def gather_list(xs: list, group: int = 1) -> list:
 def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
     """Each value averaged over the ranks (every rank has the same keys). Slices are equal, so a per-sequence mean
     becomes the global batch's mean; a token-level mean becomes the mean of the ranks' token means."""
-    if not _distributed():
+    if world_size() == 1:
         return stats
     t = torch.tensor([float(v) for v in stats.values()], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
@@ -215,7 +211,7 @@ def all_mean(stats: dict[str, float], device: torch.device | str = "cpu") -> dic
 
 def all_sum(x: Tensor) -> Tensor:
     """x summed over the ranks, the same sum on every rank (critic_free.batch_whiten's global moments)."""
-    if not _distributed():
+    if world_size() == 1:
         return x
     x = x.clone()
     torch.distributed.all_reduce(x)
@@ -224,7 +220,7 @@ def all_sum(x: Tensor) -> Tensor:
 
 def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
     """True on every rank when it is true on one: a rank that skips or stops alone would deadlock the others."""
-    if not _distributed():
+    if world_size() == 1:
         return bool(flag)
     t = torch.tensor([float(bool(flag))], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -232,5 +228,5 @@ def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
 
 
 def barrier() -> None:
-    if _distributed():
+    if world_size() > 1:
         torch.distributed.barrier()

@@ -47,6 +47,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
+
 KL_KEY, LENGTH_KEY, PPL_KEY = "kl/ref", "response/length", "policy/perplexity"
 
 
@@ -161,7 +162,7 @@ class CollapseMonitor:
         kl = _get(metrics, KL_KEY)
         if kl is not None and kl > self.kl_max:  # § 5.2 / Fig. 4: KL to the reference climbs
             reasons.append(f"kl/ref {kl:.3f} > {self.kl_max:.3f}")
-        if not self.ready:
+        if self.steps_seen < self.warmup:  # not ready: the warmup steps are not all in the baseline
             return reasons
         base = self.baseline()
         length = _get(metrics, LENGTH_KEY)
@@ -190,7 +191,7 @@ class CollapseMonitor:
         """Feed one step; returns an Alarm on the step `patience` bad steps in a row are reached, else None."""
         xs = _as_floats(scores)
         reasons = self.check(metrics, xs)
-        if not self.ready:
+        if self.steps_seen < self.warmup:  # not ready
             self._add_to_baseline(metrics, xs)
         self.steps_seen += 1
         self.streak = self.streak + 1 if reasons else 0
@@ -375,7 +376,8 @@ def progress(iterable, desc: str, total: int | None = None, initial: int = 0, di
              leave: bool = True, every: float = 10.0):
     """`iterable` under tqdm's progress bar. When stderr is not a terminal (a log file, a pipe) the bar is drawn at
     most every `every` seconds, each time as a whole line (a redraw per item fills a log with kilobytes of bars),
-    and a bar that does not stay (leave=False) shows only if it lasts longer than that."""
+    and a bar that does not stay (leave=False) shows only if it lasts longer than that. Callers set the postfix
+    with refresh=False: tqdm's set_postfix otherwise redraws at once, a line per step in a log."""
     from tqdm import tqdm
     if disable or sys.stderr.isatty():
         return tqdm(iterable, desc=desc, total=total, initial=initial, disable=disable, leave=leave)
@@ -440,7 +442,7 @@ class RunLog:
         name = "gold" if judge_key == "reward/gold" else "judge"
         gold_s = "n/a" if m.get(judge_key) is None else f"{m[judge_key]:+.2f}"
         self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{name: gold_s}, kl=f"{m['kl/ref']:.3f}",
-                             len=f"{m['response/length']:.1f}")
+                             len=f"{m['response/length']:.1f}", refresh=False)
         if step % 10 == 0 or step == self.total - 1:
             tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  {name} {gold_s}  "
                        f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "

@@ -457,7 +457,7 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
             rm.eval()
             rc, rr = score_pairs(rm, tokenizer, heldout_rows)
             log.append({"step": step, "heldout_accuracy": accuracy(rc, rr)})
-            bar.set_postfix(acc=f"{log[-1]['heldout_accuracy']:.3f}")
+            bar.set_postfix(acc=f"{log[-1]['heldout_accuracy']:.3f}", refresh=False)
         if step == steps:
             break
         trained.train()

@@ -88,7 +88,7 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
         engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.sft_lr))
         engine.backward_step(trained, opt, loss, 1.0, "sft", [])
         losses.append(engine.all_mean({"loss": loss.item()}, device)["loss"])
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # drawn with the bar (monitor.progress)
     model.eval()
     if out_dir is not None and rank == 0:  # LoRA: out_dir/adapter/ and the merged model in out_dir
         lora.save(model, out_dir, tokenizer)

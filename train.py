@@ -714,12 +714,6 @@ class Judge:
     score: Callable                             # an eval.py judge: (prompts, texts, finished, ids, mask) → rewards
     model: object | None = None                 # the judge's reward model, if it is one
 
-    @torch.no_grad()
-    def rewards(self, prompts: list[str], texts: list[str], finished, ids, mask) -> list[float]:
-        """The judge's reward of each response of a batch: a reward model reads the very ids (B, L) the proxy
-        scored, with the same mask, in one batch; gold reads the text. The final evaluation calls the same judge."""
-        return self.score(prompts, texts, finished, ids, mask)
-
 
 def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None
                ) -> Judge | None:
@@ -771,7 +765,7 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, plumbing: "Lo
     alarm, signals, checkpoints — sits behind the `plumbing` calls (LoopPlumbing, below), each one line.
     Returns how the loop ended: {"stop_reason", "signal", "path"}."""
     tokenizer = batches.tokenizer
-    eos, pad_id = data.stop_id(tokenizer), tokenizer.pad_token_id  # eos: EOS or the template's end of turn
+    eos, pad_id = batches.stop_id, tokenizer.pad_token_id  # eos: EOS or the template's end of turn (data.stop_id)
     warmup_steps = math.ceil(cfg.warmup_frac * run.steps)
     for step in plumbing.steps():  # PLUMBING: the bar; ends early on a signal, the guard or --on-collapse stop
         if step == run.break_at:
@@ -846,8 +840,9 @@ class LoopPlumbing:
         judge, m = self.judge, self.m
         texts = [self.tokenizer.decode(r[k.bool()], skip_special_tokens=True)
                  for r, k in zip(exp["response"], exp["mask"])]
-        judged = judge.rewards(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
-                               torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
+        with torch.no_grad():  # a reward-model judge reads the very ids (B, L) the proxy scored, with the same mask
+            judged = judge.score(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
+                                 torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
         G = self.group  # the global batch in prompt order, each group of G responses whole
         prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
         judged = engine.gather_list(judged, G) if judge else None
