@@ -19,7 +19,7 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   claim(...), tally(...)         a claim's answer from verdicts: yes / no / inconclusive, and partly for mixed parts
   dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
-  interval(values), verdict(…)   the 95 % t-interval over seeds, and the stated rule: above / below 0 / inconclusive
+  interval(values), verdict_words(…)  the 95 % t-interval over seeds; the rule in own words: above / below 0 / inconclusive
   frontier(run_), budget(run_)   a run's gold-vs-√KL point at temperature 1, and the samples / pairs it consumed
   frontier_checkpoints(run_)     every checkpoint as a point of the over-optimisation curve (Gao et al. 2022)
   bon_curve(run_, ns)            best-of-n from the run's SFT model under its reward model, for every n, from one pool
@@ -287,25 +287,17 @@ def _evaluate_checkpoints(run_: dict, ckpts: list[Path], n: int, cache: Path) ->
 # ---------------------------------------------------------------------------------------------------------
 # Methods beyond PPO and the over-optimisation curve (methods.ipynb, overoptimization.ipynb)
 # ---------------------------------------------------------------------------------------------------------
-# two-sided 95 % quantiles of Student's t (df = 1 … 30); above 30 the normal's 1.96 is within 2 %
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
 def interval(values) -> tuple[float, float, float]:
-    """(mean, low, high): the two-sided 95 % t-interval of the mean over seeds; (mean, nan, nan) with one seed."""
-    v = np.asarray(values, float)
-    if len(v) < 2:
-        return float(v.mean()), float("nan"), float("nan")
-    half = (T975[len(v) - 2] if len(v) - 1 <= len(T975) else 1.96) * v.std(ddof=1) / np.sqrt(len(v))
-    return float(v.mean()), float(v.mean() - half), float(v.mean() + half)
+    """(mean, low, high): the two-sided 95 % t-interval of the mean over seeds (RULE's, below); (mean, nan, nan)
+    with one seed."""
+    v = verdict(values)
+    return (v["effect"], float("nan"), float("nan")) if v["n"] < 2 else (v["effect"], v["lo"], v["hi"])
 
 
-def verdict(values, above: str, below: str) -> str:
-    """The stated rule of these notebooks: `above` when the 95 % interval of the mean over seeds lies above 0,
+def verdict_words(values, above: str, below: str) -> str:
+    """RULE (below) in words of one's own: `above` when the 95 % interval of the mean over seeds lies above 0,
     `below` when it lies below, "inconclusive" otherwise (and always with one seed)."""
-    _, lo, hi = interval(values)
-    return above if lo > 0 else below if hi < 0 else "inconclusive"
+    return {"higher": above, "lower": below}.get(verdict(values)["verdict"], "inconclusive")
 
 
 def base_of(run_: dict) -> Path:

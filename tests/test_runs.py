@@ -41,3 +41,14 @@ def test_claim_and_tally():
     assert runs.tally("yes", "yes") == "yes" and runs.tally("no", "no") == "no"
     assert runs.tally("yes", "no") == "partly" and runs.tally("yes", "no", "inconclusive") == "partly"
     assert runs.tally("yes", "inconclusive") == "inconclusive" and runs.tally("no", "inconclusive") == "no"
+
+
+def test_interval_and_verdict_words_follow_the_one_rule():
+    """The methods notebooks' interval and worded verdict are RULE's: t(0.975, n − 1), not another table's."""
+    m, lo, hi = runs.interval([1.0, 2.0, 3.0, 4.0, 5.0])         # mean 3, sd √2.5, t(0.975, 4) = 2.776
+    assert m == 3.0 and abs((hi - lo) / 2 - 2.776 * 2.5 ** 0.5 / 5 ** 0.5) < 1e-9
+    assert runs.verdict_words([-1.0, -1.2, -0.8, -1.1, -0.9], "better", "worse") == "worse"
+    assert runs.verdict_words([1.0, 1.1, 0.9], "better", "worse") == "better"
+    assert runs.verdict_words([0.5, -0.5, 0.1], "better", "worse") == "inconclusive"
+    assert runs.verdict_words([5.0], "better", "worse") == "inconclusive"
+    assert runs.interval([2.0])[0] == 2.0
