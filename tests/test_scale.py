@@ -586,13 +586,13 @@ def test_lora_cli_prints_the_one_gpu_table():
 
 
 def test_lora_docs_show_what_the_code_prints():
-    """docs/one-gpu.md and the README paste the table `train.py --plan --num-gpus 1 --lora-r 16` prints for llama-7b."""
+    """docs/one-gpu.md pastes the table `train.py --plan --num-gpus 1 --lora-r 16` prints for llama-7b; the README gives the command."""
     table = scale.format_one_gpu_table(scale.one_gpu_table("llama-7b", **ONE_GPU), ONE_GPU, "q_proj,v_proj (auto)")
     doc = (ROOT / "docs" / "one-gpu.md").read_text()
     assert "## What fits one GPU" in doc and table in doc
     assert "python train.py --model llama-7b --plan --num-gpus 1 --gpu-mem 24 --lora-r 16" in doc
-    readme = (ROOT / "README.md").read_text()  # the front door shows the same table
-    assert table in readme and "--plan --num-gpus 1 --gpu-mem 24 --lora-r 16" in readme
+    readme = (ROOT / "README.md").read_text()  # the front door shows the command that prints it
+    assert "--plan --num-gpus 1 --gpu-mem 24 --lora-r 16" in readme
     printed = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", "llama-7b", "--plan", "--num-gpus",
                               "1", "--gpu-mem", "24", "--lora-r", "16"], capture_output=True, text=True, timeout=120,
                              check=True).stdout
