@@ -220,9 +220,9 @@ class PPOConfig:
     adv_norm: bool = arg(False, "whiten advantages per minibatch")
     adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off", ">=0")
     # --- policy constraints (Fig. 7, 15, 16) ---
-    kl_coef: float = arg(0.2, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
-                              "(Fig. 15); at 0.05 PPO-max collapses after 137-277 steps here (notebooks/ppo_max.ipynb)",
-                         ">=0")
+    kl_coef: float = arg(0.05, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
+                               "(Fig. 15); here the smallest η at which 400 steps keep every part of Fig. 9 "
+                               "(notebooks/ppo_max.ipynb)", ">=0")
     kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full "
                                   "(exact)", "k1|k2|k3|full")
     kl_target: float = arg(0.0, "adaptive KL controller target, in nats PER TOKEN (kl/ref; Ziegler et al. 2019 "
