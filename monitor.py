@@ -75,8 +75,8 @@ def _get(metrics: Mapping[str, Any], key: str) -> float | None:
     return None if v is None or not math.isfinite(float(v)) else float(v)
 
 
-# The default thresholds, chosen on the synthetic world's runs of seeds 0-2 and checked on seeds 3-4 (README,
-# "Collapse alarm"); `python monitor.py sweep runs/*-seed?` shows what other values would have done.
+# The default thresholds, checked on the synthetic world's runs (docs/long-runs.md, "The collapse alarm");
+# `python monitor.py sweep runs/*-seed?` shows what other values would have done.
 KL_MAX, PATIENCE, PPL_DROP = 0.08, 1, 0.35
 
 
@@ -85,15 +85,15 @@ class CollapseMonitor:
 
     kl_max = 0.08 (nats/token)    KL to the reference > kl_max. Absolute, because the reference is fixed: Fig. 4
         shows vanilla PPO's KL climbing without bound, Fig. 9 PPO-max's staying small under the Eq. 19 penalty.
-        In the synthetic world vanilla's KL passes 0.08 at steps 3–5, before its gold reward has fallen halfway
-        (gold_halfway), on all five seeds tried; PPO-max (η = 0.2) stays below 0.075 over 400 steps on seeds 0–2,
-        while on seeds 3 and 4 its KL creeps past 0.08 after ~90 steps (README, "Collapse alarm"). Higher values
-        fire only once a collapse is well under way (0.3: 4–6 steps after the halfway point).
+        In the synthetic world vanilla's KL passes 0.08 at steps 18–28, before its gold reward has fallen halfway
+        (gold_halfway), on four of five seeds (the fifth keeps its gold); PPO-max stays below it over 400 steps at
+        η = 0.05, 0.1 and 0.2 on seeds 0–2 (docs/long-runs.md). Higher values fire only once a collapse is well
+        under way.
     length_growth = 0.5           mean response length > (1 + 0.5) × baseline. Fig. 4's collapse multiplies
         length by 3–4; Fig. 9 keeps it flat; +50 % is a fraction of the collapse and well outside batch noise.
     ppl_drop = 0.35               policy perplexity < (1 − 0.35) × baseline. Fig. 4's perplexity falls toward 1
         (the policy becomes certain of one pattern); Fig. 9's stays flat, but single batches of PPO-max dip by about
-        30 % (one, on a stable η = 0.2 run, fired a 0.3 threshold). Perplexity is ≥ 1, so with a baseline below 1/(1 − ppl_drop) this check can
+        30 % (one, on a stable run, fired a 0.3 threshold). Perplexity is ≥ 1, so with a baseline below 1/(1 − ppl_drop) this check can
         never fire; the other three still do.
     tail_sigmas = 3, tail_frac = 0.2   more than 20 % of the step's raw scores lie above baseline mean + 3 σ
         (baseline: all scores of the warmup steps, population σ). Fig. 13: the distribution is unchanged while
