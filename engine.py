@@ -38,7 +38,9 @@ def setup_distributed(deepspeed: bool = False) -> tuple[int, int, torch.device]:
     and nothing is initialised: the single-process run of every test."""
     if not (deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         return 0, 1, torch.device("cpu")
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+    if "MASTER_PORT" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        os.environ["MASTER_PORT"] = str(free_port())  # a world of one: any free port, so two such runs can coexist
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)  # --deepspeed without the launcher: a world of one
     import logging
 
@@ -51,6 +53,14 @@ def setup_distributed(deepspeed: bool = False) -> tuple[int, int, torch.device]:
         accelerator.set_device(local_rank)
     device = torch.device(accelerator.device_name(local_rank))
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def accelerator_bf16() -> bool:

@@ -155,14 +155,22 @@ def test_deepspeed_two_processes_match_one_process(two_runs):
 @pytest.mark.deepspeed
 @pytest.mark.slow
 def test_deepspeed_engines_in_one_process_match_the_plain_run(two_runs):
-    """`train.py --deepspeed` in one process (W = 1: the same prompts, samples and minibatches as the plain run) puts
+    """`train.py --deepspeed` in one process (W = 1: the same prompts, samples and minibatches as the plain run; its
+    rendezvous on a free port, with 29500 taken) puts
     policy and critic in ZeRO-2 engines; its metrics equal the plain run's up to float32 rounding (measured: ≤ 3e-7
     absolute, perplexity 5e-7 relative), so engine.backward / engine.step / the engine's clipping do what
     backward_step does without DeepSpeed."""
     work, _, _ = two_runs
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *WORLD, *PPO, "--steps", "2", "--deepspeed",
-                           "--out", "ds1"], cwd=work, env=env, capture_output=True, text=True, timeout=170)
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # a world of one picks a free port itself
+    env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    with socket.socket() as held:  # DeepSpeed's default 29500 held by "another job": the run must not need it
+        try:
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        except OSError:
+            pass  # something else holds it already, which tests the same
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *WORLD, *PPO, "--steps", "2", "--deepspeed",
+                               "--out", "ds1"], cwd=work, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[deepspeed] 1 process(es) on cpu" in proc.stdout
     plain, engines = metrics(work / "single")[:2], metrics(work / "ds1")
