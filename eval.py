@@ -141,7 +141,7 @@ def compare(policy, sft, ref, reward_model, tokenizer, prompts: list[str], n: in
 
 
 def frontier_point(policy, sft, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
-                   judge=toy_world.gold_reward) -> dict:
+                   judge=toy_world.gold_judge) -> dict:
     """One point of the gold-vs-√KL frontier: the policy sampled as itself (PLAIN_SAMPLING), its judge and proxy
     rewards, and its sequence-level KL to the SFT model, KL = E_{y~π} Σ_t KL(π(·|s_t) ‖ π_SFT(·|s_t)) (the per-token
     exact KL summed along the policy's own samples), with d = √KL as Gao et al. 2022 plot it."""
