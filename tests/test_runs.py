@@ -52,3 +52,20 @@ def test_interval_and_verdict_words_follow_the_one_rule():
     assert runs.verdict_words([0.5, -0.5, 0.1], "better", "worse") == "inconclusive"
     assert runs.verdict_words([5.0], "better", "worse") == "inconclusive"
     assert runs.interval([2.0])[0] == 2.0
+
+
+@pytest.mark.parametrize("form", ["bon", "rl"])
+def test_fit_gao_recovers_known_alpha_beta_and_solves_the_normal_equations(form):
+    """Gao et al.'s forms, fitted through the origin: exact on noise-free curves, and on noisy ones the solution of
+    the 2 × 2 normal equations written out by hand (Cramer's rule); d = 0 points are left out (log 0)."""
+    d = np.array([0.0, 0.3, 0.6, 1.0, 1.4, 2.0, 2.7])
+    shape = (lambda x: x * x) if form == "bon" else (lambda x: x * np.log(x))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        clean = np.where(d > 0, d * 1.7 - 0.45 * shape(d), 0.0)     # d(α − βd) or d(α − β log d), α 1.7, β 0.45
+    assert runs.fit_gao(d, clean, form) == pytest.approx((1.7, 0.45), abs=1e-9)
+    noisy = clean + np.random.default_rng(0).normal(0, 0.2, len(d))
+    x1, x2, y = d[1:], -shape(d[1:]), noisy[1:]
+    s11, s12, s22, s1y, s2y = x1 @ x1, x1 @ x2, x2 @ x2, x1 @ y, x2 @ y
+    det = s11 * s22 - s12 * s12
+    assert runs.fit_gao(d, noisy, form) == pytest.approx(((s1y * s22 - s12 * s2y) / det,
+                                                          (s11 * s2y - s12 * s1y) / det), rel=1e-9)
