@@ -173,6 +173,7 @@ out["order"] = engine.gather_list(rows, G)
 if rank == 0:
     torch.save(out, sys.argv[5])
 dist.barrier()
+dist.destroy_process_group()  # without it, gloo's threads can abort the process at exit (SIGABRT, exit status -6)
 """
 
 
