@@ -40,22 +40,42 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
 }
 
 
+def mistake_dir(root: Path) -> Path:
+    """A folder of its own for one mistake: the bad files the argv names, and nothing else (so that "no work left
+    behind" is that mistake's alone)."""
+    root.mkdir(parents=True)
+    (root / "bad.jsonl").write_text("{not json\n")
+    (root / "empty").mkdir()
+    (root / "bad_adapter").mkdir()
+    (root / "bad_adapter" / "adapter_config.json").write_text("{not json")
+    return root
+
+
+def run_mistake(name: str, cwd: Path) -> subprocess.CompletedProcess:
+    argv = MISTAKES[name][0]
+    return subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                            "HOME": str(cwd), "HF_HOME": str(cwd / "hf")})
+
+
 @pytest.fixture(scope="module")
-def cwd(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mistakes")
-    (d / "bad.jsonl").write_text("{not json\n")
-    (d / "empty").mkdir()
-    (d / "bad_adapter").mkdir()
-    (d / "bad_adapter" / "adapter_config.json").write_text("{not json")
-    return d
+def ran(request, tmp_path_factory) -> dict:
+    """Every selected mistake, each a fresh `python` process in its own folder, two at a time: most of each one's
+    time is the interpreter importing torch and transformers on one core, and the machine has two."""
+    from concurrent.futures import ThreadPoolExecutor
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_a_mistake_is_one_line_and_exit_2"}
+    root = tmp_path_factory.mktemp("mistakes")
+    dirs = {name: mistake_dir(root / name) for name in sorted(selected)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip(dirs, pool.map(run_mistake, dirs, dirs.values())))
+    return {name: (procs[name], dirs[name]) for name in dirs}
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
-def test_a_mistake_is_one_line_and_exit_2(name, cwd):
-    argv, needle = MISTAKES[name]
-    proc = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-                                            "HOME": str(cwd), "HF_HOME": str(cwd / "hf")})
+def test_a_mistake_is_one_line_and_exit_2(name, ran):
+    needle = MISTAKES[name][1]
+    proc, cwd = ran[name]
     lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("[")]  # '[' : DeepSpeed's log
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-1500:])
     assert "Traceback" not in proc.stderr, proc.stderr[-1500:]

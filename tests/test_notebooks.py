@@ -30,12 +30,40 @@ def kernel_dirs(tmp_path_factory) -> list[str]:
     return [str(kernels)]
 
 
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path, kernel_dirs, monkeypatch):
-    monkeypatch.setenv("PPO_MAX_FULL", "0")  # the kernel inherits the environment: figure notebooks use FULL = False
+def execute(path: Path, kernel_dirs: list[str]) -> None:
+    """One notebook top to bottom in a kernel of its own, in memory; raises CellExecutionError, naming the cell, on
+    the first failing cell."""
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     assert Path(km.kernel_spec.argv[0]) == Path(sys.executable)
-    client = NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError, naming the cell, on the first failing cell
+    NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}}).execute()
+
+
+@pytest.fixture(scope="module")
+def executed(request, kernel_dirs) -> dict:
+    """The selected notebooks, two at a time (each kernel trains its runs on one core, --threads 1, and the machine
+    has two; notebooks/runs.py's locks let two share the cached bases and runs): name → None, or the exception."""
+    from concurrent.futures import ThreadPoolExecutor
+    names = {item.callspec.params["path"].stem for item in request.session.items
+             if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"}
+    paths = [p for p in NOTEBOOKS if p.stem in names]
+
+    def run(path):
+        try:
+            execute(path, kernel_dirs)
+        except Exception as e:  # noqa: BLE001 — reported by that notebook's own test
+            return e
+        return None
+
+    with pytest.MonkeyPatch.context() as mp:  # the kernels inherit the environment
+        mp.setenv("PPO_MAX_FULL", "0")          # figure notebooks use FULL = False: the small budget
+        mp.setenv("PPO_MAX_JOBS", "2")          # runs.slot(): two trainings at once, over both kernels
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return dict(zip([p.stem for p in paths], pool.map(run, paths)))
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path, executed):
+    if executed[path.stem] is not None:
+        raise executed[path.stem]
