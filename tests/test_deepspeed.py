@@ -45,6 +45,7 @@ import pytest
 import torch
 
 import data
+from engine import free_port
 import scale
 import sft
 import ppo_max
@@ -58,12 +59,6 @@ WORLD = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-held
 # little in 4 steps that kl/ref (~0.002) is mostly sampling noise between the runs
 PPO = ["--rollout-batch", "64", "--minibatch", "16", "--critic-pretrain-steps", "2", "--steps", "4",
        "--save-every", "2", "--policy-lr", "2e-4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_cmd(*args: str) -> list[str]:
