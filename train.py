@@ -463,16 +463,19 @@ def resolve(argv):
     return run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg
 
 
-def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState, out: Path) -> tuple[int, list[dict]]:
+def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState,
+           out: Path) -> tuple[int, list[dict], list[dict]]:
     """The newest intact checkpoint restored into the models, optimizers, RNG streams and `state`: (its step, the
-    metrics of the steps before it)."""
+    metrics.jsonl and samples.jsonl rows of the steps before it)."""
     try:
         ckpt, saved = ckpts.resume(run.resume)
     except ValueError as e:
         fail(str(e))
     state.load_state_dict(saved["extra_state"])
     print(f"[resume] {ckpt}: continuing at step {saved['step']}")
-    return saved["step"], data.read_records(out / "metrics.jsonl")[:saved["step"]]
+    step, logs = saved["step"], [out / "metrics.jsonl", out / "samples.jsonl"]
+    metrics, samples = (data.read_records(f) if f.is_file() else [] for f in logs)
+    return step, metrics[:step], [s for s in samples if s["step"] < step]
 
 
 def run_checkpoints(m: Models, out: Path, batches: data.RolloutBatches, run: RunConfig,
@@ -1097,9 +1100,9 @@ def main(argv=None) -> dict | None:
                                   seed=run.seed, rank=rank, world=world, device=device)
     state = LoopState.new(run, cfg)
     ckpts = run_checkpoints(m, out, batches, run, rank)
-    timings, start, history = dict(inp.timings), 0, []
-    if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, metrics so far
-        start, history = resume(run, ckpts, state, out)
+    timings, start, history, samples = dict(inp.timings), 0, [], []
+    if run.resume:  # exact resume: weights, optimizers, RNG streams, moments, η, monitor, guard, logs so far
+        start, history, samples = resume(run, ckpts, state, out)
     elif "critic" in run.stages.split(",") and m.critic is not None:  # a critic-free --advantage has no stage 3
         critic_stage(m, batches, state, inp, cfg, out, rank, timings)  # 3. critic pre-training (§5.3.3)
         if last_stage(run) == "critic":  # --stages ...,critic: the pre-trained critic is the result
@@ -1107,7 +1110,7 @@ def main(argv=None) -> dict | None:
 
     # 4. PPO
     t0 = time.time()
-    log = collapse.RunLog(out, state.monitor, history, resumed=bool(run.resume), main_rank=rank == 0,
+    log = collapse.RunLog(out, state.monitor, history, samples, main_rank=rank == 0,
                           tracker=tracker(run, inp, out, rank))
     with checkpoint.GracefulExit() as interrupt:  # SIGINT/SIGTERM: finish the step, checkpoint, exit; not under pdb
         plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device,

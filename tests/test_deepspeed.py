@@ -190,6 +190,33 @@ def test_deepspeed_resume_matches_uninterrupted(two_runs):
     assert (ckpt / "deepspeed" / "rng" / "step-000002-rank1.pt").is_file()
     run_deepspeed(work, *WORLD, *PPO, "--out", "ds-resumed", "--resume", str(ckpt / "step-000002"))
     assert metrics(work / "ds-resumed") == metrics(work / "ds")
+    assert samples(work / "ds-resumed") == samples(work / "ds")  # steps 2-3 replaced, not repeated
+
+
+def test_a_rank_reading_the_logs_while_rank_0_rewrites_them_never_sees_them_torn(tmp_path):
+    """On --resume every rank reads metrics.jsonl while rank 0 rewrites it to the steps before the checkpoint. A
+    plain write_text truncates first, so a slower rank now and then read an empty file and exited 2 ("file is
+    empty"), which broke the DeepSpeed resume under load; rank 0 now writes beside the file and renames over it."""
+    import threading
+    import monitor
+    history = [{"step": i, "kl/ref": 0.0} for i in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history + history))
+    errors, done = [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            try:
+                if len(data.read_records(tmp_path / "metrics.jsonl")) < len(history):
+                    errors.append("short")
+            except Exception as e:  # noqa: BLE001 - any failure to read is the defect
+                errors.append(repr(e))
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(300):
+        monitor.RunLog(tmp_path, monitor.CollapseMonitor(), history, [], main_rank=True).close()
+    done.set()
+    reader.join()
+    assert errors == [] and len(data.read_records(tmp_path / "metrics.jsonl")) == len(history)
 
 
 def test_ranks_probing_one_out_dir_at_once_never_fail(tmp_path):

@@ -145,7 +145,8 @@ def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work):
 @pytest.mark.slow
 def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupted, capsys):
     """Truncate the newest checkpoint's weights (steps 3, 6, 9 saved): --resume says so in one line, continues from
-    step 6, and the run ends with the same metrics.jsonl as the uninterrupted one."""
+    step 6, and the run ends with the same metrics.jsonl and samples.jsonl as the uninterrupted one (the rows the
+    damaged run had written for steps 6-8 are replaced, not repeated)."""
     import shutil
     shutil.copytree(work / "full", work / "damaged")
     weights = work / "damaged" / "checkpoints" / "step-000009" / "policy" / "model.safetensors"
@@ -155,3 +156,4 @@ def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupt
     out = capsys.readouterr().out
     assert "step-000009" in out and "truncated" in out and "continuing at step 6" in out
     assert metrics(work / "damaged") == uninterrupted
+    assert (work / "damaged" / "samples.jsonl").read_text() == (work / "full" / "samples.jsonl").read_text()
