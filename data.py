@@ -450,6 +450,9 @@ def _parse_text(obj: dict, path, line_no: int) -> tuple[str, str, str]:
     src = f"{path}:{line_no}"
     if "text" in obj:
         return "", _get_str(obj, "text", path, line_no, nonempty=True, reason="empty_response"), src
+    if "prompt" in obj and "chosen" in obj and not {"rejected", "response"} & obj.keys():  # a demonstration
+        prompt = _get_str(obj, "prompt", path, line_no)  # {"prompt", "chosen"}: named as a pair's better half
+        return prompt, _get_str(obj, "chosen", path, line_no, nonempty=True, reason="empty_response"), src
     if "chosen" in obj or "rejected" in obj:  # SFT on the chosen responses of a pair file
         pair = _parse_pair(obj, path, line_no)
         return pair.prompt, pair.chosen, src
@@ -472,8 +475,8 @@ def _parse_text(obj: dict, path, line_no: int) -> tuple[str, str, str]:
 
 def load_texts(path, skip_bad: bool = False, report: DataReport | None = None,
                with_source: bool = False) -> list[tuple[str, str]] | list[tuple[str, str, str]]:
-    """(prompt, response) for SFT / ptx: {"text"} gives prompt "", {"prompt","response"} as is,
-    pair lines give (prompt, chosen); (prompt, response, source) if with_source."""
+    """(prompt, response) for SFT / ptx: {"text"} gives prompt "", {"prompt","response"} as is, pair lines and
+    {"prompt","chosen"} demonstrations give (prompt, chosen); (prompt, response, source) if with_source."""
     items = _load(path, _parse_text, skip_bad, report)
     return items if with_source else [(p, r) for p, r, _ in items]
 

@@ -139,8 +139,8 @@ class RunConfig:
     sft_model: str = arg("", "real --model: an SFT model, so stage 1 is skipped (policy and reference init); without "
                              "it, stage sft trains --model on --sft-data or --data, and with neither --model itself is "
                              "the SFT model")
-    sft_data: str = arg("", "SFT and ptx data ({prompt,response}, {messages} or {text} lines) instead of the "
-                            "chosen responses of --data")
+    sft_data: str = arg("", "SFT and ptx data ({prompt,response}, {prompt,chosen}, {messages} or {text} lines) "
+                            "instead of the chosen responses of --data")
     reward_model: str = arg("", "real --model: a reward model directory, so stage 2 is skipped (ours, or an "
                                 "AutoModelForSequenceClassification with num_labels 1)")
     critic_model: str = arg("", "real --model: the critic init (default: the reward model, as PPO-max)")

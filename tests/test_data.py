@@ -192,6 +192,12 @@ def test_load_prompts_and_texts_formats(tmp_path):
     assert data.load_texts(texts) == [("", "Plain text."), ("Q?", " A."), (f"{H} What is two plus two?{A}", " Four.")]
     expect_error(write(tmp_path / "m.jsonl", [{"prompt": "Q?"}]), "missing_field", 1, "response", data.load_texts)
     expect_error(write(tmp_path / "n.jsonl", [{"body": "x"}]), "missing_field", 1, "text", data.load_texts)
+    demo = write(tmp_path / "d.jsonl", [{"prompt": "Q?", "chosen": " A."}])  # a demonstration, no 'rejected'
+    assert data.load_texts(demo) == [("Q?", " A.")]
+    expect_error(write(tmp_path / "d0.jsonl", [{"prompt": "Q?", "chosen": " "}]), "empty_response", 1, "chosen",
+                 data.load_texts)
+    expect_error(write(tmp_path / "r.jsonl", [{"prompt": "Q?", "rejected": " A."}]), "missing_field", 1, "chosen",
+                 data.load_texts)  # only the worse half of a pair is no demonstration
 
 
 def test_load_pairs_real_hh_sample():
