@@ -416,7 +416,9 @@ def main(argv=None) -> None:
         if not a.prompts:
             cli.fail(f"--run {a.run}: no held-out prompts in {held}; pass --prompts")
     for flag, path in (("--policy", a.policy), ("--sft", a.sft), ("--reward-model", a.reward_model)):
-        if not path or not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
+        if not path:
+            cli.fail(f"{flag} is missing: pass --run RUN_DIR, or --policy, --sft and --reward-model directories")
+        if not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
     tok = AutoTokenizer.from_pretrained(a.policy)
     policy = lm.causal_lm_class(a.policy).from_pretrained(a.policy).eval()

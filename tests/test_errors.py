@@ -18,6 +18,7 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_wandb_missing": (["train.py", "--log-with", "wandb"], "--log-with wandb"),
     "train_wrong_deepspeed_json": (["train.py", "--deepspeed", "--deepspeed_config", "bad.jsonl"], "bad.jsonl"),
     "eval_no_run": (["eval.py", "--run", "nowhere"], "--run nowhere"),
+    "eval_nothing_to_evaluate": (["eval.py"], "--policy is missing"),
     "eval_no_model": (["eval.py", "--policy", "nowhere", "--sft", "nowhere", "--reward-model", "nowhere",
                        "--prompts", "bad.jsonl"], "--policy nowhere"),
     "eval_score_no_model": (["eval.py", "score", "--reward-model", "nowhere", "--data", "bad.jsonl"], "nowhere"),
