@@ -240,3 +240,11 @@ def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
 def barrier() -> None:
     if world_size() > 1:
         torch.distributed.barrier()
+
+
+def close_distributed() -> None:
+    """Every rank, after the last collective: leave the process group (gloo aborts now and then when a process
+    exits with it still open: "terminate called without an active exception"). Nothing without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -1127,6 +1127,7 @@ def main(argv=None) -> dict | None:
         raise SystemExit(1)
     if not ended["stop_reason"] and (not run.save_every or run.steps % run.save_every):
         ckpts.save(run.steps, state.state_dict())
+    engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
     if rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
         return None
     return write_summary(m, inp, run, cfg, log, ended, timings, t_start, dirs, judge, device)
