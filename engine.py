@@ -43,10 +43,13 @@ def setup_distributed(deepspeed: bool = False) -> tuple[int, int, torch.device]:
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)  # --deepspeed without the launcher: a world of one
     import logging
+    import warnings
 
     import deepspeed as ds
     from deepspeed.accelerator import get_accelerator
     ds.utils.logger.setLevel(logging.WARNING)  # train.py prints its own config and one line per step
+    # ZeRO's own all_gather_into_tensor calls: torch's deprecation notice, once per rank, is DeepSpeed's to act on
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     ds.init_distributed()
     accelerator, local_rank = get_accelerator(), int(os.environ["LOCAL_RANK"])
     if accelerator.device_name() != "cpu":
