@@ -246,8 +246,9 @@ def barrier() -> None:
 
 
 def close_distributed() -> None:
-    """Every rank, after the last collective: leave the process group (gloo aborts now and then when a process
-    exits with it still open: "terminate called without an active exception"). Nothing without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """Every rank of a multi-process run, after the last collective: leave the process group (gloo aborts now and then
+    when a process exits with it still open: "terminate called without an active exception"). A world of one keeps
+    its group: DeepSpeed caches it, and the next train.main in the same process (tools/gpu_check.py) reuses it."""
+    if world_size() > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
