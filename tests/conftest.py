@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "tools"))  # the tools (tiny_model, bench, gpu_check, assignment) import as modules too
@@ -21,3 +23,44 @@ if os.environ.get("PPO_MAX_IMPL"):
         assignment.import_from(assignment.impl_folder(os.environ["PPO_MAX_IMPL"]))
     except assignment.ImplFolderError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Long trainings in the background: `@pytest.mark.background(["train.py", ...])` starts that command in a fresh folder
+# of its own as soon as the tests are collected, and the test's `background` fixture waits for it. Most of the suite
+# runs on one core; such a run takes the other one instead of adding its minutes to the end.
+# ---------------------------------------------------------------------------------------------------------------
+BACKGROUND = pytest.StashKey[tuple]()  # item.stash[BACKGROUND] = (its folder, its Popen)
+
+
+def pytest_collection_finish(session):
+    import subprocess
+    import tempfile
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        mark = item.get_closest_marker("background")
+        if mark is not None:
+            work = Path(tempfile.mkdtemp(prefix="ppo-max-background-"))
+            argv = [sys.executable, str(ROOT / mark.args[0][0]), *mark.args[0][1:]]
+            with open(work / "output.log", "w") as log:
+                item.stash[BACKGROUND] = (work, subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT))
+
+
+def pytest_sessionfinish(session):
+    import shutil
+    for item in session.items:
+        if BACKGROUND in item.stash:
+            work, proc = item.stash[BACKGROUND]
+            if proc.poll() is None:  # a run whose test never ran (-x, Ctrl-C): stop it
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def background(request) -> tuple[Path, int, str]:
+    """The test's background command, finished: (its folder, its exit status, its output)."""
+    work, proc = request.node.stash[BACKGROUND]
+    proc.wait(timeout=1800)
+    return work, proc.returncode, (work / "output.log").read_text()

@@ -224,11 +224,14 @@ def test_lora_merged_export_loads_plainly_and_gives_the_adapter_models_logits(wo
 
 
 @pytest.mark.slow
-def test_lora_ppo_max_beats_sft_under_the_gold_judge(tmp_path, monkeypatch):
-    """The default world and PPO-max budget with adapters on the policy and critic (rank 8)."""
-    monkeypatch.chdir(tmp_path)
-    s = train.main(["--lora-r", "8", "--threads", "1"])
-    assert (tmp_path / "runs" / "ppo-max-lora8-seed0" / "policy" / "adapter").is_dir()  # never a full-weight run's dir
+@pytest.mark.background(["train.py", "--lora-r", "8", "--threads", "1"])
+def test_lora_ppo_max_beats_sft_under_the_gold_judge(background):
+    """The default world and PPO-max budget with adapters on the policy and critic (rank 8), from a fresh folder."""
+    work, returncode, output = background
+    assert returncode == 0, output[-3000:]
+    run = work / "runs" / "ppo-max-lora8-seed0"
+    assert (run / "policy" / "adapter").is_dir()  # never a full-weight run's dir
+    s = json.loads((run / "summary.json").read_text())
     win = s["win_rate_vs_sft"]
     assert s["judge"] == "gold" and win["win"] > win["lose"], win
     assert s["final"]["gold_reward"] > s["sft"]["gold_reward"]
