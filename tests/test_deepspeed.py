@@ -61,17 +61,22 @@ PPO = ["--rollout-batch", "64", "--minibatch", "16", "--critic-pretrain-steps", 
        "--save-every", "2", "--policy-lr", "2e-4"]
 
 
-def deepspeed_cmd(*args: str) -> list[str]:
+def deepspeed_cmd(*args: str, port: int | None = None) -> list[str]:
     launcher = shutil.which("deepspeed")
     if launcher is None:
         pytest.skip("the `deepspeed` launcher is not on PATH")
-    return [launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(ROOT / "train.py"), *args]
+    return [launcher, "--num_gpus", "2", "--master_port", str(port or free_port()), str(ROOT / "train.py"), *args]
 
 
 def run_deepspeed(cwd: Path, *args: str, timeout: int = 170) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus 2 train.py ARGS` on the CPU; it must succeed and leave no shared-memory buffer behind
+    (/dev/shm is RAM: DeepSpeed's own 66 MiB per rank and run, never removed, filled this machine in a day)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(deepspeed_cmd(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    port = free_port()
+    proc = subprocess.run(deepspeed_cmd(*args, port=port), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")), "shared memory left behind"
     return proc
 
 
