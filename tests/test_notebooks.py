@@ -36,7 +36,9 @@ def execute(path: Path, kernel_dirs: list[str]) -> None:
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     assert Path(km.kernel_spec.argv[0]) == Path(sys.executable)
-    NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}}).execute()
+    # cleanup_kc: shut the kernel down at the end, pass or fail. nbclient does that by default only for a kernel
+    # manager of its own; given ours, it left every notebook's kernel running (with torch loaded) to the suite's end
+    NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}}).execute(cleanup_kc=True)
 
 
 @pytest.fixture(scope="module")
