@@ -101,7 +101,7 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so that a reader sees the old content or the new, never a torn file."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -287,7 +287,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[st
     else:
         os.replace(tmp, final)  # the atomic step: from here on step-N is a complete checkpoint
     _fsync_path(root)
-    _atomic_write_text(root / LATEST, name + "\n")
+    atomic_write_text(root / LATEST, name + "\n")
 
     if keep_last > 0:
         others = [p for _, p in _step_dirs(root) if p != final]

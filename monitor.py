@@ -395,14 +395,6 @@ class LogLines(io.TextIOBase):
         return len(s)
 
 
-def _replace_text(path, text: str) -> None:
-    """`path` holds `text`, written beside it and renamed over it: a reader sees the old file or the new one."""
-    import os
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class RunLog:
     """What the PPO loop writes and prints, behind one call per step (record). metrics.jsonl holds exactly the
     completed steps: a resumed run rewrites it from `history` (the steps before the checkpoint), samples.jsonl from
@@ -416,8 +408,9 @@ class RunLog:
         self.tracker = tracker if main_rank and tracker is not None else Tracker("none", out, "")
         self.alarm_info: dict | None = None
         if main_rank:  # atomic: a crash here loses nothing, and another rank reading metrics.jsonl never sees it torn
-            _replace_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
-            _replace_text(out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
+            from checkpoint import atomic_write_text
+            atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+            atomic_write_text(out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
         import os
         self.metrics_f = open(out / "metrics.jsonl" if main_rank else os.devnull, "a")
         self.samples_f = open(out / "samples.jsonl" if main_rank else os.devnull, "a")

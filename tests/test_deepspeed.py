@@ -70,7 +70,7 @@ def deepspeed_cmd(*args: str, port: int | None = None) -> list[str]:
 
 def run_deepspeed(cwd: Path, *args: str, timeout: int = 170) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus 2 train.py ARGS` on the CPU; it must succeed and leave no shared-memory buffer behind
-    (/dev/shm is RAM: DeepSpeed's own 66 MiB per rank and run, never removed, filled this machine in a day)."""
+    (/dev/shm is RAM: DeepSpeed's own 66 MiB per rank and run, never removed, had grown to 19 GB on one machine)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     port = free_port()
     proc = subprocess.run(deepspeed_cmd(*args, port=port), cwd=cwd, env=env, capture_output=True, text=True,
