@@ -14,7 +14,8 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
     RunCheckpoints(out, models, optimizers, rngs, ...)         → the PPO loop's save(step, state) and resume(path),
                                                                   one process or DeepSpeed engines alike
     build_once(dir, build)                                     → a cached stage directory (the base: SFT and RM),
-                                                                  built in a temporary directory, renamed when DONE
+                                                                  built in a temporary directory, renamed when DONE,
+                                                                  by one process at a time (exclusive(.dir.lock))
     seed_everything(seed), config_hash(obj)                    → python / numpy / torch seeded; a stable short hash
 
 Run: python checkpoint.py        (saves a tiny model, perturbs everything, resumes; prints the layout and proof)
@@ -49,6 +50,7 @@ References:
     Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", section 5.2 and Fig. 9 (long runs).
     POSIX rename(2) atomicity; "Files are hard" (Dan Luu, 2015) on fsync of the file and its directory.
 """
+import contextlib
 import json
 import math
 import os
@@ -608,25 +610,58 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
                rank: int = 0, barrier: Callable[[], None] = lambda: None, label: str = "base") -> Path:
     """`path`, built by build(tmp) into `path`.tmp and renamed into place once `tmp/DONE` is written, so a build
     killed half-way is never mistaken for a finished one. Reused as it is when DONE exists, unless `rebuild`.
+    Two processes that need the same missing directory (two runs started together in one folder) build it once:
+    the second waits on the lock .<name>.lock beside it and then reuses what the first built.
     With several ranks that all build (each holds a DeepSpeed engine), rank 0 alone touches the file system and
     `barrier` keeps the others in step."""
     path = Path(path)
     if (path / DONE).exists() and not rebuild:
         print(f"[{label}] reusing {path} ({what}; --rebuild-base trains it again)")
         return path
-    tmp = Path(str(path) + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    build(tmp)
-    barrier()
-    if rank == 0:
-        (tmp / DONE).write_text("ok\n")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-    barrier()
+    waiting = f"[{label}] waiting for another process that is building {path}"
+    with exclusive(path.parent / f".{path.name}.lock", waiting) if rank == 0 else contextlib.nullcontext():
+        barrier()  # the other ranks wait here while rank 0 waits for the lock
+        if (path / DONE).exists() and not rebuild:  # built by the process this one waited for
+            print(f"[{label}] reusing {path} ({what}, built by another process meanwhile)")
+            barrier()
+            return path
+        tmp = Path(str(path) + ".tmp")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        build(tmp)
+        barrier()
+        if rank == 0:
+            (tmp / DONE).write_text("ok\n")
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        barrier()
     return path
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, waiting: str = ""):
+    """An exclusive lock on the file `path` (created if missing) for the length of the block: another process that
+    asks for it waits, after printing `waiting`. The kernel releases it when the block ends or the process dies, so
+    a killed build leaves no stale lock behind. Without fcntl (Windows) it locks nothing."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _frozen(model) -> bool:

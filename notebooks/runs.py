@@ -134,8 +134,9 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
         if summary_path.exists():          # another process trained it while this one waited
             return run(name, *flags, seed=seed, steps=steps)
         base = ROOT / "runs" / "_base" / want["base"]
-        new_base = contextlib.nullcontext() if (base / "DONE").exists() else _lock(Path(str(base) + ".lock"))
-        with new_base, slot():             # a base that does not exist yet is built by one run only
+        new_base = contextlib.nullcontext() if (base / "DONE").exists() else \
+            _lock(ROOT / "runs" / ".locks" / f"_base+{base.name}.lock")
+        with new_base, slot():             # a new base is built by one run only, and the others wait without a slot
             return _train(out, argv)
 
 

@@ -372,3 +372,48 @@ def test_sigkill_in_the_middle_of_a_save_leaves_an_intact_checkpoint(tmp_path):
         assert all(".tmp-" in p.name or damage(p) is None for p in (run / "checkpoints").glob("step-*"))
         half_written += any(".tmp-" in p.name for p in (run / "checkpoints").glob("step-*"))
     assert half_written >= 1, "no kill landed inside a save: the test did not test what it says"
+
+
+BUILD_TWICE = r"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from checkpoint import build_once
+base, me = Path(sys.argv[2]), sys.argv[3]
+(base.parent / f"ready-{me}").touch()
+while not (base.parent / "go").exists():  # both processes reach build_once together
+    time.sleep(0.01)
+
+def build(tmp):
+    with open(base.parent / "builds.txt", "a") as f:
+        f.write(me + "\n")
+    time.sleep(2.0)  # long enough for the other process to find the base missing
+    (tmp / "weights").write_text(me)
+
+build_once(base, build, "a test base")
+print("got", (base / "weights").read_text())
+"""
+
+
+def test_two_processes_needing_one_missing_base_build_it_once(tmp_path):
+    """Two runs started together in one folder need the same base: one builds it, the other waits on its lock and
+    reuses it, and both end with the one built directory (without the lock both build into one .tmp directory)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = tmp_path / "_base" / "seed0-test"
+    base.parent.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_TWICE, root, str(base), me], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for me in ("a", "b")]
+    deadline = time.time() + 120
+    while not all((base.parent / f"ready-{me}").exists() for me in ("a", "b")) and time.time() < deadline:
+        time.sleep(0.05)
+    (base.parent / "go").touch()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    builders = (base.parent / "builds.txt").read_text().split()
+    assert len(builders) == 1, outs
+    assert all(f"got {builders[0]}" in out for out in outs), outs
+    waiter = next(out for out, me in zip(outs, ("a", "b")) if me != builders[0])
+    assert "waiting for another process" in waiter and "built by another process meanwhile" in waiter, waiter
+    assert (base / "DONE").exists() and not (base.parent / "seed0-test.tmp").exists()
