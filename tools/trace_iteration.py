@@ -8,6 +8,9 @@ Implements (no equation: a reading aid, and the check that the loop stays readab
                              and functions defined inside it (they count when entered) — what a reader stepping into
                              it has in front of them, its branches not taken included
     classify(file, line)   → "algorithm" or one of the plumbing kinds below, from the source itself (ast)
+    count(repo, argv)      → two shares of algorithm: of the code lines of every function entered, and of the lines
+                             among them that ran (the tracer's "line" events: a statement written over several lines
+                             counts at the lines the interpreter reports, usually its first)
     main(argv)             → the table; --json OUT writes it
 
 How a line is classified (the same rules for any version of the code, so two versions can be compared):
@@ -185,21 +188,26 @@ def function_lines(src: "Source", qualname: str) -> list[int]:
 
 
 def count(repo: Path, argv: list[str]) -> dict:
-    _, functions = trace(repo, argv)
+    ran, functions = trace(repo, argv)
     functions = {(f, q) for f, q in functions if not q.rsplit(".", 1)[-1].startswith("<")}  # comprehensions, lambdas
     sources: dict = {}
-    kinds, by_file, by_function = Counter(), Counter(), {}
+    kinds, ran_kinds, by_file, by_function = Counter(), Counter(), Counter(), {}
     for f, q in sorted(functions):
         src = sources.setdefault(f, Source(repo / f))
         lines = function_lines(src, q)
         for ln in lines:
-            kinds[classify(repo, sources, f, ln)] += 1
+            kind = classify(repo, sources, f, ln)
+            kinds[kind] += 1
+            if (f, ln) in ran:  # the same line as the tracer saw it run (a statement's first line)
+                ran_kinds[kind] += 1
         by_file[f] += len(lines)
         by_function[f"{Path(f).stem}.{q}"] = len(lines)
-    total = sum(kinds.values())
+    total, total_ran = sum(kinds.values()), sum(ran_kinds.values())
     return {"repo": str(repo), "argv": argv, "files": len({f for f, _ in functions}), "functions": len(functions),
             "lines": total, "algorithm_share": kinds["algorithm"] / total,
-            "by_kind": {k: kinds[k] for k in KINDS if kinds[k]}, "by_file": dict(by_file.most_common()),
+            "lines_run": total_ran, "algorithm_share_run": ran_kinds["algorithm"] / total_ran,
+            "by_kind": {k: kinds[k] for k in KINDS if kinds[k]},
+            "by_kind_run": {k: ran_kinds[k] for k in KINDS if ran_kinds[k]}, "by_file": dict(by_file.most_common()),
             "by_function": dict(sorted(by_function.items(), key=lambda kv: -kv[1])),
             "function_names": sorted(f"{Path(f).stem}.{q}" for f, q in functions)}
 
@@ -218,8 +226,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\none PPO iteration ({' '.join(result['argv'])}) in {repo}:")
     print(f"  {result['files']} project files, {result['functions']} functions entered, {result['lines']} code lines in "
           f"them, {result['algorithm_share']:.0%} of them the algorithm")
+    print(f"  {result['lines_run']} of those lines ran in this iteration, {result['algorithm_share_run']:.0%} of "
+          f"them the algorithm")
+    print(f"    {'':<34} {'code':>4} {'ran':>5}")
     for k, n in result["by_kind"].items():
-        print(f"    {k:<34} {n:4d}")
+        print(f"    {k:<34} {n:4d} {result['by_kind_run'].get(k, 0):5d}")
     print("  lines by file: " + ", ".join(f"{f} {n}" for f, n in result["by_file"].items()))
     if a.list:
         print("  functions (code lines): " + ", ".join(f"{k} {n}" for k, n in result["by_function"].items()))
