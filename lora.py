@@ -114,7 +114,9 @@ def add_adapters(model, run, seed: int, dropout: float | None = None):
     targets = target_modules(lm.config.model_type, run.lora_targets)
     _check_targets(lm, run, targets)
     if run.lora_bits != 16:  # QLoRA: norms in fp32, inputs that carry gradients into checkpointed layers
-        lm = prepare_model_for_kbit_training(lm, use_gradient_checkpointing=lm.is_gradient_checkpointing)
+        ckpt = getattr(lm, "is_activation_checkpointing", None)  # transformers ≥ 5 (is_gradient_checkpointing before)
+        lm = prepare_model_for_kbit_training(lm, use_gradient_checkpointing=lm.is_gradient_checkpointing
+                                             if ckpt is None else ckpt)
     with torch.random.fork_rng(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' renamed is_gradient_checkpointing
         warnings.filterwarnings("ignore", "fan_in_fan_out")  # GPT-2's Conv1D stores W transposed: peft adapts itself

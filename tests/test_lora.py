@@ -178,6 +178,7 @@ def test_lora_resume_matches_uninterrupted(work):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's read
 def test_lora_merged_export_loads_plainly_and_gives_the_adapter_models_logits(work):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
