@@ -64,3 +64,20 @@ def background(request) -> tuple[Path, int, str]:
     work, proc = request.node.stash[BACKGROUND]
     proc.wait(timeout=1800)
     return work, proc.returncode, (work / "output.log").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Many slow cases, two at a time: a module fixture runs the cases pytest selected (-k, a node id) on two threads,
+# each a process of its own (the machine has two cores), and every case's test reads its own result.
+# ---------------------------------------------------------------------------------------------------------------
+def selected(request, test: str, param: str) -> set:
+    """The values of `param` in the collected cases of the test function `test`."""
+    return {item.callspec.params[param] for item in request.session.items
+            if getattr(item, "originalname", None) == test}
+
+
+def two_at_a_time(fn, args) -> list:
+    """[fn(a) for a in args], two at once."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(fn, args))

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import selected, two_at_a_time
+
 ROOT = Path(__file__).resolve().parents[1]
 MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_bad_int": (["train.py", "--steps", "x"], "--steps"),
@@ -63,14 +65,11 @@ def run_mistake(name: str, cwd: Path) -> subprocess.CompletedProcess:
 def ran(request, tmp_path_factory) -> dict:
     """Every selected mistake, each a fresh `python` process in its own folder, two at a time: most of each one's
     time is the interpreter importing torch and transformers on one core, and the machine has two."""
-    from concurrent.futures import ThreadPoolExecutor
-    selected = {item.callspec.params["name"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_a_mistake_is_one_line_and_exit_2"}
     root = tmp_path_factory.mktemp("mistakes")
-    dirs = {name: mistake_dir(root / name) for name in sorted(selected)}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = dict(zip(dirs, pool.map(run_mistake, dirs, dirs.values())))
-    return {name: (procs[name], dirs[name]) for name in dirs}
+    names = sorted(selected(request, "test_a_mistake_is_one_line_and_exit_2", "name"))
+    dirs = {name: mistake_dir(root / name) for name in names}
+    procs = two_at_a_time(lambda name: run_mistake(name, dirs[name]), names)
+    return {name: (proc, dirs[name]) for name, proc in zip(names, procs)}
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))

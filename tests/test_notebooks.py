@@ -13,6 +13,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+from conftest import selected, two_at_a_time
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -45,10 +47,7 @@ def execute(path: Path, kernel_dirs: list[str]) -> None:
 def executed(request, kernel_dirs) -> dict:
     """The selected notebooks, two at a time (each kernel trains its runs on one core, --threads 1, and the machine
     has two; notebooks/runs.py's locks let two share the cached bases and runs): name → None, or the exception."""
-    from concurrent.futures import ThreadPoolExecutor
-    names = {item.callspec.params["path"].stem for item in request.session.items
-             if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"}
-    paths = [p for p in NOTEBOOKS if p.stem in names]
+    paths = [p for p in NOTEBOOKS if p in selected(request, "test_notebook_runs_top_to_bottom", "path")]
 
     def run(path):
         try:
@@ -60,8 +59,7 @@ def executed(request, kernel_dirs) -> dict:
     with pytest.MonkeyPatch.context() as mp:  # the kernels inherit the environment
         mp.setenv("PPO_MAX_FULL", "0")          # figure notebooks use FULL = False: the small budget
         mp.setenv("PPO_MAX_JOBS", "2")          # runs.slot(): two trainings at once, over both kernels
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            return dict(zip([p.stem for p in paths], pool.map(run, paths)))
+        return dict(zip([p.stem for p in paths], two_at_a_time(run, paths)))
 
 
 @pytest.mark.notebook
