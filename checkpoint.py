@@ -13,7 +13,7 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
                                                                   stop after K bad steps in a row
     RunCheckpoints(out, models, optimizers, rngs, ...)         → the PPO loop's save(step, state) and resume(path),
                                                                   one process or DeepSpeed engines alike
-    build_once(dir, build)                                     → a cached stage directory (the base: SFT and RM),
+    build_once(dir, build)                                     → (a cached stage directory (the base: SFT, RM), built?),
                                                                   built in a temporary directory, renamed when DONE,
                                                                   by one process at a time (exclusive(.dir.lock))
     seed_everything(seed), config_hash(obj)                    → python / numpy / torch seeded; a stable short hash
@@ -607,9 +607,10 @@ DONE = "DONE"
 
 
 def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str, rebuild: bool = False,
-               rank: int = 0, barrier: Callable[[], None] = lambda: None, label: str = "base") -> Path:
-    """`path`, built by build(tmp) into `path`.tmp and renamed into place once `tmp/DONE` is written, so a build
-    killed half-way is never mistaken for a finished one. Reused as it is when DONE exists, unless `rebuild`.
+               rank: int = 0, barrier: Callable[[], None] = lambda: None, label: str = "base") -> tuple[Path, bool]:
+    """(`path`, whether this process built it): built by build(tmp) into `path`.tmp and renamed into place once
+    `tmp/DONE` is written, so a build killed half-way is never mistaken for a finished one. Reused as it is when
+    DONE exists, unless `rebuild`.
     Two processes that need the same missing directory (two runs started together in one folder) build it once:
     the second waits on the lock .<name>.lock beside it and then reuses what the first built.
     With several ranks that all build (each holds a DeepSpeed engine), rank 0 alone touches the file system and
@@ -617,14 +618,14 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
     path = Path(path)
     if (path / DONE).exists() and not rebuild:
         print(f"[{label}] reusing {path} ({what}; --rebuild-base trains it again)")
-        return path
+        return path, False
     waiting = f"[{label}] waiting for another process that is building {path}"
     with exclusive(path.parent / f".{path.name}.lock", waiting) if rank == 0 else contextlib.nullcontext():
         barrier()  # the other ranks wait here while rank 0 waits for the lock
         if (path / DONE).exists() and not rebuild:  # built by the process this one waited for
             print(f"[{label}] reusing {path} ({what}, built by another process meanwhile)")
             barrier()
-            return path
+            return path, False
         tmp = Path(str(path) + ".tmp")
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -637,7 +638,7 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
             shutil.rmtree(path, ignore_errors=True)
             tmp.rename(path)
         barrier()
-    return path
+    return path, True
 
 
 @contextlib.contextmanager

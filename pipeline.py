@@ -76,8 +76,8 @@ def base_dir(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
 
 
 def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-               rebuild: bool = False) -> Path:
-    """Stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the tokenizer, sft/ and reward_model/ (Hugging
+               rebuild: bool = False) -> tuple[Path, bool]:
+    """(the base, whether this process built it): stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the tokenizer, sft/ and reward_model/ (Hugging
     Face directories), sft_log.json, rm_log.json (Fig. 3), rm_heldout_scores.json (Fig. 2), timings.json,
     config.json; in the synthetic world also rm_length_bias.json, with --data data_report.json and
     data_limits.json (also in reward_model/, for `eval.py score`). Reused when built before, unless `rebuild`."""
@@ -404,8 +404,9 @@ def stage_dir(path: Path, build, what: str, rebuild: bool, rank: int, timings: d
     """A real model's stage directory under --out (sft/, reward_model/): every rank trains (under DeepSpeed each
     holds an engine), rank 0 writes; a directory with DONE is a finished stage, not redone on a second start. A
     stage that ran puts its seconds in timings[key] and prints them as [label]; a reused one does neither."""
-    ran, t0 = rebuild or not (Path(path) / checkpoint.DONE).exists(), time.time()
-    path = checkpoint.build_once(path, build, what, rebuild=rebuild, rank=rank, barrier=engine.barrier, label="stage")
+    t0 = time.time()
+    path, ran = checkpoint.build_once(path, build, what, rebuild=rebuild, rank=rank, barrier=engine.barrier,
+                                      label="stage")
     if ran:
         timings[key] = time.time() - t0
         print(f"[{label}] {timings[key]:.1f} s")
@@ -537,8 +538,7 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
                       judge=dirs.get("judge"))
     if not main_rank:
         engine.barrier()
-    built = run.rebuild_base or not (base_dir(run, sft_cfg, rm_cfg, world_cfg) / checkpoint.DONE).exists()
-    base = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
+    base, built = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
     policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
     if main_rank:
         engine.barrier()

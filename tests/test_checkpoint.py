@@ -390,14 +390,15 @@ def build(tmp):
     time.sleep(2.0)  # long enough for the other process to find the base missing
     (tmp / "weights").write_text(me)
 
-build_once(base, build, "a test base")
-print("got", (base / "weights").read_text())
+path, built = build_once(base, build, "a test base")
+print("got", (path / "weights").read_text(), "built" if built else "reused")
 """
 
 
 def test_two_processes_needing_one_missing_base_build_it_once(tmp_path):
     """Two runs started together in one folder need the same base: one builds it, the other waits on its lock and
-    reuses it, and both end with the one built directory (without the lock both build into one .tmp directory)."""
+    reuses it (and says it did not build it), and both end with the one built directory (without the lock both build
+    into one .tmp directory)."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -414,6 +415,7 @@ def test_two_processes_needing_one_missing_base_build_it_once(tmp_path):
     builders = (base.parent / "builds.txt").read_text().split()
     assert len(builders) == 1, outs
     assert all(f"got {builders[0]}" in out for out in outs), outs
-    waiter = next(out for out, me in zip(outs, ("a", "b")) if me != builders[0])
+    builder, waiter = sorted(outs, key=lambda out: f"got {builders[0]} built" not in out)
+    assert f"got {builders[0]} built" in builder and f"got {builders[0]} reused" in waiter, outs
     assert "waiting for another process" in waiter and "built by another process meanwhile" in waiter, waiter
     assert (base / "DONE").exists() and not (base.parent / "seed0-test.tmp").exists()
