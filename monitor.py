@@ -43,6 +43,7 @@ References:
 import io
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
@@ -386,12 +387,20 @@ def progress(iterable, desc: str, total: int | None = None, initial: int = 0, di
 
 
 class LogLines(io.TextIOBase):
-    """A file for tqdm that writes each redraw as one line on stderr (no carriage returns, no blanking)."""
+    """A file for tqdm that writes each redraw as one line on stderr (no carriage returns, no blanking), and leaves
+    out a redraw that says nothing new: the same count and postfix as the line before, only the clock and the rate
+    moved on (tqdm draws the last state again when the bar closes, and after each tqdm.write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = None
 
     def write(self, s: str) -> int:
         line = s.replace("\r", "").strip()
-        if line:
+        news = re.sub(r"\[[^\]]*?(?:\?it/s|s/it)", "[", line)  # "| 3/3 [00:01<00:00, 1.67it/s, kl=…]" → "| 3/3 [, kl=…]"
+        if line and news != self.last:
             print(line, file=sys.stderr, flush=True)
+            self.last = news
         return len(s)
 
 

@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+import monitor
 from monitor import Alarm, CollapseMonitor, gold_halfway
 
 
@@ -234,3 +235,21 @@ def test_replay_names_a_wrong_directory_or_a_damaged_line(tmp_path):
         f.write("{not json\n")
     out = subprocess.run([sys.executable, script, "replay", str(tmp_path / "bad")], capture_output=True, text=True)
     assert out.returncode == 2 and "samples.jsonl:4: not a JSON object" in out.stderr
+
+
+def test_progress_into_a_file_writes_each_state_once(capsys):
+    """No TTY: whole lines, and no line that repeats the one before but for its clock (the bar's close redraws its
+    last state; so does tqdm.write)."""
+    import re
+    import time
+    from tqdm import tqdm
+    bar = monitor.progress(range(3), "x", total=3, every=0.2)
+    for i in bar:
+        time.sleep(0.3)  # slower than `every`: every update draws, the last one included
+        bar.set_postfix(kl=f"{i:.3f}", refresh=False)
+        tqdm.write(f"step {i}")
+    bar.close()
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("x:")]
+    states = [re.sub(r"\[[^\]]*?(?:\?it/s|s/it|it/s)", "[", l) for l in lines]
+    assert lines and "3/3" in lines[-1], lines
+    assert all(a != b for a, b in zip(states, states[1:])), lines
