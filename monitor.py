@@ -391,9 +391,7 @@ class LogLines(io.TextIOBase):
     out a redraw that says nothing new: the same count and postfix as the line before, only the clock and the rate
     moved on (tqdm draws the last state again when the bar closes, and after each tqdm.write)."""
 
-    def __init__(self):
-        super().__init__()
-        self.last = None
+    last: str | None = None  # the state of the line written before
 
     def write(self, s: str) -> int:
         line = s.replace("\r", "").strip()
