@@ -13,9 +13,9 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
                                                                   stop after K bad steps in a row
     RunCheckpoints(out, models, optimizers, rngs, ...)         → the PPO loop's save(step, state) and resume(path),
                                                                   one process or DeepSpeed engines alike
-    build_once(dir, build)                                     → (a cached stage directory (the base: SFT, RM), built?),
+    build_once(dir, build)                                     → (a cached stage directory, built here?): the base,
                                                                   built in a temporary directory, renamed when DONE,
-                                                                  by one process at a time (exclusive(.dir.lock))
+                                                                  one process at a time (exclusive(.dir.lock))
     seed_everything(seed), config_hash(obj)                    → python / numpy / torch seeded; a stable short hash
 
 Run: python checkpoint.py        (saves a tiny model, perturbs everything, resumes; prints the layout and proof)

@@ -77,10 +77,11 @@ def base_dir(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
 
 def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
                rebuild: bool = False) -> tuple[Path, bool]:
-    """(the base, whether this process built it): stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the tokenizer, sft/ and reward_model/ (Hugging
-    Face directories), sft_log.json, rm_log.json (Fig. 3), rm_heldout_scores.json (Fig. 2), timings.json,
-    config.json; in the synthetic world also rm_length_bias.json, with --data data_report.json and
-    data_limits.json (also in reward_model/, for `eval.py score`). Reused when built before, unless `rebuild`."""
+    """(the base, whether this process built it): stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the
+    tokenizer, sft/ and reward_model/ (Hugging Face directories), sft_log.json, rm_log.json (Fig. 3),
+    rm_heldout_scores.json (Fig. 2), timings.json, config.json; in the synthetic world also rm_length_bias.json, with
+    --data data_report.json and data_limits.json (also in reward_model/, for `eval.py score`). Reused when built
+    before, unless `rebuild`."""
     name, key = base_key(run, sft_cfg, rm_cfg, world_cfg)
 
     def build(tmp: Path) -> None:

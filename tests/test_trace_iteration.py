@@ -31,9 +31,8 @@ def test_function_lines_leave_out_docstring_blanks_comments_and_inner_functions(
     assert lines == ["def shape(scores, mask, kl_coef):", "if scores.dim() != 1:",
                      'raise ValueError("scores must be (B,)")', "rewards = -kl_coef * mask",
                      'stats = {"kl": float(kl_coef),', '"n": 2}', "return rewards + inner(scores)"]
-    assert [src.text[ln - 1].strip() for ln in T.function_lines(src, "shape.inner")] == ["def inner(x):  # counted only "
-                                                                                          "when entered, as its own function",
-                                                                                          "return x"]
+    inner = [src.text[ln - 1].strip() for ln in T.function_lines(src, "shape.inner")]
+    assert inner == ["def inner(x):  # counted only when entered, as its own function", "return x"]
 
 
 def test_classify_validation_stats_and_algorithm(tmp_path):
