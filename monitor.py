@@ -396,7 +396,7 @@ class LogLines(io.TextIOBase):
     def write(self, s: str) -> int:
         line = s.replace("\r", "").strip()
         # the state without clock and rate: "| 3/3 [00:01<00:00, 1.67it/s, kl=…]" → "| 3/3 [, kl=…]"
-        news = re.sub(r"\[[^\]]*?(?:\?it/s|s/it)", "[", line)
+        news = re.sub(r"\[[^\]]*?(?:it/s|s/it)", "[", line)
         if line and news != self.last:
             print(line, file=sys.stderr, flush=True)
             self.last = news

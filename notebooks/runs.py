@@ -161,17 +161,11 @@ def _train(out: Path, argv: list[str]) -> dict:
     return {**summary, "dir": out}
 
 
-@contextlib.contextmanager
 def _lock(path: Path):
-    """An exclusive file lock (blocking), released when the block ends or the process dies."""
-    import fcntl
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """An exclusive file lock (blocking), released when the block ends or the process dies: checkpoint.exclusive,
+    the lock build_once takes too."""
+    from checkpoint import exclusive
+    return exclusive(path)
 
 
 @contextlib.contextmanager
