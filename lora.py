@@ -182,6 +182,9 @@ class AdaptersOff:
     def parameters(self):
         return self.model.parameters()
 
+    def modules(self):
+        return self.model.modules()
+
     @property
     def config(self):
         return self.model.config

@@ -324,10 +324,23 @@ def critic_values(critic, query, query_mask, response, response_mask) -> torch.T
 def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
             top_p: float = 1.0, repetition_penalty: float = 1.0):
     """Step 1: sample responses with the KV cache, stopping at EOS. Returns response (B, T), response_mask (B, T),
-    finished (B,) — T ≤ max_new_tokens; the mask covers every token up to and including the first EOS."""
-    seq = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
-                          temperature=temperature, repetition_penalty=repetition_penalty,
-                          max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+    finished (B,) — T ≤ max_new_tokens; the mask covers every token up to and including the first EOS.
+    Sampling draws from softmax(logits / temperature) over the whole vocabulary (top_p and repetition_penalty as
+    given, 1.0: off), whatever the model's generation_config.json says: its own settings (no_repeat_ngram_size,
+    min_new_tokens, typical_p, forced_eos_token_id, ...) are set aside for the call, so the log-probs of steps (4)
+    and (6) are those of the distribution that was sampled."""
+    from transformers import GenerationConfig
+    hf = [mod for mod in policy.modules() if isinstance(vars(mod).get("generation_config"), GenerationConfig)]
+    saved = [mod.generation_config for mod in hf]
+    for mod in hf:
+        mod.generation_config = GenerationConfig()  # the library's defaults; the call's arguments set the rest
+    try:
+        seq = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
+                              temperature=temperature, repetition_penalty=repetition_penalty,
+                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+    finally:
+        for mod, config in zip(hf, saved):
+            mod.generation_config = config
     response = seq[:, query.shape[1]:]                                          # (B, T)
     is_eos = response == eos_id
     # positions strictly after the first EOS are padding

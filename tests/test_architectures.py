@@ -195,6 +195,31 @@ def test_sampling_and_logprobs_use_one_distribution(arch):
     assert_close(sampled[mask], exp["logprobs"][mask], atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_the_models_generation_config_does_not_change_what_rollout_samples(arch):
+    """A checkpoint's generation_config.json (settings rollout passes no argument for: no n-gram repeats, a minimum
+    length, typical-p, a forced EOS) would sample from a distribution other than π^(1/T), whose log-probs PPO
+    stores; rollout sets them aside, draws what it draws without them, and leaves the model's own as they were."""
+    policy, *_ = models(arch)
+    lm.disable_dropout(policy).eval()
+    query, query_mask = prompts(arch)
+
+    def draw():
+        torch.manual_seed(2)
+        return ppo_max.rollout(policy, query, query_mask, 24, EOS, PAD[arch], 0.7)[0]
+
+    plain = draw()
+    settings = dict(no_repeat_ngram_size=1, min_new_tokens=20, typical_p=0.2, forced_eos_token_id=EOS)
+    for name, value in settings.items():
+        setattr(policy.generation_config, name, value)
+    assert torch.equal(draw(), plain)
+    assert {k: getattr(policy.generation_config, k) for k in settings} == settings
+    torch.manual_seed(2)  # the check can fail: generate() itself does read them
+    kept = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, temperature=0.7,
+                           max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD[arch])[:, query.shape[1]:]
+    assert kept.shape != plain.shape or not torch.equal(kept, plain)
+
+
 def test_train_load_models_turns_dropout_off_in_all_four(tmp_path):
     import train
     policy, _, reward_model, _ = models("gpt2")
