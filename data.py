@@ -74,7 +74,7 @@ class DataError(UserError):
 
     reason is a short machine key (not_found, empty_file, bad_gzip, not_utf8, not_json, not_object,
     missing_field, not_string, empty_response, empty_prompt, identical, no_assistant_marker,
-    prompt_mismatch, prompt_too_long, all_skipped, no_tokenizer).
+    prompt_mismatch, prompt_too_long, chat_template, all_skipped, no_tokenizer).
     """
 
     def __init__(self, path, line: int | None, field: str | None, reason: str, message: str):
@@ -508,8 +508,12 @@ def hh_to_messages(prompt: str) -> list[dict]:
         return [{"role": "user", "content": prompt.strip()}]
     for chunk in prompt.split(HUMAN)[1:]:
         parts = chunk.split(ASSISTANT)
-        messages.append({"role": "user", "content": parts[0].strip()})
-        messages += [{"role": "assistant", "content": p.strip()} for p in parts[1:] if p.strip()]
+        turns = [("user", parts[0].strip())] + [("assistant", p.strip()) for p in parts[1:] if p.strip()]
+        for role, content in turns:  # two turns of one role in a row (an empty or a doubled turn) are one turn:
+            if messages and messages[-1]["role"] == role:  # templates that check alternation would refuse them
+                messages[-1]["content"] = (messages[-1]["content"] + "\n\n" + content).strip()
+            else:
+                messages.append({"role": role, "content": content})
     return messages or [{"role": "user", "content": ""}]  # an empty prompt is an empty user turn
 
 
@@ -550,8 +554,11 @@ def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
     def fits(text: str) -> bool:
         return len(query_ids(text, tokenizer)) <= max_prompt_tokens
 
-    if fits(prompt):
-        return prompt
+    try:
+        if fits(prompt):
+            return prompt
+    except TemplateRefused as e:  # a conversation the chat template will not render: this example, not the run
+        raise DataError(*_split_source(source), "prompt", "chat_template", str(e)) from None
     if report is not None:
         report.truncated += 1
     starts = []  # character offsets of the "\n\nHuman:" turns that can start a shorter prompt
@@ -697,27 +704,48 @@ def has_chat_template(tokenizer) -> bool:
 
 def stop_id(tokenizer) -> int:
     """The token that ends a response, ends sampling and is scored: with a chat template its end-of-turn token (the
-    first token the template writes after an assistant message: Qwen's <|im_end|>, Llama 3's <|eot_id|>, which need
-    not be the EOS), else the tokenizer's EOS."""
+    first special token the template writes after an assistant message: Qwen's <|im_end|>, Llama 3's <|eot_id|>,
+    which need not be the EOS; Llama 2's " </s>" is the EOS, not the space before it), else the tokenizer's EOS. A
+    template that ends a turn with no special token (plain text such as "\n", or a marker this tokenizer splits
+    into pieces) ends responses with the EOS: a whitespace token or a piece of a word would stop sampling wherever
+    it occurs."""
     if not has_chat_template(tokenizer):
         return tokenizer.eos_token_id
     cached = getattr(tokenizer, "_ppo_max_stop_id", None)
     if cached is not None:
         return cached
     marker = "ppo-max-end-of-answer"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
-                                         tokenize=False)
+    try:
+        text = render_chat(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}])
+    except TemplateRefused as e:  # not one example's fault: the template cannot render a user and an assistant turn
+        raise TemplateRefused(f"{tokenizer.name_or_path or 'tokenizer'}: {e}: a user turn, then an assistant "
+                              "turn") from None
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     after = token_ids(text[text.rindex(marker) + len(marker):], tokenizer)
-    tokenizer._ppo_max_stop_id = after[0] if after else tokenizer.eos_token_id
+    tokenizer._ppo_max_stop_id = next((i for i in after if i in special), tokenizer.eos_token_id)
     return tokenizer._ppo_max_stop_id
+
+
+class TemplateRefused(UserError):
+    """The tokenizer's chat template raised on a conversation (roles that do not alternate, a system turn it does
+    not take): str() is the template's own message, one line."""
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat template's text of `messages`; TemplateRefused when the template (code of the model's authors)
+    raises on them."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # jinja2's TemplateError from raise_exception(...), or whatever the template's code hits
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TemplateRefused(f"the tokenizer's chat template refuses this conversation ({first})") from None
 
 
 def query_ids(prompt: str, tokenizer) -> list[int]:
     """What the model reads before it answers: the chat template's rendering of the conversation with the
     assistant's turn opened, when the tokenizer has a template; else [BOS] + x (no BOS where the tokenizer has none)."""
     if has_chat_template(tokenizer):
-        return token_ids(tokenizer.apply_chat_template(hh_to_messages(prompt), add_generation_prompt=True,
-                                                       tokenize=False), tokenizer)
+        return token_ids(render_chat(tokenizer, hh_to_messages(prompt), add_generation_prompt=True), tokenizer)
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + token_ids(prompt, tokenizer)
 
 

@@ -128,6 +128,70 @@ def test_chat_template_ends_a_response_with_its_end_of_turn_token(tmp_path):
     assert q == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_tokenizer_with_more_ids_than_the_embedding_is_one_line_before_any_work(tmp_path, pairs, capsys):
+    from transformers import AutoModelForCausalLM
+    model = tiny("llama", tmp_path, pairs)
+    ids = len(data.load_tokenizer(model))
+    lm_ = AutoModelForCausalLM.from_pretrained(model)
+    lm_.resize_token_embeddings(ids - 40)  # 40 ids of the tokenizer without a row
+    lm_.save_pretrained(model)
+    capsys.readouterr()  # the building's own progress bars
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(model), "--data", str(pairs), "--out", str(tmp_path / "run"), *BUDGET])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert f"vocab_size {ids - 40} has no embedding for ids {ids - 40}-{ids - 1}" in err and "config.json" in err
+    assert not (tmp_path / "run").exists()  # nothing was written, nothing trained
+
+
+LLAMA2_CHAT = ("{% for m in messages %}{% if m['role'] == 'user' %}"
+               "{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")  # Llama 2's turn ends
+
+
+def test_end_of_turn_is_the_first_special_token_after_the_answer_never_a_space_or_a_piece(tmp_path):
+    """Llama 2's template ends an answer with " </s>": the EOS ends responses, not the space before it. A ChatML
+    template on a tokenizer that lacks <|im_end|> (it splits into "<", "|", ...) ends them with the EOS too, not "<"."""
+    texts = ["hello there, how are you <|im_end|> [INST] fine [/INST]"] * 10
+    for style, template in (("mistral", LLAMA2_CHAT), ("llama", tiny_model.CHATML)):
+        tok = tiny_model.build_tokenizer(style, texts, tmp_path / style, 300)
+        tok.chat_template = template
+        assert data.stop_id(tok) == tok.eos_token_id, style
+        assert data.response_ids(" Fine.", tok)[-1] == tok.eos_token_id
+
+
+STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")  # Mistral's and Llama 2's check
+
+
+def test_a_chat_template_that_refuses_a_conversation_is_one_examples_data_error(tmp_path):
+    """Templates that insist on alternating roles: an HH turn left empty or doubled is merged into one turn; a
+    conversation the template still refuses (a system turn first) is a DataError naming file and line, skipped and
+    counted under --skip-bad; a template that refuses even one user turn and one answer names the tokenizer."""
+    tok = tiny_model.build_tokenizer("qwen2", ["hello there, how are you"] * 10, tmp_path / "q", 300)
+    tok.chat_template = STRICT
+    doubled = "\n\nHuman: hi\n\nAssistant: hello\n\nAssistant: again?\n\nHuman: so\n\nAssistant:"
+    empty = "\n\nHuman: hi\n\nAssistant:\n\nHuman: hello?\n\nAssistant:"
+    assert [m["role"] for m in data.hh_to_messages(doubled)] == ["user", "assistant", "user"]
+    assert data.hh_to_messages(doubled)[1]["content"] == "hello\n\nagain?"
+    assert data.hh_to_messages(empty) == [{"role": "user", "content": "hi\n\nhello?"}]
+    for prompt in (doubled, empty):
+        assert data.fit_prompt(prompt, tok, 100, source="p.jsonl:1") == prompt
+    system = "System: be brief" + doubled  # messages_to_hh's system message: this template takes none
+    with pytest.raises(data.DataError) as info:
+        data.fit_prompt(system, tok, 100, source="p.jsonl:7")
+    assert (info.value.path, info.value.line, info.value.reason) == ("p.jsonl", 7, "chat_template")
+    assert "roles must alternate" in str(info.value) and "\n" not in str(info.value)
+    report = data.DataReport()
+    kept = data.prompt_records([(doubled, "p.jsonl:1"), (system, "p.jsonl:2")], tok, 100, True, report)
+    assert [r["source"] for r in kept] == ["p.jsonl:1"] and report.skipped == {"chat_template": 1}
+    tok.chat_template = "{{ raise_exception('this template takes no assistant turn') }}"
+    tok.save_pretrained(tmp_path / "refuses")
+    with pytest.raises(data.TemplateRefused, match="refuses: .*takes no assistant turn.*a user turn, then an"):
+        data.stop_id(data.load_tokenizer(tmp_path / "refuses"))
+
+
 HH_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
 
 
