@@ -362,18 +362,41 @@ def resolve_real_models(run, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
     return dirs
 
 
+def config_json(model_dir) -> dict:
+    """A model directory's config.json, a multimodal model's text_config merged in; {} when it cannot be read
+    (resolve_model found a directory; transformers will say what is wrong with it)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {**config.get("text_config", {}), **config} if isinstance(config, dict) else {}
+
+
 def model_context(model_dir) -> tuple[int | None, bool]:
     """(positions, learned) of a model directory's config.json: n_positions / max_position_embeddings / …, and
     whether they are a learned table (GPT-2, OPT: an index beyond it is an IndexError) rather than rotary (the model
     was never trained beyond them). (None, False) when the config names none."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None, False  # resolve_model found a directory; transformers will say what is wrong with it
-    config = {**config.get("text_config", {}), **config}
+    config = config_json(model_dir)
+    if not config:
+        return None, False
     context = next((config[k] for k in ("n_positions", "max_position_embeddings", "max_sequence_length",
                                         "seq_length", "n_ctx") if isinstance(config.get(k), int)), None)
     return context, "n_positions" in config or config.get("model_type") == "opt"
+
+
+def check_vocab(dirs: dict) -> None:
+    """Every model that reads the run's token ids has an embedding row for each id of the tokenizer. A tokenizer with
+    more ids than a model's vocab_size (a pad or chat token added without resizing the embeddings) would stop a stage
+    with an IndexError; here it is one line, before any work. A larger embedding than the tokenizer is common (rows
+    padded to a multiple of 64) and harmless."""
+    tokenizer_dir = dirs.get("sft") or dirs["model"]
+    ids = max(data.load_tokenizer(tokenizer_dir).get_vocab().values()) + 1
+    for d in dict.fromkeys(x for x in (tokenizer_dir, dirs.get("reward"), dirs.get("critic")) if x):
+        vocab = config_json(d).get("vocab_size")
+        if isinstance(vocab, int) and ids > vocab:
+            fail(f"{d}/config.json: vocab_size {vocab} has no embedding for ids {vocab}-{ids - 1} of the tokenizer "
+                 f"({tokenizer_dir}); resize the model's embeddings to len(tokenizer) "
+                 f"(model.resize_token_embeddings) and save it, or use the tokenizer it was trained with")
 
 
 def fit_context(run, cfg: ppo_max.PPOConfig, dirs: dict) -> tuple:

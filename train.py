@@ -65,7 +65,7 @@ import ppo_max
 import scale
 import toy_world
 from cli import arg, fail
-from pipeline import (STAGES, Inputs, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
+from pipeline import (STAGES, Inputs, check_vocab, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
                       real_model_records, real_model_stages, resolve_real_models, stage_ds, stop_after_stages, use_bf16,
                       write_json)
 from reward_model import RMConfig, ScalarHeadModel
@@ -1066,7 +1066,8 @@ def main(argv=None) -> dict | None:
         return None
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = configure(argv)  # with --resume: the recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
-    if dirs:  # every text a stage builds must fit every model's positions
+    if dirs:  # every id of the tokenizer must have an embedding, every text a stage builds fit every model's positions
+        check_vocab(dirs)
         run, cfg = fit_context(run, cfg, dirs)
     check_data_files(run)
     check_lora(run, sft_cfg, dirs)
