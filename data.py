@@ -198,6 +198,13 @@ def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
         raise DataError(path, line_no, None, "not_json", f"line is not JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise DataError(path, line_no, None, "not_object", f"expected a JSON object {{...}}, got {_type_name(obj)}")
+    if "\\ud" in text.lower():  # a \ud800-\udfff escape is half of a UTF-16 pair: json.loads joins whole pairs only
+        for key, value in obj.items():
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError(path, line_no, key, "not_utf8", "a lone \\ud800-\\udfff escape, half of a UTF-16 "
+                                                                "surrogate pair and not a character") from None
     return obj
 
 

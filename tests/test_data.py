@@ -115,6 +115,18 @@ def test_read_jsonl_not_utf8(tmp_path):
     assert "not UTF-8 at byte 16" in str(expect_error(p, "not_utf8", 2))
 
 
+def test_read_jsonl_lone_surrogate_escape_names_its_field(tmp_path):
+    """JSON may write "\\ud800" alone: Python reads it as a string that no tokenizer or file can encode. An emoji
+    written as its escaped pair ("\\ud83d\\ude00") is one character and loads."""
+    pair = b'{"prompt": "\\n\\nHuman: hi \\ud83d\\ude00\\n\\nAssistant:", "chosen": " a", "rejected": " b"}'
+    lone = b'{"prompt": "\\n\\nHuman: hi\\n\\nAssistant:", "chosen": " a \\uD800", "rejected": " b"}'
+    p = write(tmp_path / "d.jsonl", [GOOD, pair, lone])
+    assert "lone" in str(expect_error(p, "not_utf8", 3, "chosen"))
+    report = DataReport()
+    pairs = data.load_pairs(p, skip_bad=True, report=report)
+    assert len(pairs) == 2 and "\U0001F600" in pairs[1].prompt and report.skipped == {"not_utf8": 1}
+
+
 def test_read_jsonl_bad_gzip(tmp_path):
     p = tmp_path / "d.jsonl.gz"
     p.write_bytes(b"not gzip at all\n")
