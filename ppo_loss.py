@@ -342,7 +342,8 @@ def ptx_loss(logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> tuple[Tens
     nll = -logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # −log π(x_{i+1} | x_≤i)   (B, L−1)
     target_mask = loss_mask[:, 1:].to(nll.dtype)  # (B, L−1)
     loss = masked_mean(nll, target_mask)  # −E[log π_RL(x)] per token   (Eq. 17)
-    stats = {"ptx_loss": loss.item(), "ptx_ppl": math.exp(loss.item()), "ptx_tokens": float(target_mask.sum())}
+    stats = {"ptx_loss": loss.item(), "ptx_ppl": loss.detach().double().exp().item(),  # inf, not OverflowError
+             "ptx_tokens": float(target_mask.sum())}
     return loss, stats
 
 

@@ -547,6 +547,15 @@ def test_entropy_worked_example_numbers():
     assert loss.item() == pytest.approx(0.001676, abs=1e-6)
 
 
+def test_ptx_perplexity_of_a_diverged_policy_is_inf_not_an_error():
+    """exp(NLL) past float range (a policy blown up by a huge learning rate) is logged as inf, which the non-finite
+    guard and the logs handle; math.exp would raise OverflowError and end the run in a traceback."""
+    logits = torch.zeros(1, 3, 4, dtype=D)
+    logits[0, :, 0] = 1e4  # all mass on id 0, the targets are id 1: NLL ≈ 1e4 nats per token
+    loss, stats = ppo_loss.ptx_loss(logits, torch.tensor([[1, 1, 1]]), torch.ones(1, 3, dtype=D))
+    assert loss.item() == pytest.approx(1e4) and stats["ptx_ppl"] == math.inf
+
+
 def test_ptx_loss_worked_example_numbers():
     ptx_logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0], [1.0, 1.0, 1.0]]], dtype=D)
     loss, stats = ppo_loss.ptx_loss(ptx_logits, torch.tensor([[0, 1, 2, 0]]), torch.tensor([[0.0, 0.0, 1.0, 1.0]]))
