@@ -65,7 +65,7 @@ import ppo_max
 import scale
 import toy_world
 from cli import arg, fail
-from pipeline import (STAGES, Inputs, check_vocab, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
+from pipeline import (STAGES, Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
                       real_model_records, real_model_stages, resolve_real_models, stage_ds, stop_after_stages, use_bf16,
                       write_json)
 from reward_model import RMConfig, ScalarHeadModel
@@ -78,7 +78,7 @@ from sft import SFTConfig, tiny_llama_config
 @dataclass
 class RunConfig:
     preset: str = arg("ppo-max", f"named set of PPO flags: {', '.join(ppo_max.PRESETS)}")
-    seed: int = arg(0, "seed of the world, every model init and every sample", ">=0")
+    seed: int = arg(0, "seed of the world, every model init and every sample", "[0,2147483647]")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
                        "runs/<preset>-loraR-seed<seed>)")
@@ -123,7 +123,8 @@ class RunConfig:
     skip_bad: bool = arg(False, "with --data: skip bad lines, count them by reason, report at the end (else exit 2)")
     heldout_frac: float = arg(0.1, "with --data: fraction of pairs held out for RM accuracy and evaluation prompts",
                               "(0,1)")
-    vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only", ">=1")
+    vocab_size: int = arg(2000, "with --data: byte-level BPE vocabulary, trained on the training split only "
+                                 "(at least its 256 bytes and 4 special tokens)", ">=260")
     max_prompt_tokens: int = arg(128, "with --data: P limit on the query as the model reads it (BOS or chat template "
                                       "included); longer prompts keep their latest turns; lowered to fit a real "
                                       "--model's positions", ">=1")
@@ -430,7 +431,13 @@ def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
     if not record.is_file():
         print(f"[resume] no {record} (a run from before runs recorded their flags): using the flags given now")
         return argv
-    recorded = json.loads(record.read_text())["argv"]
+    try:
+        recorded = json.loads(record.read_text())["argv"]
+        if not (isinstance(recorded, list) and all(isinstance(a, str) for a in recorded)):
+            raise ValueError("argv is not a list of strings")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        fail(f"{record}: damaged run record ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+             f"restore it, or delete it to resume with the flags given now")
     combined = recorded + argv + ["--out", run.out]
     with contextlib.redirect_stdout(io.StringIO()):  # the presets' messages, printed once by the real resolve
         before, after = resolve(recorded + ["--out", run.out]), resolve(combined)
@@ -458,8 +465,17 @@ def resolve(argv):
         fail("--ptx-data pretrain needs the synthetic world (its pretraining text); on real data ptx uses --sft-data "
              "or --data")
     stages = [s.strip() for s in run.stages.split(",") if s.strip()]
-    if not stages or any(s not in STAGES for s in stages) or stages != sorted(stages, key=STAGES.index):
-        fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, in that order (e.g. sft,rm)")
+    if not stages or any(s not in STAGES for s in stages) or stages != sorted(set(stages), key=STAGES.index):
+        fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, each once, in that order (e.g. sft,rm)")
+    if run.model == "tiny":  # the synthetic world (or --data's tiny model) trains every model it uses itself
+        given = [f for f in ("sft_model", "reward_model", "critic_model") if getattr(run, f)]
+        given += [f for f in ("prompts", "sft_data") if getattr(run, f) and not run.data]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            fail(f"{flag} {getattr(run, given[0])}: " + ("needs a real --model DIR; the tiny model trains its own"
+                                                         if given[0].endswith("model") else
+                                                         "needs --data or a real --model; the synthetic world makes "
+                                                         "its own prompts and demonstrations"))
     return run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg
 
 
@@ -1067,7 +1083,7 @@ def main(argv=None) -> dict | None:
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = configure(argv)  # with --resume: the recorded flags too
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     if dirs:  # every id of the tokenizer must have an embedding, every text a stage builds fit every model's positions
-        check_vocab(dirs)
+        check_models(dirs)
         run, cfg = fit_context(run, cfg, dirs)
     check_data_files(run)
     check_lora(run, sft_cfg, dirs)

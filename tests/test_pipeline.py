@@ -146,6 +146,23 @@ def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, m
     assert e.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--stages", "ppo,ppo"], "--stages ppo,ppo: expected stages from sft,rm,critic,ppo, each once"),
+    (["--stages", "sft,rm,rm,critic"], "each once, in that order"),
+    (["--reward-model", "rm"], "--reward-model rm: needs a real --model DIR"),
+    (["--sft-model", "sft"], "--sft-model sft: needs a real --model DIR"),
+    (["--critic-model", "critic"], "--critic-model critic: needs a real --model DIR"),
+    (["--prompts", "pytest.ini"], "--prompts pytest.ini: needs --data or a real --model"),
+    (["--sft-data", "pytest.ini"], "--sft-data pytest.ini: needs --data or a real --model")])
+def test_flags_the_run_would_ignore_fail_with_one_line(flags, message, capsys, monkeypatch):
+    """A stage named twice, or a model or file the synthetic world would never read, is a mistake, not a no-op."""
+    monkeypatch.chdir(Path(train.__file__).parent)
+    with pytest.raises(SystemExit) as e:
+        train.resolve(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
 def test_every_numeric_or_choice_flag_has_a_check():
     """A new flag cannot slip in without its range: every int/float/str field is checked, or is a path/name."""
     import dataclasses

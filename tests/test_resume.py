@@ -157,3 +157,12 @@ def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupt
     assert "step-000009" in out and "truncated" in out and "continuing at step 6" in out
     assert metrics(work / "damaged") == uninterrupted
     assert (work / "damaged" / "samples.jsonl").read_text() == (work / "full" / "samples.jsonl").read_text()
+
+
+@pytest.mark.parametrize("content", [b"{\"argv\": [\"--steps\"", b"\xff\xfe garbage", b"{}", b"{\"argv\": 5}"])
+def test_a_damaged_run_record_is_one_line_naming_it(tmp_path, content, capsys):
+    (tmp_path / "run_config.json").write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        train.resumed_argv([], train.RunConfig(out=str(tmp_path), resume=str(tmp_path)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "run_config.json: damaged run record" in err[0], err
