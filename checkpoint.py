@@ -327,7 +327,9 @@ def find_latest(path: str | os.PathLike) -> Path | None:
 
 def damage(d: Path) -> str | None:
     """What is wrong with checkpoint `d`, or None when it is intact: COMPLETE must list every file with its size
-    (a truncated or missing file is damage), state.json must parse, and every safetensors header must read."""
+    (a truncated or missing file is damage), state.json must parse, every safetensors header must read, and every
+    .pt file (optimizers, RNG streams) must unpickle; memory-mapped, so its tensors are not read. Bytes overwritten
+    inside a tensor's data, with the file's size and headers intact, are not caught here."""
     try:
         listed = json.loads((d / COMPLETE).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -343,6 +345,8 @@ def damage(d: Path) -> str | None:
         for p in d.rglob("*.safetensors"):
             with safetensors.safe_open(str(p), framework="pt") as f:
                 f.keys()
+        for p in d.rglob("*.pt"):
+            torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001  (any unreadable file is damage, whatever the library raises)
         return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None

@@ -331,6 +331,23 @@ def test_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     assert find_intact(tmp_path, log=said.append) is None               # none intact: the caller stops (exit 2)
 
 
+@pytest.mark.parametrize("name, offset", [("optimizer-policy.pt", 0), ("rng.pt", 0), ("rng.pt", 100)])
+def test_overwritten_pt_file_of_the_same_size_is_damage(tmp_path, name, offset):
+    """Bytes overwritten in an optimizer or RNG file keep its size: it still unpickles or it is damage, so the run
+    resumes from the checkpoint before it instead of ending in an UnpicklingError traceback."""
+    from checkpoint import damage, find_intact
+    policy, critic, popt, copt = tiny_setup()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, models={"policy": policy}, optimizers={"policy": popt},
+                        rngs={"prompt": random.Random(0)})
+    newest = tmp_path / "checkpoints" / "step-000002"
+    raw = bytearray((newest / name).read_bytes())
+    raw[offset:offset + 50] = b"\xff" * 50
+    (newest / name).write_bytes(bytes(raw))
+    assert "unreadable" in damage(newest)
+    assert find_intact(tmp_path, log=lambda line: None).name == "step-000001"
+
+
 KILLER = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[2])
