@@ -70,3 +70,31 @@ def causal_lm_class(path):
         return transformers.AutoModelForCausalLM
     named = [getattr(transformers, name, None) for name in (config.architectures or [])]
     return next((cls for cls in named if isinstance(cls, type)), transformers.AutoModelForCausalLM)
+
+
+def check_causal(model, path) -> None:
+    """UserError unless `model` is causal: its logits at positions 0 … L−2 must not move when the last token changes.
+    A BERT-style model saved without is_decoder=True loads as a *ForCausalLM with bidirectional attention, and would
+    train and score on tokens it has not yet seen; an encoder-decoder has no such forward at all."""
+    from cli import UserError
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(1, 9, device=model.device)[None] % vocab                          # (1, 8)
+    other = ids.clone()
+    other[0, -1] = (ids[0, -1] + 1) % vocab
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a, b = (model(input_ids=x).logits[0, :-1].float() for x in (ids, other))  # (7, V)
+    except Exception as e:  # not a decoder's forward (T5 wants decoder inputs, ...): not a model the stages can train
+        raise UserError(f"{path}: not a causal LM ({type(model).__name__}: {str(e).splitlines()[0]})") from None
+    finally:
+        model.train(was_training)
+    # a causal model's earlier logits agree to rounding (MoE layers, batching tokens per expert, differ by ~3e-7 of
+    # the largest logit in float32); a bidirectional one moves them by 6e-4 (random init) to 0.7 (CPM-Ant) of it.
+    # In bf16/fp16 rounding alone is ~1e-2, so only a move past 5 % counts there.
+    tol = 1e-5 if next(model.parameters()).dtype == torch.float32 else 0.05
+    if not torch.allclose(a, b, atol=tol * float(a.abs().max()) + 1e-6, rtol=0):
+        raise UserError(f"{path}: not a causal LM: {type(model).__name__}'s logits at earlier positions depend on "
+                        f"later tokens (bidirectional attention; a BERT-style model needs is_decoder=True in its "
+                        f"config.json)")

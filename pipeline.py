@@ -384,15 +384,35 @@ def model_context(model_dir) -> tuple[int | None, bool]:
     return context, "n_positions" in config or config.get("model_type") == "opt"
 
 
-def check_vocab(dirs: dict) -> None:
-    """Every model that reads the run's token ids has an embedding row for each id of the tokenizer. A tokenizer with
-    more ids than a model's vocab_size (a pad or chat token added without resizing the embeddings) would stop a stage
-    with an IndexError; here it is one line, before any work. A larger embedding than the tokenizer is common (rows
-    padded to a multiple of 64) and harmless."""
-    tokenizer_dir = dirs.get("sft") or dirs["model"]
-    ids = max(data.load_tokenizer(tokenizer_dir).get_vocab().values()) + 1
-    for d in dict.fromkeys(x for x in (tokenizer_dir, dirs.get("reward"), dirs.get("critic")) if x):
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_weights(model_dir) -> None:
+    """The directory holds weights, and every safetensors file's header reads (a truncated or overwritten file fails
+    here in one line, not half-way into a stage); the tensors themselves are read when the stage loads them."""
+    from safetensors import safe_open
+    if not any((Path(model_dir) / f).exists() for f in WEIGHTS):
+        fail(f"{model_dir}: no model weights in it (expected one of {', '.join(WEIGHTS)})")
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # safetensors' own SafetensorError, or an OSError
+            fail(f"{f}: damaged safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+
+def check_models(dirs: dict) -> None:
+    """Every model directory of the run has readable weights (check_weights), and every model that reads the run's
+    token ids an embedding row for each id of the tokenizer. A tokenizer with more ids than a model's vocab_size (a
+    pad or chat token added without resizing the embeddings) would stop a stage with an IndexError; here it is one
+    line, before any work. A larger embedding than the tokenizer is common (rows padded to a multiple of 64)."""
+    policy_dir = dirs.get("sft") or dirs["model"]
+    for d in dict.fromkeys(x for x in (policy_dir, dirs.get("reward"), dirs.get("critic")) if x):
+        check_weights(d)
         vocab = config_json(d).get("vocab_size")
+        # each model against the tokenizer beside it (a different one is load_models' "share one tokenizer" error)
+        tokenizer_dir = d if any((Path(d) / f).exists() for f in data.TOKENIZER_FILES) else policy_dir
+        ids = max(data.load_tokenizer(tokenizer_dir).get_vocab().values()) + 1
         if isinstance(vocab, int) and ids > vocab:
             fail(f"{d}/config.json: vocab_size {vocab} has no embedding for ids {vocab}-{ids - 1} of the tokenizer "
                  f"({tokenizer_dir}); resize the model's embeddings to len(tokenizer) "
@@ -495,8 +515,13 @@ def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
     weights frozen (quantized with --lora-bits) under fresh adapters (lora.add_adapters)."""
     adapters = run is not None and lora.enabled(run)
     kw = lora.load_kwargs(run, bf16)
-    model = lm.causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kw)
+    try:
+        model = lm.causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kw)
+    except (OSError, ValueError, RuntimeError) as e:  # no weights, a damaged file, a config no causal LM takes
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        fail(f"{path}: cannot load a causal LM from it ({first})")
     model = model if "quantization_config" in kw else model.to(device)
+    lm.check_causal(model, path)
     if grad_ckpt:
         lm.gradient_checkpointing(model)
     return lora.add_adapters(model, run, seed=run.seed) if adapters else model

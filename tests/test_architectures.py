@@ -220,6 +220,19 @@ def test_the_models_generation_config_does_not_change_what_rollout_samples(arch)
     assert kept.shape != plain.shape or not torch.equal(kept, plain)
 
 
+def test_a_model_that_reads_later_tokens_is_not_a_causal_lm():
+    """BERT saved without is_decoder=True loads as BertLMHeadModel with bidirectional attention: every stage would
+    train it on tokens it has not seen yet. lm.check_causal refuses it; as a decoder, and every family here, pass."""
+    from cli import UserError
+    bert = dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    with pytest.raises(UserError, match="bert-dir: not a causal LM: BertLMHeadModel's logits at earlier positions"):
+        lm.check_causal(transformers.BertLMHeadModel(transformers.BertConfig(**bert)), "bert-dir")
+    lm.check_causal(transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True)), "bert-dir")
+    for arch in ARCHS:
+        lm.check_causal(models(arch)[0], arch)
+
+
 def test_train_load_models_turns_dropout_off_in_all_four(tmp_path):
     import train
     policy, _, reward_model, _ = models("gpt2")

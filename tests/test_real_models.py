@@ -144,6 +144,23 @@ def test_a_tokenizer_with_more_ids_than_the_embedding_is_one_line_before_any_wor
     assert not (tmp_path / "run").exists()  # nothing was written, nothing trained
 
 
+def test_a_model_directory_without_readable_weights_is_one_line_before_any_work(tmp_path, pairs, capsys):
+    import shutil
+    model = tiny("llama", tmp_path, pairs)
+    weights = model / "model.safetensors"
+    shutil.copy(weights, tmp_path / "weights")
+    for damage, named in ((lambda: weights.write_bytes(weights.read_bytes()[:3000]), "model.safetensors: damaged"),
+                          (lambda: weights.unlink(), "no model weights in it")):
+        shutil.copy(tmp_path / "weights", weights)
+        damage()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.main(["--model", str(model), "--data", str(pairs), "--out", str(tmp_path / "run"), *BUDGET])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and named in err[0], err
+        assert not (tmp_path / "run").exists()
+
+
 LLAMA2_CHAT = ("{% for m in messages %}{% if m['role'] == 'user' %}"
                "{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")  # Llama 2's turn ends
 
