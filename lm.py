@@ -96,5 +96,5 @@ def check_causal(model, path) -> None:
     tol = 1e-5 if next(model.parameters()).dtype == torch.float32 else 0.05
     if not torch.allclose(a, b, atol=tol * float(a.abs().max()) + 1e-6, rtol=0):
         raise UserError(f"{path}: not a causal LM: {type(model).__name__}'s logits at earlier positions depend on "
-                        f"later tokens (bidirectional attention; a BERT-style model needs is_decoder=True in its "
-                        f"config.json)")
+                        f"later tokens (bidirectional attention; for a BERT-style model set is_decoder=True in "
+                        f"its config.json)")
