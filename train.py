@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -189,9 +190,19 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: ppo_max.
             fail(f"--{name.replace('_', '-')} {path}: no such file")
     if run.deepspeed_config:
         try:
-            json.loads(Path(run.deepspeed_config).read_text())
+            ds = json.loads(Path(run.deepspeed_config).read_text())
         except (ValueError, UnicodeDecodeError) as e:
             fail(f"--deepspeed_config {run.deepspeed_config}: not valid JSON ({str(e).splitlines()[0]})")
+        zero = ds.get("zero_optimization", {}) if isinstance(ds, dict) else None
+        if not isinstance(zero, dict):
+            fail(f"--deepspeed_config {run.deepspeed_config}: expected a JSON object with a zero_optimization "
+                 f"object, if any, got {type(ds if zero is None else zero).__name__}")
+        if zero.get("stage", 0) not in (0, 1, 2):
+            fail(f"--deepspeed_config {run.deepspeed_config}: zero_optimization.stage {zero.get('stage')!r}: the loop "
+                 f"runs ZeRO stages 0, 1 and 2")
+        if not run.deepspeed and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # one process: no engine reads it
+            fail(f"--deepspeed_config {run.deepspeed_config}: DeepSpeed engines run under the `deepspeed` launcher "
+                 f"with more than one process, or with --deepspeed")
     if run.resume and not Path(run.resume).exists():
         fail(f"--resume {run.resume}: no such run or checkpoint directory")
     if cfg.minibatch > cfg.rollout_batch:
@@ -307,6 +318,8 @@ def parse_configs(argv=None):
                                                      for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
+        if p.exists() and not p.is_dir():
+            fail(f"--resume {run.resume}: not a run or checkpoint directory (a file)")
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
     if not run.out:  # runs of other estimators or LoRA never share a directory with the default run
         run.out = f"runs/{run_name(run, ppo)}{lora_tag(run)}-seed{run.seed}"
@@ -489,6 +502,9 @@ def resume(run: RunConfig, ckpts: checkpoint.RunCheckpoints, state: LoopState,
         fail(str(e))
     state.load_state_dict(saved["extra_state"])
     print(f"[resume] {ckpt}: continuing at step {saved['step']}")
+    if saved["step"] >= run.steps:
+        print(f"[resume] the run has {saved['step']} steps and --steps is {run.steps}: no step left to train, only "
+              f"the evaluation (a larger --steps continues the run)")
     step, logs = saved["step"], [out / "metrics.jsonl", out / "samples.jsonl"]
     metrics, samples = (data.read_records(f) if f.is_file() else [] for f in logs)
     return step, metrics[:step], [s for s in samples if s["step"] < step]
@@ -562,6 +578,22 @@ def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(dirs["sft"] or dirs["model"], trust_remote_code=False)
     lora.check_targets(config, run)
+
+
+def replace_earlier_run(run: RunConfig, out: Path, rank: int) -> None:
+    """A new run (no --resume) in a directory that holds an earlier run's checkpoints: a finished earlier run (its
+    summary.json written) is replaced, its checkpoints removed so that a later --resume can only continue this run;
+    an unfinished one is refused with one line, since --resume would continue it and starting afresh would lose it."""
+    steps = sorted((out / checkpoint.CKPT_SUBDIR).glob("step-*")) if not run.resume else []
+    if not steps:
+        return
+    if not (out / "summary.json").is_file():
+        fail(f"--out {out} holds an unfinished run (newest checkpoint {steps[-1].name}): --resume {out} continues "
+             f"it; to start afresh delete that directory or pass another --out")
+    if rank == 0:
+        print(f"[out] {out} held a finished run: this run replaces it (its checkpoints are removed)")
+        shutil.rmtree(out / checkpoint.CKPT_SUBDIR)
+    engine.barrier()
 
 
 def make_out_dir(run: RunConfig) -> Path:
@@ -1089,6 +1121,7 @@ def main(argv=None) -> dict | None:
     check_lora(run, sft_cfg, dirs)
     out = make_out_dir(run)
     rank, world, device = start_processes(run, cfg)
+    replace_earlier_run(run, out, rank)
     if rank == 0:  # --resume DIR alone continues from this record
         write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
     print(f"preset {run.preset!r}: " + json.dumps(dataclasses.asdict(cfg)))

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -152,6 +153,8 @@ def current_alarm(out: Path) -> dict | None:
 def _train(out: Path, argv: list[str]) -> dict:
     import train
     out.mkdir(parents=True, exist_ok=True)
+    # a killed earlier attempt (checkpoints, no summary.json): rerun from the start, which train.py refuses to do
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
     (out / "runner.json").write_text(json.dumps({"argv": argv}, indent=2))
     t0 = time.time()
     with open(out / "train.log", "w") as log, contextlib.chdir(ROOT), \

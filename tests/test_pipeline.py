@@ -137,7 +137,8 @@ def test_every_flag_out_of_range_fails_with_one_line(prefix, name, spec, capsys)
     (["--data", "nope.jsonl"], "--data nope.jsonl: no such file"),
     (["--resume", "nowhere"], "--resume nowhere: no such run"),
     (["--bf16", "--fp32"], "--bf16 and --fp32"),
-    (["--out", "pytest.ini"], "--out pytest.ini: exists and is not a directory")])
+    (["--out", "pytest.ini"], "--out pytest.ini: exists and is not a directory"),
+    (["--resume", "pytest.ini"], "--resume pytest.ini: not a run or checkpoint directory")])
 def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.chdir(Path(train.__file__).parent)
     with pytest.raises(SystemExit) as e:
@@ -253,3 +254,18 @@ def test_redirected_output_is_a_few_true_lines(base_dir):
     assert "critic pre-training" not in text
     timings = next(l for l in proc.stdout.splitlines() if l.startswith("stage seconds:"))
     assert "sft" not in timings and "reward_model" not in timings and "ppo" in timings, timings
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    ("[1, 2]", ["--deepspeed"], "expected a JSON object with a zero_optimization object, if any, got list"),
+    ('{"zero_optimization": 3}', ["--deepspeed"], "got int"),
+    ('{"zero_optimization": {"stage": 7}}', ["--deepspeed"], "zero_optimization.stage 7: the loop runs ZeRO stages"),
+    ('{"zero_optimization": {"stage": 2}}', [], "DeepSpeed engines run under the `deepspeed` launcher")])
+def test_a_deepspeed_config_the_engines_cannot_use_is_one_line_before_any_work(tmp_path, content, flags, message,
+                                                                               capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "ds.json").write_text(content)
+    with pytest.raises(SystemExit) as e:
+        train.parse_configs(["--deepspeed_config", str(tmp_path / "ds.json"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err

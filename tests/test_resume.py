@@ -166,3 +166,20 @@ def test_a_damaged_run_record_is_one_line_naming_it(tmp_path, content, capsys):
         train.resumed_argv([], train.RunConfig(out=str(tmp_path), resume=str(tmp_path)))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "run_config.json: damaged run record" in err[0], err
+
+
+def test_a_new_run_replaces_a_finished_run_and_refuses_an_unfinished_one(tmp_path, capsys):
+    """Without --resume, an earlier run's checkpoints in --out would be continued by a later --resume as if they
+    were this run's (steps 0, 1 and then 3 of the other run): a finished run's are removed, an unfinished run (whose
+    work --resume could still continue) stops the new one with one line."""
+    (tmp_path / "checkpoints" / "step-000003").mkdir(parents=True)
+    run = train.RunConfig(out=str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        train.replace_earlier_run(run, tmp_path, rank=0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "unfinished run (newest checkpoint step-000003)" in err[0], err
+    assert (tmp_path / "checkpoints" / "step-000003").is_dir()  # nothing lost
+    train.replace_earlier_run(train.RunConfig(out=str(tmp_path), resume=str(tmp_path)), tmp_path, rank=0)  # resume
+    (tmp_path / "summary.json").write_text("{}")
+    train.replace_earlier_run(run, tmp_path, rank=0)
+    assert not (tmp_path / "checkpoints").exists() and "replaces it" in capsys.readouterr().out
