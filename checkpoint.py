@@ -352,6 +352,21 @@ def damage(d: Path) -> str | None:
     return None
 
 
+def unreadable(d: Path) -> str | None:
+    """The first file under `d` that does not read, as `path: unreadable (why)`: a safetensors file whose header
+    does not parse, a .json file that is not JSON; None when every one reads. Headers only: tensors are not read."""
+    for p in sorted(Path(d).rglob("*")):
+        try:
+            if p.suffix == ".safetensors":
+                with safetensors.safe_open(str(p), framework="pt") as f:
+                    f.keys()
+            elif p.suffix == ".json":
+                json.loads(p.read_text(encoding="utf-8"))
+        except Exception as e:  # noqa: BLE001  (any unreadable file is damage, whatever the library raises)
+            return f"{p}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
 def find_intact(path: str | os.PathLike, log: Callable[[str], Any] = print) -> Path | None:
     """The newest checkpoint under `path` that is complete *and* intact (see damage), saying in one line about each
     newer one that is not; None if there is none. A checkpoint directory given itself must be intact: ValueError."""

@@ -112,7 +112,10 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
 
     what = ("tokenizer, SFT and reward model for this data file and config" if run.data
             else "world, SFT and reward model for this seed and config")
-    return checkpoint.build_once(Path("runs/_base") / name, build, what, rebuild=rebuild)
+    path, built = checkpoint.build_once(Path("runs/_base") / name, build, what, rebuild=rebuild)
+    if not built and (problem := checkpoint.unreadable(path)):  # a cached base damaged since it was built
+        fail(f"{problem}; --rebuild-base trains stages 1-2 again")
+    return path, built
 
 
 def world_data(tmp: Path, world_cfg: toy_world.WorldConfig):

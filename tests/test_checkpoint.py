@@ -436,3 +436,27 @@ def test_two_processes_needing_one_missing_base_build_it_once(tmp_path):
     assert f"got {builders[0]} built" in builder and f"got {builders[0]} reused" in waiter, outs
     assert "waiting for another process" in waiter and "built by another process meanwhile" in waiter, waiter
     assert (base / "DONE").exists() and not (base.parent / "seed0-test.tmp").exists()
+
+
+def test_a_cached_base_damaged_since_it_was_built_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """runs/_base is reused as it is: a safetensors header or JSON file overwritten since is named (with the flag that
+    rebuilds it) before anything loads it, not a SafetensorError or UnicodeDecodeError traceback later."""
+    import pipeline
+    import toy_world
+    import train
+    from checkpoint import unreadable
+    base = tmp_path / "base"
+    (base / "sft").mkdir(parents=True)
+    safetensors.torch.save_file({"w": torch.zeros(3)}, str(base / "sft" / "model.safetensors"))
+    (base / "tokenizer.json").write_text('{"version": "1.0"}')
+    assert unreadable(base) is None
+    monkeypatch.setattr(pipeline.checkpoint, "build_once", lambda *a, **k: (base, False))
+    for name, garble in (("tokenizer.json", lambda b: b"\xff" * len(b)), ("sft/model.safetensors", lambda b: b[:20])):
+        good = (base / name).read_bytes()
+        (base / name).write_bytes(garble(good))
+        assert unreadable(base).startswith(f"{base / name}: unreadable")
+        with pytest.raises(SystemExit) as e:
+            pipeline.build_base(train.RunConfig(), train.SFTConfig(), train.RMConfig(), toy_world.WorldConfig())
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and name in err[0] and "--rebuild-base" in err[0], err
+        (base / name).write_bytes(good)
