@@ -650,7 +650,12 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        build(tmp)
+        try:
+            build(tmp)
+        except BaseException:  # a failed build (bad data, a signal) leaves no half-built directory behind
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         barrier()
         if rank == 0:
             (tmp / DONE).write_text("ok\n")

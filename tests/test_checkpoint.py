@@ -460,3 +460,15 @@ def test_a_cached_base_damaged_since_it_was_built_is_one_line_naming_the_file(tm
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and name in err[0] and "--rebuild-base" in err[0], err
         (base / name).write_bytes(good)
+
+
+def test_a_build_that_fails_leaves_no_half_built_directory(tmp_path):
+    from checkpoint import build_once
+
+    def build(tmp):
+        (tmp / "half").write_text("x")
+        raise ValueError("bad data")
+
+    with pytest.raises(ValueError, match="bad data"):
+        build_once(tmp_path / "base", build, "a test base")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".base.lock"]  # no base, no base.tmp

@@ -111,7 +111,12 @@ def main(argv: list[str] | None = None) -> None:
             cli.fail(f"{flag} {v}: must be ≥ 1")
     if a.hidden % a.heads:
         cli.fail(f"--hidden {a.hidden}: must be divisible by --heads {a.heads}")
-    texts = [p + r for p, r in data.load_texts(a.data, skip_bad=True)]
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        cli.fail(f"--out {a.out}: exists and is not a directory")
+    report = data.DataReport()
+    texts = [p + r for p, r in data.load_texts(a.data, skip_bad=True, report=report)]
+    if report.skipped:  # the HH sample has a few unusable lines; the tokenizer only needs text
+        print(f"[data] {a.data}: {report.summary()}")
     out = build_model(a.arch, texts, a.out, a.hidden, a.layers, a.heads, a.vocab_size)
     from transformers import AutoModelForCausalLM
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters())
