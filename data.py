@@ -274,7 +274,7 @@ def _dataset_rows(src: Source) -> Iterator[tuple[int, dict]]:
     import huggingface_hub.constants
     datasets.config.HF_DATASETS_OFFLINE = True  # a hub id must already be on this machine: never a download
     huggingface_hub.constants.HF_HUB_OFFLINE = True
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # what fails is said once, below, as one line
     datasets.disable_progress_bars()
     p = Path(src.path)
     try:
@@ -295,6 +295,15 @@ def _dataset_rows(src: Source) -> Iterator[tuple[int, dict]]:
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001  (datasets raises many kinds; each is the user's file or id)
+        if p.is_file() and p.suffix == ".json":  # where a JSON file breaks, which datasets does not say
+            try:
+                json.loads(p.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as bad:
+                where = getattr(bad, "lineno", None)
+                raise DataError(src.path, where, None, "not_json", f"not JSON ({getattr(bad, 'msg', bad)}"
+                                + (f" at column {bad.colno})" if where else ")")) from None
+        while e.__cause__ is not None or e.__context__ is not None:  # the innermost error says what went wrong
+            e = e.__cause__ or e.__context__
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         hint = "" if p.exists() else (f"; it is not a local file or folder, nor a dataset in the local Hugging Face "
                                       f"cache: on a machine with network, run `python -c \"import datasets; "

@@ -444,3 +444,18 @@ def test_a_hub_dataset_not_on_this_machine_is_one_line_without_a_download(tmp_pa
     assert "load_dataset('someone/not-cached', split='test')" in msg
     with pytest.raises(DataError, match="no such file"):  # a path-like name is never taken for a hub id
         data.load_pairs(data.source("./missing.parquet"))
+
+
+def test_a_broken_json_or_parquet_file_is_one_line_with_where_it_breaks(tmp_path, capsys):
+    """datasets says only "An error occurred while generating the dataset" (and logs an ArrowInvalid line before it):
+    the line and column of a broken .json, the innermost reason for anything else, and nothing else on stderr."""
+    broken = tmp_path / "d.json"
+    broken.write_text('[{"prompt": "x", "chosen": "a", "rejected": "b"},\n {"prompt": 3')
+    with pytest.raises(DataError) as info:
+        data.load_pairs(str(broken))
+    assert (info.value.line, info.value.reason) == (2, "not_json") and "column 14" in str(info.value)
+    fake = tmp_path / "d.parquet"
+    fake.write_text("not parquet")
+    with pytest.raises(DataError, match="magic bytes"):
+        data.load_pairs(str(fake))
+    assert capsys.readouterr().err == ""
