@@ -617,6 +617,18 @@ def test_lora_bad_flags_are_one_line_and_exit_2(argv, flag, tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("flags, message", [(["--gpu-mem", "-5"], "--gpu-mem -5.0: must be > 0"),
+                                            (["--gpu-mem", "nan"], "--gpu-mem nan: must be a finite number"),
+                                            (["--num-gpus", "0"], "--num-gpus 0: must be ≥ 1"),
+                                            (["--micro-batch", "-1"], "--micro-batch -1: must be ≥ 1")])
+def test_plan_flags_out_of_range_are_one_line_naming_the_flag(flags, message, capsys):
+    """A plan for -5 GiB per GPU is not a plan: the flag, not the function's keyword, is named."""
+    with pytest.raises(SystemExit) as e:
+        scale.main(["--model", "llama-7b", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"error: {message}"]
+
+
 # ----------------------------------------------------------------------------------------------- plan = a real run
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
