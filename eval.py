@@ -200,6 +200,61 @@ def format_table(summary: dict) -> str:
 
 
 # =========================================================================================================
+# What every command checks before any work: a mistake is one line `error: …`, exit 2 (cli.fail, cli.UserError)
+# =========================================================================================================
+def read_json(path, expect: type = dict):
+    """The JSON of a file this project wrote (a run's summary.json or checkpoint_eval.json, a model's
+    data_limits.json), which must be a JSON object (expect=dict) or array (expect=list); one that is not UTF-8, not
+    JSON or not of that kind is a UserError naming the file."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise cli.UserError(f"{path}: cannot be read as UTF-8 JSON ({type(e).__name__}: {first})") from None
+    if not isinstance(value, expect):
+        kind = {dict: "object {...}", list: "array [...]"}[expect]
+        raise cli.UserError(f"{path}: expected a JSON {kind}, got {type(value).__name__} (a damaged file?)")
+    return value
+
+
+def read_log(path) -> list[dict]:
+    """Every object of a run's JSONL log (metrics.jsonl); [] for an empty file. A damaged line (not UTF-8, not
+    JSON) is a data.DataError naming the file and line."""
+    try:
+        return [obj for _, obj in data.read_jsonl(path)]
+    except data.DataError as e:
+        if e.reason == "empty_file":
+            return []
+        raise
+
+
+def check_flags(args, ranges: dict[str, str]) -> None:
+    """Each flag of `ranges` ({attribute: cli.check_value spec}) within its range, else one line naming it."""
+    for name, spec in ranges.items():
+        value = getattr(args, name)
+        problem = cli.check_value(value, spec)
+        if problem:
+            cli.fail(f"--{name.replace('_', '-')} {value!r}: {problem}")
+
+
+def check_out(flag: str, path: str, image: bool = False) -> None:
+    """An output path a command can write: not a directory, under no file posing as a directory and, for an image,
+    ending in an extension matplotlib writes (it picks the format by it); else one line naming the flag."""
+    p = Path(path)
+    if p.is_dir():
+        cli.fail(f"{flag} {path}: is a directory; name the file to write")
+    above = next((d for d in p.parents if d.exists()), None)  # the nearest folder that already exists
+    if above is not None and not above.is_dir():
+        cli.fail(f"{flag} {path}: {above} is a file, not a directory")
+    if image:
+        from matplotlib.figure import Figure
+        formats = Figure().canvas.get_supported_filetypes()  # {"png": ..., "pdf": ...}: what savefig can write
+        if p.suffix[1:].lower() not in formats:
+            what = f"{p.suffix} is not an image type matplotlib writes" if p.suffix else "no extension to name its type"
+            cli.fail(f"{flag} {path}: {what}; end it in one of {', '.join('.' + f for f in sorted(formats))}")
+
+
+# =========================================================================================================
 # `python eval.py score`: a saved reward model on its own, over a data file (pairs or prompt/response)
 # =========================================================================================================
 def load_scorer(model_dir: str):
@@ -224,7 +279,7 @@ def model_limits(model_dir, config) -> dict:
     synthetic-world RM) the model's context split 2:1 between the query and the response."""
     limits_file = Path(model_dir) / "data_limits.json"
     if limits_file.is_file():
-        return json.loads(limits_file.read_text())
+        return read_json(limits_file)
     context = config.max_position_embeddings  # a query (BOS included) and a response share it
     return {"max_prompt_tokens": 2 * context // 3, "max_response_tokens": context - 2 * context // 3}
 
@@ -274,6 +329,10 @@ def score(argv=None) -> dict:
     p.add_argument("--skip-bad", action="store_true", help="skip bad lines, count them by reason (else exit 2)")
     p.add_argument("--batch", type=int, default=64, help="sequences per forward pass")
     a = p.parse_args(argv)
+    check_flags(a, {"batch": ">=1"})
+    check_out("--out", a.out)
+    a.hist = a.hist or str(Path(a.out).with_suffix(".png"))
+    check_out("--hist", a.hist, image=True)
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     rm, tokenizer, limits = load_scorer(a.reward_model)
@@ -294,7 +353,7 @@ def score(argv=None) -> dict:
         out_rows = [{"source": r["source"], "chosen": c, "rejected": j, "margin": c - j}
                     for r, c, j in zip(rows, r_chosen.tolist(), r_rejected.tolist())]
         result.update(pairs=len(rows), accuracy=accuracy(r_chosen, r_rejected), mean_margin=margins.mean().item())
-        result["hist"] = a.hist or str(Path(a.out).with_suffix(".png"))
+        result["hist"] = a.hist
         margin_histogram(margins.tolist(), result["hist"], f"{Path(str(a.data)).name}: {len(rows)} pairs, accuracy "
                          f"{result['accuracy']:.3f}, mean margin {result['mean_margin']:+.3f}")
         print(f"{len(rows)} pairs: pairwise accuracy {result['accuracy']:.3f}, mean margin r(chosen) − r(rejected) "
@@ -322,6 +381,25 @@ PANELS = [(("reward/score",), "reward-model score (raw)"), (("reward/gold", "rew
           (("response/length",), "response length (tokens)"), (None, "win rate vs SFT (win + ½ tie, held out)")]
 
 
+def plot_run(run: str) -> tuple[list[dict], list[dict]]:
+    """One run's curves for plot(): the rows of its metrics.jsonl, and its win rates against SFT by step (the
+    notebooks' checkpoint_eval.json, then the final evaluation of summary.json). A missing or damaged log is one line
+    naming it."""
+    f = Path(run) / "metrics.jsonl"
+    if not f.is_file():
+        cli.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
+    rows = read_log(f)
+    if not rows:
+        cli.fail(f"{f}: no steps yet")
+    wins = Path(run) / "checkpoint_eval.json"  # the figure notebooks' per-checkpoint evaluation, if any
+    wins = read_json(wins, list) if wins.is_file() else []
+    summary = Path(run) / "summary.json"       # and the final held-out evaluation of a finished run
+    s = read_json(summary) if summary.is_file() else {}
+    if s.get("win_rate_vs_sft"):
+        wins = [w for w in wins if w["step"] != s["steps"]] + [{"step": s["steps"], **s["win_rate_vs_sft"]}]
+    return rows, wins
+
+
 def plot(argv=None) -> dict:
     """§5.2's panels of one or more train.py runs, one line per run, as one PNG."""
     p = cli.OneLineParser(prog="eval.py plot", description=plot.__doc__)
@@ -329,24 +407,11 @@ def plot(argv=None) -> dict:
     p.add_argument("--out", default="curves.png", help="the PNG to write")
     p.add_argument("--labels", default="", help="comma-separated labels (default: the directories' names)")
     a = p.parse_args(argv)
+    check_out("--out", a.out, image=True)
     labels = [x.strip() for x in a.labels.split(",")] if a.labels else [Path(r).name for r in a.runs]
     if len(labels) != len(a.runs):
         cli.fail(f"--labels: {len(labels)} labels for {len(a.runs)} runs")
-    runs = []
-    for run in a.runs:
-        f = Path(run) / "metrics.jsonl"
-        if not f.is_file():
-            cli.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
-        rows = data.read_records(f)
-        if not rows:
-            cli.fail(f"{f}: no steps yet")
-        wins = Path(run) / "checkpoint_eval.json"  # the figure notebooks' per-checkpoint evaluation, if any
-        wins = json.loads(wins.read_text()) if wins.is_file() else []
-        summary = Path(run) / "summary.json"       # and the final held-out evaluation of a finished run
-        if summary.is_file() and json.loads(summary.read_text()).get("win_rate_vs_sft"):
-            s = json.loads(summary.read_text())
-            wins = [w for w in wins if w["step"] != s["steps"]] + [{"step": s["steps"], **s["win_rate_vs_sft"]}]
-        runs.append((rows, wins))
+    runs = [plot_run(run) for run in a.runs]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -382,14 +447,8 @@ def plot(argv=None) -> dict:
     return {"out": a.out, "panels": drawn}
 
 
-def main(argv=None) -> None:
-    import sys
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["score"], ["plot"]):  # `python eval.py score|plot ...`; else the policy-vs-SFT comparison
-        from cli import cli_guard
-        return cli_guard(score if argv[0] == "score" else plot)(argv[1:])
-    from transformers import AutoTokenizer
-    from reward_model import ScalarHeadModel
+def eval_args(argv):
+    """The flags of the policy-vs-SFT comparison, each numeric one checked against its range."""
     p = cli.OneLineParser(prog="eval.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", help="a run directory written by train.py (reads paths from its summary.json)")
     p.add_argument("--policy", help="policy directory (Hugging Face)")
@@ -400,26 +459,43 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=24)
     a = p.parse_args(argv)
-    judge_name, judge_dir = "gold", None
-    if a.run:
-        if not (Path(a.run) / "summary.json").is_file():
-            cli.fail(f"--run {a.run}: no summary.json (not a finished train.py run directory)")
-        summ = json.loads((Path(a.run) / "summary.json").read_text())
-        judge_name = summ.get("judge", "gold")  # real data has no gold: a held-out reward model (or the RM) judges
-        judge_dir = summ.get("judge_model")
-        base, models = (Path(summ["base"]) if summ.get("base") else None), summ.get("models") or {}
-        a.policy = a.policy or str(Path(a.run) / "policy")
-        a.sft = a.sft or (str(base / "sft") if base else models.get("sft"))
-        a.reward_model = a.reward_model or (str(base / "reward_model") if base else models.get("reward"))
-        held = (base if base else Path(a.run)) / "data" / "prompts_heldout.jsonl"  # a real --model: in its run
-        a.prompts = a.prompts or (str(held) if held.is_file() else None)
-        if not a.prompts:
-            cli.fail(f"--run {a.run}: no held-out prompts in {held}; pass --prompts")
+    check_flags(a, {"samples": ">=1", "max_new_tokens": ">=1"})
+    return a
+
+
+def paths_from_run(a) -> tuple[str, str | None]:
+    """With --run: every path not given, from the run's summary.json (a damaged one is one line naming it). Returns
+    the judge's name ("gold" in the synthetic world) and the held-out judge model's directory, if any."""
+    if not a.run:
+        return "gold", None
+    if not (Path(a.run) / "summary.json").is_file():
+        cli.fail(f"--run {a.run}: no summary.json (not a finished train.py run directory)")
+    summ = read_json(Path(a.run) / "summary.json")
+    base, models = (Path(summ["base"]) if summ.get("base") else None), summ.get("models") or {}
+    a.policy = a.policy or str(Path(a.run) / "policy")
+    a.sft = a.sft or (str(base / "sft") if base else models.get("sft"))
+    a.reward_model = a.reward_model or (str(base / "reward_model") if base else models.get("reward"))
+    held = (base if base else Path(a.run)) / "data" / "prompts_heldout.jsonl"  # a real --model: in its run
+    a.prompts = a.prompts or (str(held) if held.is_file() else None)
+    if not a.prompts:
+        cli.fail(f"--run {a.run}: no held-out prompts in {held}; pass --prompts")
+    # real data has no gold: a held-out reward model (or the RM) judges
+    return summ.get("judge", "gold"), summ.get("judge_model")
+
+
+def evaluate(argv) -> None:
+    """The policy against the SFT model (compare()), printed as a table and a few examples. Flags, paths and the
+    prompts file are checked before any model loads."""
+    a = eval_args(argv)
+    judge_name, judge_dir = paths_from_run(a)
     for flag, path in (("--policy", a.policy), ("--sft", a.sft), ("--reward-model", a.reward_model)):
         if not path:
             cli.fail(f"{flag} is missing: pass --run RUN_DIR, or --policy, --sft and --reward-model directories")
         if not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
+    prompt_items = data.load_prompts(a.prompts, with_source=True)  # a bad line: DataError naming file and line
+    from transformers import AutoTokenizer
+    from reward_model import ScalarHeadModel
     tok = AutoTokenizer.from_pretrained(a.policy)
     policy = lm.causal_lm_class(a.policy).from_pretrained(a.policy).eval()
     sft = lm.causal_lm_class(a.sft).from_pretrained(a.sft).eval()
@@ -428,8 +504,7 @@ def main(argv=None) -> None:
     limits = model_limits(a.reward_model, rm.config)
     P, _, a.max_new_tokens = data.context_limits(limits["max_prompt_tokens"], limits["max_response_tokens"],
                                                  a.max_new_tokens, policy.config.max_position_embeddings)
-    prompts = [r["prompt"] for r in data.prompt_records(data.load_prompts(a.prompts, with_source=True), tok, P, False,
-                                                        data.DataReport())]
+    prompts = [r["prompt"] for r in data.prompt_records(prompt_items, tok, P, False, data.DataReport())]
     judge = toy_world.gold_judge if judge_name == "gold" else rm_judge(
         ScalarHeadModel.from_pretrained(judge_dir).eval() if judge_dir else rm)
     extra = {"reward model (proxy)": rm_judge(rm)} if judge_dir else None
@@ -440,6 +515,16 @@ def main(argv=None) -> None:
                         "win_rate_vs_sft_by_judge": {judge_name: rep["win_rate"], **rep.get("win_rates", {})}}))
     for e in rep["examples"]:
         print(f"{e['prompt']!r:28} policy: {e['policy']!r}\n{'':28} sft:    {e['sft']!r}")
+
+
+def main(argv=None):
+    """`python eval.py score ...` (score()), `python eval.py plot ...` (plot()), else the policy-vs-SFT comparison
+    (evaluate()); a user's mistake in any of them is one line `error: …` on stderr and exit status 2."""
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["score"], ["plot"]):
+        return cli.cli_guard(score if argv[0] == "score" else plot)(argv[1:])
+    return cli.cli_guard(evaluate)(argv)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,11 @@ def _get(metrics: Mapping[str, Any], key: str) -> float | None:
     return None if v is None or not math.isfinite(float(v)) else float(v)
 
 
+# What each threshold may be (cli.check_value's language; finite numbers only): `python monitor.py replay|sweep`
+# checks its flags against these before it reads a run.
+THRESHOLD_RANGES = {"kl_max": ">=0", "length_growth": ">=0", "ppl_drop": "[0,1)", "tail_sigmas": ">=0",
+                    "tail_frac": "[0,1)", "warmup": ">=1", "patience": ">=1"}
+
 # The default thresholds, checked on the synthetic world's runs (docs/long-runs.md, "The collapse alarm");
 # `python monitor.py sweep runs/*-seed?` shows what other values would have done.
 KL_MAX, PATIENCE, PPL_DROP = 0.08, 1, 0.35
@@ -252,6 +257,19 @@ def gold_halfway(gold: list[float], window: int = 3, hold: int = 10) -> int | No
     return t if n - t >= hold else None
 
 
+def _log_row(path, line_no: int, raw: bytes) -> dict:
+    """One line of a run's log as its JSON object, which has an integer "step"; else a ValueError naming the file and
+    line (bytes that are not UTF-8 included)."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+        int(row["step"])
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{line_no}: bytes that are not UTF-8 at byte {e.start + 1} of the line") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}:{line_no}: not a JSON object with a 'step' ({type(e).__name__}: {e})") from None
+    return row
+
+
 def load_run(run_dir) -> dict:
     """A finished run's logs: RUN_DIR/metrics.jsonl (the §5.2 metrics of each step) and RUN_DIR/samples.jsonl (each
     step's raw scores, and its gold rewards in the synthetic world). gold is the per-step batch mean, [] without it."""
@@ -260,14 +278,10 @@ def load_run(run_dir) -> dict:
 
     def read(path: Path) -> list[dict]:  # one JSON object with a "step" per line; errors name the file and line
         out = []
-        for i, line in enumerate(open(path), 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                    int(row["step"])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{i}: not a JSON object with a 'step' ({type(e).__name__}: {e})") from None
-                out.append(row)
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f, 1):
+                if raw.strip():
+                    out.append(_log_row(path, i, raw))
         return out
 
     if not (run_dir / "metrics.jsonl").is_file():
@@ -466,17 +480,14 @@ class RunLog:
         self.tracker.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python monitor.py`: the worked example. `replay RUN_DIR ...`: each run's first alarm against its gold-halfway
-    step. `sweep RUN_DIR ...`: a grid of kl_max × patience over the same runs. Other thresholds: flags."""
-    import argparse
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        return worked_example()
-    p = argparse.ArgumentParser(prog="python monitor.py",
-                                description="Replay finished runs' logs through the collapse alarm, without "
-                                            "retraining: when would it have fired, and was that before the gold "
-                                            "reward had fallen halfway (see gold_halfway)?")
+def parse_args(argv: list[str]):
+    """The flags of `replay` and `sweep`, every threshold and grid value checked against THRESHOLD_RANGES: one line
+    `error: …` naming the flag, exit 2 (cli.fail), before any run is read. The grids become lists."""
+    import cli
+    p = cli.OneLineParser(prog="monitor.py",
+                          description="Replay finished runs' logs through the collapse alarm, without retraining: when "
+                                      "would it have fired, and was that before the gold reward had fallen halfway "
+                                      "(see gold_halfway)?")
     p.add_argument("command", choices=["replay", "sweep"])
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl and samples.jsonl)")
     defaults = CollapseMonitor()
@@ -487,12 +498,47 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid-kl", default="0.05,0.08,0.1,0.15,0.2,0.3", help="sweep: kl_max values")
     p.add_argument("--grid-patience", default="1,2,3", help="sweep: patience values")
     a = p.parse_args(argv)
+    for name, spec in THRESHOLD_RANGES.items():
+        problem = cli.check_value(getattr(a, name), spec)
+        if problem:
+            cli.fail(f"--{name.replace('_', '-')} {getattr(a, name)!r}: {problem}")
+    a.grid_kl = parse_grid("--grid-kl", a.grid_kl, float, THRESHOLD_RANGES["kl_max"])
+    a.grid_patience = parse_grid("--grid-patience", a.grid_patience, int, THRESHOLD_RANGES["patience"])
+    return a
+
+
+def parse_grid(flag: str, text: str, kind: type, spec: str) -> list:
+    """A comma-separated grid flag ("0.05,0.1") as a list of `kind`, each value within `spec`; else one line naming
+    the flag and the value."""
+    import cli
+    values = []
+    for item in text.split(","):
+        try:
+            value = kind(item.strip())
+        except ValueError:
+            cli.fail(f"{flag} {text!r}: {item.strip()!r} is not {'an integer' if kind is int else 'a number'} "
+                     f"(expected comma-separated values, e.g. {'1,2,3' if kind is int else '0.05,0.1'})")
+        problem = cli.check_value(value, spec)
+        if problem:
+            cli.fail(f"{flag} {text!r}: the value {value!r} {problem}")
+        values.append(value)
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python monitor.py`: the worked example. `replay RUN_DIR ...`: each run's first alarm against its gold-halfway
+    step. `sweep RUN_DIR ...`: a grid of kl_max × patience over the same runs. Other thresholds: flags. A bad flag,
+    a wrong path or a damaged log is one line `error: …`, exit 2."""
+    import cli
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        return worked_example()
+    a = parse_args(argv)
     thresholds = {k: v for k, v in vars(a).items() if k not in ("command", "runs", "grid_kl", "grid_patience")}
     try:
         runs = [load_run(d) for d in a.runs]
-    except (OSError, ValueError) as e:  # a wrong path or a damaged log: one line, exit 2, as train.py's errors
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    except (OSError, ValueError) as e:  # a wrong path or a damaged log (its message names the file), as train.py's
+        cli.fail(str(e).replace("\n", " "))
     if a.command == "replay":
         print("thresholds:", thresholds)
         print(f"{'run':<32}{'steps':>6}{'alarm':>7}{'gold halfway':>14}  verdict [first alarm's reasons]")
@@ -501,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['run']:<32}{r['steps']:>6}{str(r['alarm']):>7}{str(r['gold_halfway']):>14}  {verdict(r)}"
                   + (f"  [{'; '.join(r['reasons'])}]" if r["reasons"] else ""))
         return
-    grid = {"kl_max": [float(x) for x in a.grid_kl.split(",")], "patience": [int(x) for x in a.grid_patience.split(",")]}
+    grid = {"kl_max": a.grid_kl, "patience": a.grid_patience}
     fixed = {k: v for k, v in thresholds.items() if k not in grid}
     n_collapse = sum(1 for run in runs if run["gold"] and gold_halfway(run["gold"]) is not None)
     n_kept = sum(1 for run in runs if run["gold"]) - n_collapse

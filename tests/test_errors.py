@@ -1,5 +1,6 @@
 """No user mistake ends in a traceback: every entry point, given a wrong path, a bad flag, a bad file or a damaged
 checkpoint, prints one line `error: …` naming what is wrong and exits with status 2, before doing any work."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,81 @@ def test_a_mistake_is_one_line_and_exit_2(name, ran):
     assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not (cwd / "runs").exists() or name.startswith("train_resume"), "a mistake must not leave work behind"
+
+
+# ---- the same, in-process: eval.py's flags, output paths and damaged files, each caught before any work ----------
+
+def one_line_error(main, argv: list[str], capsys, *needles: str) -> str:
+    """main(argv) exits 2 with one line `error: …` on stderr that names every needle; returns that line."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert e.value.code == 2 and "Traceback" not in err, (e.value.code, err[-1500:])
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(n in lines[0] for n in needles), (needles, lines[0])
+    return lines[0]
+
+
+def fake_run(path: Path, summary: bytes | None = None) -> Path:
+    """A run directory by hand: three steps of metrics.jsonl, models that are folders with a config.json (enough
+    for every check; nothing here loads), held-out prompts, and a summary.json naming them."""
+    (path / "data").mkdir(parents=True)
+    for name in ("policy", "sft", "reward_model"):
+        (path / name).mkdir()
+        (path / name / "config.json").write_text("{}")
+    (path / "data" / "prompts_heldout.jsonl").write_text('{"prompt": "name 2 fruits ."}\n')
+    (path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "kl/ref": 0.01}}\n' for s in range(3)))
+    default = {"base": str(path), "steps": 3, "win_rate_vs_sft": {"win": 0.5, "tie": 0.0, "lose": 0.5}}
+    (path / "summary.json").write_bytes(summary if summary is not None else json.dumps(default).encode())
+    return path
+
+
+@pytest.fixture
+def evaluation():
+    import eval as evaluation
+    return evaluation
+
+
+@pytest.mark.parametrize("flag,value", [("--samples", "0"), ("--samples", "-1"), ("--max-new-tokens", "0")])
+def test_eval_flag_out_of_range_before_any_model(flag, value, tmp_path, capsys, evaluation):
+    line = one_line_error(evaluation.main, ["--run", str(fake_run(tmp_path / "run")), flag, value], capsys, flag)
+    assert "must be ≥ 1" in line
+
+
+def test_eval_bad_prompts_file_before_any_model(tmp_path, capsys, evaluation):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "name 2 fruits ."}\n{not json\n')
+    run = fake_run(tmp_path / "run")  # its models are empty folders: the prompts must fail before they load
+    one_line_error(evaluation.main, ["--run", str(run), "--prompts", str(tmp_path / "prompts.jsonl")], capsys,
+                   "prompts.jsonl:2", "not JSON")
+
+
+@pytest.mark.parametrize("summary,needle", [(b"\xff\xfe{}", "UnicodeDecodeError"), (b"{not json", "JSONDecodeError"),
+                                            (b"[1, 2]", "expected a JSON object")])
+def test_eval_damaged_summary_names_it(summary, needle, tmp_path, capsys, evaluation):
+    run = fake_run(tmp_path / "run", summary)
+    one_line_error(evaluation.main, ["--run", str(run)], capsys, "summary.json", needle)
+    one_line_error(evaluation.main, ["plot", str(run), "--out", str(tmp_path / "c.png")], capsys, "summary.json")
+
+
+def test_eval_score_checks_its_outputs_before_scoring(tmp_path, capsys, evaluation):
+    # --reward-model names nothing: each output mistake must be found before the model is even looked for
+    score = ["score", "--reward-model", str(tmp_path / "nowhere"), "--data", str(tmp_path / "p.jsonl")]
+    (tmp_path / "outdir").mkdir()
+    one_line_error(evaluation.main, score + ["--out", str(tmp_path / "outdir")], capsys, "--out", "is a directory")
+    one_line_error(evaluation.main, score + ["--out", str(tmp_path / "s.jsonl"), "--hist", "h.xyz"], capsys,
+                   "--hist h.xyz", ".xyz", ".png")
+    one_line_error(evaluation.main, score + ["--batch", "0"], capsys, "--batch 0")
+
+
+def test_eval_plot_checks_out_and_names_a_damaged_log(tmp_path, capsys, evaluation):
+    run = fake_run(tmp_path / "run")
+    one_line_error(evaluation.main, ["plot", str(run), "--out", str(tmp_path / "c.xyz")], capsys, "--out", ".xyz",
+                   ".png", ".pdf")
+    one_line_error(evaluation.main, ["plot", str(run), "--out", str(tmp_path)], capsys, "--out", "is a directory")
+    assert not list(tmp_path.glob("c.*"))
+    raw = bytearray((run / "metrics.jsonl").read_bytes())
+    raw[40:42] = b"\xff\xff"  # inside the second line
+    (run / "metrics.jsonl").write_bytes(bytes(raw))
+    one_line_error(evaluation.main, ["plot", str(run), "--out", str(tmp_path / "c.png")], capsys,
+                   f"{run / 'metrics.jsonl'}:2", "not UTF-8")

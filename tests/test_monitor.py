@@ -253,3 +253,38 @@ def test_progress_into_a_file_writes_each_state_once(capsys):
     states = [re.sub(r"\[[^\]]*?(?:\?it/s|s/it|it/s)", "[", l) for l in lines]
     assert lines and "3/3" in lines[-1], lines
     assert all(a != b for a, b in zip(states, states[1:])), lines
+
+
+def one_line_error(argv: list[str], capsys, *needles: str) -> str:
+    """monitor.main(argv) exits 2 with one line `error: …` on stderr that names every needle; returns that line."""
+    with pytest.raises(SystemExit) as e:
+        monitor.main(argv)
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (e.value.code, err)
+    assert all(n in lines[0] for n in needles), (needles, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["replay", "--patience", "0"], "--patience 0"), (["replay", "--patience", "-2"], "--patience -2"),
+    (["replay", "--warmup", "-1"], "--warmup -1"), (["replay", "--kl-max", "nan"], "--kl-max nan"),
+    (["replay", "--kl-max", "inf"], "--kl-max inf"), (["replay", "--kl-max", "-0.1"], "--kl-max -0.1"),
+    (["replay", "--ppl-drop", "1"], "--ppl-drop 1.0"), (["replay", "--tail-frac", "nan"], "--tail-frac nan"),
+    (["sweep", "--grid-kl", "abc"], "--grid-kl 'abc'"), (["sweep", "--grid-kl", ""], "--grid-kl ''"),
+    (["sweep", "--grid-kl", "0.1,nan"], "--grid-kl '0.1,nan'"), (["sweep", "--grid-patience", "1,0"], "value 0"),
+    (["sweep", "--grid-patience", "1.5"], "--grid-patience '1.5'"), (["foo"], "'foo'")])
+def test_cli_bad_flag_is_one_line_naming_it(argv, needle, tmp_path, capsys):
+    """A threshold out of range or not finite, a grid that is not numbers, an unknown command: one line naming it,
+    before any run is read (this one does not exist, and is never looked for)."""
+    one_line_error([argv[0], str(tmp_path / "nowhere"), *argv[1:]], capsys, needle)
+
+
+@pytest.mark.parametrize("log", ["metrics.jsonl", "samples.jsonl"])
+def test_cli_names_a_log_that_is_not_utf8(log, tmp_path, capsys):
+    """A log with bytes that are not UTF-8 (a disk error, a binary file in its place): one line naming file and line."""
+    write_run(tmp_path / "run", list(drifting_stream(3)), [1.0, 1.0, 1.0])
+    raw = bytearray((tmp_path / "run" / log).read_bytes())
+    raw[100:102] = b"\xff\xff"
+    (tmp_path / "run" / log).write_bytes(bytes(raw))
+    one_line_error(["replay", str(tmp_path / "run")], capsys, f"{tmp_path / 'run' / log}:", "not UTF-8")
