@@ -73,8 +73,8 @@ def causal_lm_class(path):
 
 
 def check_causal(model, path) -> None:
-    """UserError unless `model` is causal: its logits at positions 0 … L−2 must not move when the last token changes.
-    A BERT-style model saved without is_decoder=True loads as a *ForCausalLM with bidirectional attention, and would
+    """UserError unless `model` is causal: its logits at positions 0 … L−2 must not move when the last token
+    changes. A BERT-style model saved without is_decoder=True loads as a *ForCausalLM with bidirectional attention, and would
     train and score on tokens it has not yet seen; an encoder-decoder has no such forward at all."""
     from cli import UserError
     vocab = model.get_input_embeddings().num_embeddings

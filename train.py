@@ -591,8 +591,9 @@ def replace_earlier_run(run: RunConfig, out: Path, rank: int) -> None:
         fail(f"--out {out} holds an unfinished run (newest checkpoint {steps[-1].name}): --resume {out} continues "
              f"it; to start afresh delete that directory or pass another --out")
     if rank == 0:
-        print(f"[out] {out} held a finished run: this run replaces it (its checkpoints are removed)")
+        print(f"[out] {out} held a finished run: this run replaces it (its checkpoints and summary are removed)")
         shutil.rmtree(out / checkpoint.CKPT_SUBDIR)
+        (out / "summary.json").unlink()  # until this run writes its own, the directory holds no finished run
     engine.barrier()
 
 

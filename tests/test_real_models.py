@@ -162,7 +162,8 @@ def test_a_model_directory_without_readable_weights_is_one_line_before_any_work(
 
 
 LLAMA2_CHAT = ("{% for m in messages %}{% if m['role'] == 'user' %}"
-               "{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")  # Llama 2's turn ends
+               "{{ bos_token + '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+               "{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}")  # Llama 2's turn ends
 
 
 def test_end_of_turn_is_the_first_special_token_after_the_answer_never_a_space_or_a_piece(tmp_path):

@@ -182,4 +182,5 @@ def test_a_new_run_replaces_a_finished_run_and_refuses_an_unfinished_one(tmp_pat
     train.replace_earlier_run(train.RunConfig(out=str(tmp_path), resume=str(tmp_path)), tmp_path, rank=0)  # resume
     (tmp_path / "summary.json").write_text("{}")
     train.replace_earlier_run(run, tmp_path, rank=0)
-    assert not (tmp_path / "checkpoints").exists() and "replaces it" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "summary.json").exists()
+    assert "replaces it" in capsys.readouterr().out
