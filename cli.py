@@ -5,6 +5,7 @@ Implements (no equation; nothing here is part of the algorithm, and no equation 
                                     every run checks before any work (">=1", "(0,1)", "k1|k2|k3", ...)
     allowed(cls)                  → {field name: allowed spec} of a config dataclass
     check_value(value, spec)      → what is wrong with a value under a spec (None if nothing)
+    check_flags(args, ranges)     → an argparse result's flags each within its spec, else one line naming the flag
     UserError, fail(message)      → a user's mistake: one line `error: …` on stderr, exit status 2, no traceback
     OneLineParser                 → argparse whose own errors are such lines
     cli_guard(main)               → an entry point whose UserError / FileNotFoundError become such lines
@@ -48,6 +49,16 @@ def check_value(value, spec: str) -> str | None:
     lo, hi = (float(x) for x in spec[1:-1].split(","))
     ok = (value >= lo if spec[0] == "[" else value > lo) and (value <= hi if spec[-1] == "]" else value < hi)
     return None if ok else f"must be in {spec}"
+
+
+def check_flags(args, ranges: dict[str, str]) -> None:
+    """Each flag of `ranges` ({attribute of the parsed args: check_value spec}) within its range, else one line
+    naming it (fail)."""
+    for name, spec in ranges.items():
+        value = getattr(args, name)
+        problem = check_value(value, spec)
+        if problem:
+            fail(f"--{name.replace('_', '-')} {value!r}: {problem}")
 
 
 class UserError(Exception):

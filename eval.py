@@ -228,15 +228,6 @@ def read_log(path) -> list[dict]:
         raise
 
 
-def check_flags(args, ranges: dict[str, str]) -> None:
-    """Each flag of `ranges` ({attribute: cli.check_value spec}) within its range, else one line naming it."""
-    for name, spec in ranges.items():
-        value = getattr(args, name)
-        problem = cli.check_value(value, spec)
-        if problem:
-            cli.fail(f"--{name.replace('_', '-')} {value!r}: {problem}")
-
-
 def check_out(flag: str, path: str, image: bool = False) -> None:
     """An output path a command can write: not a directory, under no file posing as a directory and, for an image,
     ending in an extension matplotlib writes (it picks the format by it); else one line naming the flag."""
@@ -329,7 +320,7 @@ def score(argv=None) -> dict:
     p.add_argument("--skip-bad", action="store_true", help="skip bad lines, count them by reason (else exit 2)")
     p.add_argument("--batch", type=int, default=64, help="sequences per forward pass")
     a = p.parse_args(argv)
-    check_flags(a, {"batch": ">=1"})
+    cli.check_flags(a, {"batch": ">=1"})
     check_out("--out", a.out)
     a.hist = a.hist or str(Path(a.out).with_suffix(".png"))
     check_out("--hist", a.hist, image=True)
@@ -459,7 +450,7 @@ def eval_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=24)
     a = p.parse_args(argv)
-    check_flags(a, {"samples": ">=1", "max_new_tokens": ">=1"})
+    cli.check_flags(a, {"samples": ">=1", "max_new_tokens": ">=1"})
     return a
 
 

@@ -498,10 +498,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--grid-kl", default="0.05,0.08,0.1,0.15,0.2,0.3", help="sweep: kl_max values")
     p.add_argument("--grid-patience", default="1,2,3", help="sweep: patience values")
     a = p.parse_args(argv)
-    for name, spec in THRESHOLD_RANGES.items():
-        problem = cli.check_value(getattr(a, name), spec)
-        if problem:
-            cli.fail(f"--{name.replace('_', '-')} {getattr(a, name)!r}: {problem}")
+    cli.check_flags(a, THRESHOLD_RANGES)
     a.grid_kl = parse_grid("--grid-kl", a.grid_kl, float, THRESHOLD_RANGES["kl_max"])
     a.grid_patience = parse_grid("--grid-patience", a.grid_patience, int, THRESHOLD_RANGES["patience"])
     return a

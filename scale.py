@@ -1188,13 +1188,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def plan_settings(args: argparse.Namespace, **run) -> dict:
     """plan_memory's keywords from the plan's flags, each in its range (else one line naming the flag, exit 2);
     `run` (train.py --plan: the run's own choices) wins."""
-    from cli import check_value, fail
-    for flag, spec in (("num_gpus", ">=1"), ("gpu_mem", ">0"), ("micro_batch", ">=1"), ("rollout_batch_per_gpu", ">=1"),
-                       ("ptx_batch_per_gpu", ">=0"), ("prompt_len", ">=1"), ("response_len", ">=1"),
-                       ("overhead_gb", ">=0"), ("lora_r", ">=0"), ("lora_bits", "4|8|16")):
-        problem = check_value(getattr(args, flag), spec)
-        if problem:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {problem}")
+    from cli import check_flags
+    check_flags(args, {"num_gpus": ">=1", "gpu_mem": ">0", "micro_batch": ">=1", "rollout_batch_per_gpu": ">=1",
+                       "ptx_batch_per_gpu": ">=0", "prompt_len": ">=1", "response_len": ">=1", "overhead_gb": ">=0",
+                       "lora_r": ">=0", "lora_bits": "4|8|16"})
     engine = args.engine if args.engine != "auto" else "deepspeed" if args.num_gpus > 1 else "torch"
     s = dict(num_gpus=args.num_gpus, gpu_mem_gb=args.gpu_mem, zero_stage=args.zero_stage, engine=engine,
              dtype_bytes=4 if args.fp32 else 2, micro_batch=args.micro_batch,

@@ -481,14 +481,14 @@ def resolve(argv):
     if not stages or any(s not in STAGES for s in stages) or stages != sorted(set(stages), key=STAGES.index):
         fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, each once, in that order (e.g. sft,rm)")
     if run.model == "tiny":  # the synthetic world (or --data's tiny model) trains every model it uses itself
-        given = [f for f in ("sft_model", "reward_model", "critic_model") if getattr(run, f)]
-        given += [f for f in ("prompts", "sft_data") if getattr(run, f) and not run.data]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            fail(f"{flag} {getattr(run, given[0])}: " + ("needs a real --model DIR; the tiny model trains its own"
-                                                         if given[0].endswith("model") else
-                                                         "needs --data or a real --model; the synthetic world makes "
-                                                         "its own prompts and demonstrations"))
+        for name in ("sft_model", "reward_model", "critic_model"):
+            if getattr(run, name):
+                fail(f"--{name.replace('_', '-')} {getattr(run, name)}: needs a real --model DIR; the tiny model "
+                     f"trains its own")
+        for name in ("prompts", "sft_data"):
+            if getattr(run, name) and not run.data:
+                fail(f"--{name.replace('_', '-')} {getattr(run, name)}: needs --data or a real --model; the "
+                     f"synthetic world makes its own prompts and demonstrations")
     return run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg
 
 

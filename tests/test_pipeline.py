@@ -128,6 +128,14 @@ def test_every_flag_out_of_range_fails_with_one_line(prefix, name, spec, capsys)
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag} "), err
 
 
+def fails_with_one_line(parse, flags, message, capsys) -> None:
+    """parse(flags) exits 2 with one line on stderr that contains `message`."""
+    with pytest.raises(SystemExit) as e:
+        parse(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--kl-coef", "nan"], "--kl-coef nan: must be a finite number"),
     (["--lam", "2"], "--lam 2.0: must be in [0,1]"),
@@ -141,10 +149,7 @@ def test_every_flag_out_of_range_fails_with_one_line(prefix, name, spec, capsys)
     (["--resume", "pytest.ini"], "--resume pytest.ini: not a run or checkpoint directory")])
 def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.chdir(Path(train.__file__).parent)
-    with pytest.raises(SystemExit) as e:
-        train.parse_configs(flags)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    fails_with_one_line(train.parse_configs, flags, message, capsys)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -158,10 +163,7 @@ def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, m
 def test_flags_the_run_would_ignore_fail_with_one_line(flags, message, capsys, monkeypatch):
     """A stage named twice, or a model or file the synthetic world would never read, is a mistake, not a no-op."""
     monkeypatch.chdir(Path(train.__file__).parent)
-    with pytest.raises(SystemExit) as e:
-        train.resolve(flags)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    fails_with_one_line(train.resolve, flags, message, capsys)
 
 
 def test_every_numeric_or_choice_flag_has_a_check():
@@ -265,7 +267,4 @@ def test_a_deepspeed_config_the_engines_cannot_use_is_one_line_before_any_work(t
                                                                                capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "ds.json").write_text(content)
-    with pytest.raises(SystemExit) as e:
-        train.parse_configs(["--deepspeed_config", str(tmp_path / "ds.json"), *flags])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    fails_with_one_line(train.parse_configs, ["--deepspeed_config", str(tmp_path / "ds.json"), *flags], message, capsys)
