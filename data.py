@@ -19,9 +19,12 @@ Implements (the data behind the paper's equations; data.py itself computes none)
                         fit_example applied once, kept as text records for the stages
     text_key / prompt_keys / distinct_prompts
                         what "the same prompt" means when training and evaluation are kept apart
-    token_ids / query_ids / response_ids / pad / lm_batch(_of_ids) / pair_batch
+    token_ids / query_ids / response_ids / pad / lm_batch(_of_ids) / pair_batch(_of_ids)
                         the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
                         (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
+    encode_rows / encode_pairs / shuffled_batches
+                        a data set encoded once (one batch call of the tokenizer), and the seeded
+                        minibatches of row indices SFT, the reward model and DPO train on
     train_bpe_tokenizer byte-level BPE trained with `tokenizers` on the training split, saved as a
                         Hugging Face tokenizer directory
     load_tokenizer      AutoTokenizer.from_pretrained with a clear error
@@ -36,7 +39,8 @@ Conventions (one choice, used everywhere):
     - A response is kept exactly as written, leading space included: for an HH transcript
       prompt + response == transcript, character for character (byte-level BPE then tokenizes
       " Sure" as it would inside the transcript). "Empty" and "identical" compare after .strip().
-    - Token ids come from tokenizer.encode(text, add_special_tokens=False); query_ids adds the BOS
+    - Token ids come from tokenizer.encode(text, add_special_tokens=False) (encode_many: for a fast tokenizer the
+      same ids from one call of its batch encoder); query_ids adds the BOS
       (or renders the chat template), response_ids the stop token (EOS, or the template's end of turn).
     - Limits count what the model reads: len(query_ids(x)) ≤ max_prompt_tokens (BOS / template
       included) and len(response_ids(y)) ≤ max_response_tokens, so a sequence has at most P + T
@@ -537,8 +541,8 @@ def hh_to_messages(prompt: str) -> list[dict]:
 # The one truncation rule: every text a model sees (SFT, reward model, judge, ptx, PPO and evaluation prompts)
 # ----------------------------------------------------------------------------------------------
 def token_ids(text: str, tokenizer) -> list[int]:
-    """The ids of `text` with no special tokens added."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """The ids of `text` with no special tokens added (encode_many of one text)."""
+    return encode_many([text], tokenizer)[0]
 
 
 def _decode(ids: list[int], tokenizer) -> str:
@@ -760,16 +764,67 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
 def query_ids(prompt: str, tokenizer) -> list[int]:
     """What the model reads before it answers: the chat template's rendering of the conversation with the
     assistant's turn opened, when the tokenizer has a template; else [BOS] + x (no BOS where the tokenizer has none)."""
-    if has_chat_template(tokenizer):
-        return token_ids(render_chat(tokenizer, hh_to_messages(prompt), add_generation_prompt=True), tokenizer)
-    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + token_ids(prompt, tokenizer)
+    return queries_ids([prompt], tokenizer)[0]
 
 
 def response_ids(response: str, tokenizer) -> list[int]:
     """y + [stop]: every response ends with stop_id (the EOS, or the template's end-of-turn token), which ends and
     scores it. A template's assistant content is stripped, as hh_to_messages strips every turn."""
-    text = response.strip() if has_chat_template(tokenizer) else response
-    return token_ids(text, tokenizer) + [stop_id(tokenizer)]
+    return responses_ids([response], tokenizer)[0]
+
+
+def queries_ids(prompts: list[str], tokenizer) -> list[list[int]]:
+    """query_ids of many prompts, encoded in one call of the tokenizer (encode_many)."""
+    if has_chat_template(tokenizer):
+        return encode_many([render_chat(tokenizer, hh_to_messages(p), add_generation_prompt=True) for p in prompts],
+                           tokenizer)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + ids for ids in encode_many(prompts, tokenizer)]
+
+
+def responses_ids(responses: list[str], tokenizer) -> list[list[int]]:
+    """response_ids of many responses, encoded in one call of the tokenizer (encode_many)."""
+    template = has_chat_template(tokenizer)
+    stop = [stop_id(tokenizer)] if responses else []
+    return [ids + stop for ids in encode_many([r.strip() if template else r for r in responses], tokenizer)]
+
+
+def encode_many(texts: list[str], tokenizer) -> list[list[int]]:
+    """tokenizer.encode(text, add_special_tokens=False) of every text, each distinct text encoded once; a fast
+    (Rust) tokenizer encodes them all in one call of its batch encoder, `tokenizer(texts)`, the function its encode
+    calls with one text (tests/test_data.py checks that the ids agree)."""
+    distinct = list(dict.fromkeys(texts))
+    if getattr(tokenizer, "is_fast", False) and distinct:
+        encoded = tokenizer(distinct, add_special_tokens=False)["input_ids"]
+    else:
+        encoded = [tokenizer.encode(t, add_special_tokens=False) for t in distinct]
+    ids = dict(zip(distinct, encoded))
+    return [list(ids[t]) for t in texts]
+
+
+def encode_rows(rows: list[tuple[str, str]], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) rows → (query_ids(x), response_ids(y)) each: a stage encodes its data set once, then draws
+    minibatches of ids (lm_batch_of_ids, pair_batch_of_ids) instead of re-encoding every batch."""
+    return list(zip(queries_ids([p for p, _ in rows], tokenizer), responses_ids([r for _, r in rows], tokenizer)))
+
+
+def encode_pairs(rows: list[dict], tokenizer) -> list[tuple[list[int], list[int], list[int]]]:
+    """{"prompt", "chosen", "rejected"} rows → (query ids, chosen response ids, rejected response ids) each."""
+    queries = queries_ids([r["prompt"] for r in rows], tokenizer)
+    chosen, rejected = (responses_ids([r[k] for r in rows], tokenizer) for k in ("chosen", "rejected"))
+    return list(zip(queries, chosen, rejected))
+
+
+def shuffled_batches(n_rows: int, batch: int, steps: int, seed: int) -> Iterator[list[int]]:
+    """`steps` minibatches of `batch` row indices: epochs of a seeded shuffle (each epoch random.Random(seed)'s next
+    permutation of the n rows), a minibatch taking the end of one epoch and the start of the next where it must.
+    The order SFT, the reward model and DPO read their rows in."""
+    rng, order = random.Random(seed), []
+    for _ in range(steps):
+        if len(order) < batch:
+            order += rng.sample(range(n_rows), n_rows)
+        idx, order = order[:batch], order[batch:]
+        yield idx
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str):
@@ -794,8 +849,7 @@ def position_ids_from_mask(attention_mask):
 
 def lm_batch(rows: list[tuple[str, str]], tokenizer):
     """(prompt, response) rows -> right-padded ids (B, L), attention mask (B, L), response-token mask (B, L)."""
-    return lm_batch_of_ids([(query_ids(p, tokenizer), response_ids(r, tokenizer)) for p, r in rows],
-                           tokenizer.pad_token_id)
+    return lm_batch_of_ids(encode_rows(rows, tokenizer), tokenizer.pad_token_id)
 
 
 def lm_batch_of_ids(rows: list[tuple[list[int], list[int]]], pad_id: int | None):
@@ -809,8 +863,12 @@ def lm_batch_of_ids(rows: list[tuple[list[int], list[int]]], pad_id: int | None)
 
 def pair_batch(rows: list[dict], tokenizer):
     """Chosen and rejected stacked in one batch of 2B sequences: [chosen_0..B-1, rejected_0..B-1]."""
-    return lm_batch([(r["prompt"], r["chosen"]) for r in rows] + [(r["prompt"], r["rejected"]) for r in rows],
-                    tokenizer)
+    return pair_batch_of_ids(encode_pairs(rows, tokenizer), tokenizer.pad_token_id)
+
+
+def pair_batch_of_ids(rows: list[tuple[list[int], list[int], list[int]]], pad_id: int | None):
+    """pair_batch of pairs already encoded (encode_pairs): ids (2B, L), attention mask, response mask."""
+    return lm_batch_of_ids([(q, w) for q, w, _ in rows] + [(q, l) for q, _, l in rows], pad_id)
 
 
 class RolloutBatches:
@@ -823,8 +881,8 @@ class RolloutBatches:
                  world: int = 1, device="cpu"):
         self.prompt_rows, self.sft_rows, self.tokenizer = prompts, sft_rows, tokenizer
         self.rng, self.rank, self.world, self.device = random.Random(seed), rank, world, device
-        self.query = {p: query_ids(p, tokenizer) for p in prompts}                    # prompt → its query ids
-        self.sft_ids = [(query_ids(p, tokenizer), response_ids(r, tokenizer)) for p, r in sft_rows]
+        self.query = dict(zip(prompts, queries_ids(prompts, tokenizer)))              # prompt → its query ids
+        self.sft_ids = encode_rows(sft_rows, tokenizer)                                # (query ids, response ids)
         self.stop_id = stop_id(tokenizer)                                              # ends and scores a response
 
     def prompts(self, n: int, group: int = 1):

@@ -68,7 +68,6 @@ def response_logprob_sum(logits: Tensor, input_ids: Tensor, response_mask: Tenso
 # ======================================================================================================
 # Stage half: the DPO stage on a Hugging Face causal LM (one process or a DeepSpeed engine)
 # ======================================================================================================
-import random  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -124,13 +123,14 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
     disable_dropout(model, keep="lora_dropout")  # log π and log π_ref from one deterministic network
     ref_w, ref_l = pair_logprobs(model, tokenizer, pairs)                                 # (N,), (N,) π_ref = π_SFT
     held_ref = pair_logprobs(model, tokenizer, heldout)
-    rng = random.Random(seed)
     steps = max(1, int(cfg.dpo_epochs * len(pairs) / cfg.dpo_batch))
+    encoded = data.encode_pairs(pairs, tokenizer)  # every pair encoded once: (query, chosen, rejected) ids
     opt = torch.optim.AdamW(lora.trainable(model), lr=cfg.dpo_lr, weight_decay=0.0)
     trained, opt = engine.wrap(model, opt, ds, cfg.dpo_lr)
     device = next(model.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
-    log, order = [], []
+    log = []
+    batches = data.shuffled_batches(len(pairs), cfg.dpo_batch, steps, seed)  # pair indices, seeded epochs
     bar = (progress or (lambda r, *_: r))(range(steps + 1), "DPO")
     for step in bar:
         if step % cfg.dpo_eval_every == 0 or step == steps:  # held-out pairs: how often r̂_w > r̂_l
@@ -140,12 +140,10 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
         if step == steps:
             break
         trained.train()
-        if len(order) < cfg.dpo_batch:
-            order += rng.sample(range(len(pairs)), len(pairs))
-        idx, order = order[:cfg.dpo_batch], order[cfg.dpo_batch:]
-        idx = idx[rank::world]
+        idx = next(batches)[rank::world]
         B = len(idx)
-        ids, attn, resp = (t.to(device) for t in data.pair_batch([pairs[i] for i in idx], tokenizer))  # (2B, L)
+        ids, attn, resp = (t.to(device) for t in data.pair_batch_of_ids([encoded[i] for i in idx],
+                                                                         tokenizer.pad_token_id))  # (2B, L)
         logps = sequence_logprobs(trained, ids, attn, resp)                                        # (2B,)
         loss, stats = dpo_loss(logps[:B], logps[B:], ref_w[idx].to(logps), ref_l[idx].to(logps), cfg.dpo_beta)
         engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.dpo_lr))

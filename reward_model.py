@@ -128,7 +128,6 @@ import inspect
 import json
 import math
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -424,18 +423,26 @@ class RMConfig:
 
 
 
-@torch.no_grad()
 def score_pairs(rm: ScalarHeadModel, tokenizer, rows: list[dict], batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """r(x, y_w) (N,) and r(x, y_l) (N,) of {"prompt", "chosen", "rejected"} rows."""
+    return score_encoded_pairs(rm, data.encode_pairs(rows, tokenizer), tokenizer.pad_token_id, batch)
+
+
+@torch.no_grad()
+def score_encoded_pairs(rm: ScalarHeadModel, pairs: list[tuple], pad_id: int | None, batch: int = 256
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """score_pairs of pairs already encoded (data.encode_pairs): (N,), (N,). The 2N sequences are scored in batches
+    of 2·batch sequences of similar length (sorted by length: far less padding than batches in pair order); a score
+    depends on its own sequence only, up to float rounding (~1e-6)."""
     device = next(rm.parameters()).device
-    rc, rr = [], []
-    for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
-        ids, attn, _ = (t.to(device) for t in data.pair_batch(chunk, tokenizer))    # (2b, L)
-        s = rm.score(ids, attn).float()                                              # (2b,)
-        rc.append(s[:len(chunk)])
-        rr.append(s[len(chunk):])
-    return torch.cat(rc), torch.cat(rr)
+    seqs = [(q, w) for q, w, _ in pairs] + [(q, l) for q, _, l in pairs]   # chosen 0..N-1, then rejected
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
+    scores = torch.empty(len(seqs), device=device)
+    for k in range(0, len(order), 2 * batch):
+        chunk = order[k:k + 2 * batch]
+        ids, attn, _ = (t.to(device) for t in data.lm_batch_of_ids([seqs[i] for i in chunk], pad_id))  # (b, L)
+        scores[chunk] = rm.score(ids, attn).float()                                                   # (b,)
+    return scores[:len(pairs)], scores[len(pairs):]
 
 
 def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], heldout_rows: list[dict],
@@ -444,29 +451,28 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     global gradient clip 1.0; held-out pairwise accuracy every cfg.rm_eval_every steps and at the end (Fig. 3).
     Returns the log [{"step", "heldout_accuracy", "train": [stats per step]}]; `rm` is trained in place and saved
     with its tokenizer at `out_dir` when one is given."""
-    rng = random.Random(seed)
     steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
+    train_ids, heldout_ids = data.encode_pairs(train_rows, tokenizer), data.encode_pairs(heldout_rows, tokenizer)
     disable_dropout(rm, keep="lora_dropout")  # chosen and rejected scored by one deterministic network (as in PPO)
     opt = torch.optim.AdamW(lora.trainable(rm), lr=cfg.rm_lr, weight_decay=0.0)  # LoRA: adapters and head only
     trained, opt = engine.wrap(rm, opt, ds, cfg.rm_lr)
     device = next(rm.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
-    log, order = [], []
+    log = []
+    batches = data.shuffled_batches(len(train_rows), cfg.rm_batch, steps, seed)  # pair indices, seeded epochs
     for step in (bar := progress(range(steps + 1), "2. reward model", leave=False, disable=rank != 0)):
         if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
             rm.eval()
-            rc, rr = score_pairs(rm, tokenizer, heldout_rows)
+            rc, rr = score_encoded_pairs(rm, heldout_ids, tokenizer.pad_token_id)
             log.append({"step": step, "heldout_accuracy": accuracy(rc, rr)})
             bar.set_postfix(acc=f"{log[-1]['heldout_accuracy']:.3f}", refresh=False)
         if step == steps:
             break
         trained.train()
-        if len(order) < cfg.rm_batch:
-            order += rng.sample(range(len(train_rows)), len(train_rows))
-        idx, order = order[:cfg.rm_batch], order[cfg.rm_batch:]
-        idx = idx[rank::world]
+        idx = next(batches)[rank::world]
         B = len(idx)
-        ids, attn, resp = (t.to(device) for t in data.pair_batch([train_rows[i] for i in idx], tokenizer))
+        ids, attn, resp = (t.to(device) for t in data.pair_batch_of_ids([train_ids[i] for i in idx],
+                                                                         tokenizer.pad_token_id))
         values, logits = trained(ids, attn, return_logits=True)                      # (2B, L), (2B, L, V)
         idx = score_index(ids, attn, rm.score_pad_id)                                # (2B,)  the last real token
         scores = values.gather(1, idx[:, None]).squeeze(1)                           # (2B,)  r(x, y)

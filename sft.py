@@ -18,7 +18,6 @@ References: Ouyang et al. 2022 (InstructGPT), section 3.5 "Supervised fine-tunin
 """
 from __future__ import annotations
 
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,21 +66,20 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     trained in place (under DeepSpeed: through an engine whose module is `model`), left in eval mode, and saved
     with its tokenizer as a Hugging Face directory at `out_dir` when one is given. A model with LoRA adapters
     (lora.add_adapters) trains only them, and out_dir gets them in adapter/ and the merged model beside."""
-    rng = random.Random(seed)
     steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.sft_batch))
+    encoded = data.encode_rows(rows, tokenizer)  # every row encoded once: (query ids, response ids)
     disable_dropout(model, keep="lora_dropout")  # a deterministic network (but --lora-dropout): the same batch gives
     # the same loss anywhere. Under LoRA only the adapters train (lora.add_adapters); the base stays frozen.
     opt = torch.optim.AdamW(lora.trainable(model), lr=cfg.sft_lr, weight_decay=0.0)
     trained, opt = engine.wrap(model, opt, ds, cfg.sft_lr)
     device = next(model.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
-    losses, order = [], []
+    losses = []
+    batches = data.shuffled_batches(len(rows), cfg.sft_batch, steps, seed)  # row indices, seeded epochs
     trained.train()
-    for step in (bar := progress(range(steps), desc, leave=False, disable=rank != 0)):
-        if len(order) < cfg.sft_batch:
-            order += rng.sample(range(len(rows)), len(rows))
-        idx, order = order[:cfg.sft_batch], order[cfg.sft_batch:]
-        ids, attn, resp_mask = (t.to(device) for t in data.lm_batch([rows[i] for i in idx[rank::world]], tokenizer))
+    for step, idx in zip(bar := progress(range(steps), desc, leave=False, disable=rank != 0), batches):
+        mine = [encoded[i] for i in idx[rank::world]]
+        ids, attn, resp_mask = (t.to(device) for t in data.lm_batch_of_ids(mine, tokenizer.pad_token_id))  # (B, L)
         logits = trained(input_ids=ids, attention_mask=attn, use_cache=False).logits   # (B, L, V) no KV cache to
         # build while training (xLSTM's updates its states in place, which backward then cannot use)
         loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens

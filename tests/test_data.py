@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import cli
 import data
@@ -356,6 +357,29 @@ def test_train_bpe_tokenizer_roundtrip_and_special_ids(bpe_dir):
     (rec,) = data.pair_records([PreferencePair("the cat", " sat", " ran", "x:1")], tok, 16, 16, False, DataReport())
     ids = data.response_ids(rec["chosen"], tok)
     assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == " sat"
+
+
+def test_encode_many_gives_the_ids_of_encode_one_text_at_a_time(bpe_dir):
+    tok = data.load_tokenizer(bpe_dir / "a")
+    texts = ["the cat sat", "", " sat", "the cat sat", "wörds\n\nHuman: 42!", " ran far away"]
+    assert tok.is_fast
+    assert data.encode_many(texts, tok) == [tok.encode(t, add_special_tokens=False) for t in texts]
+    rows = [("the cat", " sat"), ("the cat", " ran"), ("a dog", "")]
+    encoded = data.encode_rows(rows, tok)
+    assert encoded == [([tok.bos_token_id] + tok.encode(p, add_special_tokens=False),
+                        tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in rows]
+    pairs = [{"prompt": "the cat", "chosen": " sat", "rejected": " ran"}]
+    for got, want in zip(data.pair_batch(pairs, tok), data.lm_batch([("the cat", " sat"), ("the cat", " ran")], tok)):
+        assert torch.equal(got, want)
+
+
+def test_shuffled_batches_are_epochs_of_one_seeded_shuffle():
+    import random
+    batches = list(data.shuffled_batches(10, 4, 7, seed=3))   # 28 indices: two epochs of 10, and 8 of a third
+    rng = random.Random(3)
+    stream = [i for _ in range(3) for i in rng.sample(range(10), 10)]
+    assert [i for b in batches for i in b] == stream[:28]
+    assert all(len(b) == 4 for b in batches) and sorted(stream[:10]) == list(range(10))
 
 
 def test_train_bpe_tokenizer_deterministic(bpe_dir):

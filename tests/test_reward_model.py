@@ -431,3 +431,17 @@ def test_sequence_classification_rm_beside_a_lora_critic_reads_where_it_did(seqc
     with torch.no_grad():
         theirs = seq(input_ids=ids, attention_mask=mask).logits[:, 0]
         torch.testing.assert_close(beside.score(ids, mask).float(), theirs, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_score_encoded_pairs_scores_each_sequence_as_if_alone(tiny):
+    """Pairs scored in length-sorted batches (any batch size) give every sequence the score it gets alone, chosen
+    and rejected each in its pair's place."""
+    pairs = [([1, 5], [9, 11, 2], [3, 2]), ([1], [8, 4, 6, 7, 2], [2]), ([1, 13, 6], [21, 2], [17, 3, 3, 2])]
+    alone = lambda q, y: tiny.score(torch.tensor([q + y]), torch.ones(1, len(q) + len(y), dtype=torch.long))[0]
+    want_w = torch.stack([alone(q, w) for q, w, _ in pairs])
+    want_l = torch.stack([alone(q, l) for q, _, l in pairs])
+    for batch in (1, 2, 256):
+        got_w, got_l = rm.score_encoded_pairs(tiny, pairs, pad_id=0, batch=batch)
+        torch.testing.assert_close(got_w, want_w.float(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_l, want_l.float(), rtol=0, atol=1e-5)
