@@ -11,9 +11,13 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   base_dir(seed)                 the default SFT + reward-model directory of a seed (rm_log.json, ... for Fig. 2-3)
   evaluate_checkpoints(run_)     win / tie / lose vs SFT under the gold judge of every saved checkpoint (Fig. 4)
   current_alarm(dir)             the collapse alarm under monitor.py's current thresholds (replayed, not retrained)
-  slot()                         file locks (runs/.slot-<i>.lock): at most PPO_MAX_JOBS (default 1) trainings and
-                                 evaluations of all processes at once, each on one core; a run directory and a new
-                                 base are built by one process only (runs/.locks/)
+  run_many(specs)                every run of [(name, flags, seed, steps)] that is not cached yet, trained side by
+                                 side in a pool of PPO_MAX_JOBS worker processes (default: one per core), each on
+                                 one thread and kept alive from one run to the next (imports and warm-up paid once)
+  report()                       the runs this process trained, their wall time and runs per hour
+  slot()                         file locks (runs/.slot-<i>.lock): at most PPO_MAX_JOBS trainings and evaluations
+                                 of all processes at once, each on one core; a run directory and a new base are
+                                 built by one process only (runs/.locks/)
   verdict(a, b, margin)          THE rule every notebook's verdict uses (RULE): the per-seed difference a − b, its mean
                                  with a 95 % t-interval, and "higher" / "lower" / "alike" / "inconclusive"
   claim(...), tally(...)         a claim's answer from verdicts: yes / no / inconclusive, and partly for mixed parts
@@ -34,7 +38,9 @@ Budgets:
                                  hash), so that `pytest -m notebook` runs every notebook in minutes. Its numbers mean
                                  nothing (one seed: every verdict is "inconclusive"); it checks that the notebooks run.
 Run: in a notebook, `import runs; runs.configure(full=FULL); s = runs.run("vanilla", "--preset", "vanilla")`;
-     two notebooks side by side with `PPO_MAX_JOBS=2` in the environment of both.
+     `runs.run_seeds(...)` trains its seeds side by side. Several single-thread processes, one per core, train
+     more runs per hour than one process with several threads (the tiny models gain nothing from a second thread);
+     two notebooks side by side share the PPO_MAX_JOBS slots (set it to the number of cores in both).
 """
 from __future__ import annotations
 
@@ -56,7 +62,8 @@ if str(ROOT) not in sys.path:
 FULL = os.environ.get("PPO_MAX_FULL", "0") == "1"
 FULL_SEEDS = (0, 1, 2)
 SMALL_SEEDS = (0,)
-JOBS = max(1, int(os.environ.get("PPO_MAX_JOBS", "1")))  # trainings / evaluations at once, over all processes
+# trainings / evaluations at once over all processes (the slots), and the worker processes of this one's pool
+JOBS = max(1, int(os.environ.get("PPO_MAX_JOBS", str(os.cpu_count() or 1))))
 # The small budget: a tiny world (as tests/test_pipeline.py), few PPO steps, one evaluation sample per prompt.
 SMALL_FLAGS = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100",
                "--world-n-pretrain", "400", "--sft-epochs", "1", "--rm-epochs", "1", "--rollout-batch", "16",
@@ -119,26 +126,92 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
     steps: PPO steps in FULL (default: train.py's 80); the small budget always runs SMALL_STEPS.
     Training output goes to <dir>/train.log, not to the notebook. Returns summary.json plus "dir" (a Path).
     """
+    return run_many([(name, flags, seed, steps)])[0]
+
+
+def cached(name: str, flags, seed: int, steps: int | None) -> dict | None:
+    """The saved run that stands for these flags (summary.json plus "dir"), or None when there is none yet; a
+    RuntimeError when its directory holds a run of other flags."""
     out = out_dir(name, seed)
-    argv = argv_for(name, flags, seed, steps)
-    want = expected(argv)
+    argv = argv_for(name, tuple(flags), seed, steps)
     summary_path = out / "summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        bad = mismatch(summary, want)
-        if bad:
-            raise RuntimeError(f"{out} holds a run with another {', '.join(bad)} than `train.py {' '.join(argv)}`; "
-                               f"delete that directory or give this run another name")
-        alarm = current_alarm(out) if (out / "metrics.jsonl").exists() else None  # DPO, best-of-n: no PPO steps
-        return {**summary, "collapse_alarm": alarm, "dir": out}
+    if not summary_path.exists():
+        return None
+    summary = json.loads(summary_path.read_text())
+    bad = mismatch(summary, expected(argv))
+    if bad:
+        raise RuntimeError(f"{out} holds a run with another {', '.join(bad)} than `train.py {' '.join(argv)}`; "
+                           f"delete that directory or give this run another name")
+    alarm = current_alarm(out) if (out / "metrics.jsonl").exists() else None  # DPO, best-of-n: no PPO steps
+    return {**summary, "collapse_alarm": alarm, "dir": out}
+
+
+def run_many(specs: list[tuple]) -> list[dict]:
+    """run() for every (name, flags, seed, steps) of `specs`, in their order: the cached ones read back, the others
+    trained side by side by the worker pool (JOBS processes, one thread each)."""
+    found = [cached(*spec) for spec in specs]
+    todo = [i for i, f in enumerate(found) if f is None]
+    if todo:
+        t0 = time.time()
+        futures = {i: _pool().submit(_build, FULL, *specs[i]) for i in todo}
+        for i, future in futures.items():
+            out, seconds = future.result()   # a run that failed raises here, with its own error
+            print(f"trained {Path(out).relative_to(ROOT)} in {seconds:.0f} s")
+            found[i] = cached(*specs[i])
+        TRAINED["runs"] += len(todo)
+        TRAINED["seconds"] += time.time() - t0
+    return found
+
+
+TRAINED = {"runs": 0, "seconds": 0.0}   # what this process had trained so far: runs, wall seconds (report())
+_POOL = None
+
+
+def _pool():
+    """The worker processes, started on first use: spawned (not forked from a process whose torch already holds
+    threads), one thread each, and kept for the next runs."""
+    global _POOL
+    if _POOL is None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        _POOL = ProcessPoolExecutor(max_workers=JOBS, mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_worker_start)
+    return _POOL
+
+
+def _worker_start() -> None:
+    """A worker's start: one thread, and the project imported once for all of its runs."""
+    import torch
+    torch.set_num_threads(1)
+    import train  # noqa: F401
+
+
+def _build(full: bool, name: str, flags, seed: int, steps: int | None) -> tuple[str, float]:
+    """In a worker: train one run, unless another process did it meanwhile. A run directory and a new base are
+    built by one process only (file locks under runs/.locks/), and a run that waits for a base another process is
+    building holds no slot. Returns (its directory, seconds)."""
+    configure(full)
+    out = out_dir(name, seed)
+    argv = argv_for(name, tuple(flags), seed, steps)
+    t0 = time.time()
     with _lock(ROOT / "runs" / ".locks" / (str(out.relative_to(ROOT / "runs")).replace("/", "+") + ".lock")):
-        if summary_path.exists():          # another process trained it while this one waited
-            return run(name, *flags, seed=seed, steps=steps)
-        base = ROOT / "runs" / "_base" / want["base"]
+        if (out / "summary.json").exists():   # trained by another process while this one waited
+            return str(out), 0.0
+        base = ROOT / "runs" / "_base" / expected(argv)["base"]
         new_base = contextlib.nullcontext() if (base / "DONE").exists() else \
             _lock(ROOT / "runs" / ".locks" / f"_base+{base.name}.lock")
-        with new_base, slot():             # a new base is built by one run only, and the others wait without a slot
-            return _train(out, argv)
+        with new_base, slot():
+            _train(out, argv)
+    return str(out), time.time() - t0
+
+
+def report() -> str:
+    """One line: the runs this process trained, their wall time, and the runs per hour that makes."""
+    n, s = TRAINED["runs"], TRAINED["seconds"]
+    line = (f"trained {n} run(s) in {s / 60:.1f} min wall with {JOBS} single-thread worker process(es): "
+            f"{3600 * n / s:.0f} runs per hour" if n else "trained no run: every one was cached")
+    print(line)
+    return line
 
 
 def current_alarm(out: Path) -> dict | None:
@@ -150,18 +223,15 @@ def current_alarm(out: Path) -> dict | None:
     return {"step": r["alarm"], "reasons": r["reasons"]} if r["alarm"] is not None else None
 
 
-def _train(out: Path, argv: list[str]) -> dict:
+def _train(out: Path, argv: list[str]) -> None:
     import train
     out.mkdir(parents=True, exist_ok=True)
     # a killed earlier attempt (checkpoints, no summary.json): rerun from the start, which train.py refuses to do
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     (out / "runner.json").write_text(json.dumps({"argv": argv}, indent=2))
-    t0 = time.time()
     with open(out / "train.log", "w") as log, contextlib.chdir(ROOT), \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        summary = train.main(argv)     # builds (or reuses) runs/_base/<seed>-<hash>, then critic pre-training + PPO
-    print(f"trained {out.relative_to(ROOT)} in {time.time() - t0:.0f} s")
-    return {**summary, "dir": out}
+        train.main(argv)     # builds (or reuses) runs/_base/<seed>-<hash>, then critic pre-training + PPO
 
 
 def _lock(path: Path):
@@ -196,8 +266,8 @@ def slot():
 
 def run_seeds(name: str, *flags: str, steps: int | None = None, n: int | None = None,
               seeds_: tuple[int, ...] | None = None) -> list[dict]:
-    """run() for seeds 0 … n−1 (FULL; default 3) or the small budget's seed, or for `seeds_`."""
-    return [run(name, *flags, seed=s, steps=steps) for s in (seeds_ or seeds(n))]
+    """run() for seeds 0 … n − 1 (FULL; default 3) or the small budget's seed, or for `seeds_`, side by side."""
+    return run_many([(name, flags, s, steps) for s in (seeds_ or seeds(n))])
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -69,3 +69,33 @@ def test_fit_gao_recovers_known_alpha_beta_and_solves_the_normal_equations(form)
     det = s11 * s22 - s12 * s12
     assert runs.fit_gao(d, noisy, form) == pytest.approx(((s1y * s22 - s12 * s2y) / det,
                                                           (s11 * s2y - s12 * s1y) / det), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_worker_pool_trains_what_train_py_alone_trains(tmp_path, monkeypatch):
+    """Two runs trained one after the other by one kept-alive worker (the notebooks' runner) give the second one's
+    metrics.jsonl and samples.jsonl exactly as `python train.py` with the same flags in a fresh process."""
+    import json
+    import shutil
+    import subprocess
+    monkeypatch.setattr(runs, "JOBS", 1)
+    monkeypatch.setattr(runs, "_POOL", None)
+    runs.configure(full=False)
+    specs = [("test-pool-a", ("--preset", "vanilla"), 0, None), ("test-pool-b", (), 0, None)]
+    for name, *_ in specs:
+        shutil.rmtree(runs.out_dir(name, 0), ignore_errors=True)
+    try:
+        _, second = runs.run_many(specs)
+        argv = runs.argv_for("test-pool-b", (), 0, None)
+        argv[argv.index("--out") + 1] = str(tmp_path / "alone")
+        subprocess.run([sys.executable, str(runs.ROOT / "train.py"), *argv], check=True, capture_output=True,
+                       cwd=runs.ROOT)
+        untimed = lambda path: [{k: v for k, v in json.loads(line).items() if k != "time/step"}
+                                for line in path.read_text().splitlines()]
+        assert untimed(second["dir"] / "metrics.jsonl") == untimed(tmp_path / "alone" / "metrics.jsonl")
+        assert (second["dir"] / "samples.jsonl").read_text() == (tmp_path / "alone" / "samples.jsonl").read_text()
+    finally:
+        if runs._POOL is not None:
+            runs._POOL.shutdown()
+        for name, *_ in specs:
+            shutil.rmtree(runs.out_dir(name, 0), ignore_errors=True)
