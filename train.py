@@ -85,6 +85,11 @@ class RunConfig:
                        "runs/<preset>-loraR-seed<seed>)")
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate", ">=1")
+    heldout_every: int = arg(8, "the held-out curve: every N PPO steps (at the top of steps 0, N, 2N, ...: step 0 is "
+                                "the SFT policy) sample the held-out prompts as the final evaluation does and log "
+                                "metrics.jsonl's heldout/* (the judge's mean, the proxy's, KL, length); training is "
+                                "unchanged (the samples draw from a stream of their own); 0 = off", ">=0")
+    heldout_samples: int = arg(1, "samples per held-out prompt at each --heldout-every point", ">=1")
     threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
                           "shared machine extra threads mostly wait for each other", ">=0")
     break_at: int = arg(-1, "call breakpoint() at the top of PPO step STEP (pdb: `n` walks steps (0)-(7)); with "
@@ -860,16 +865,20 @@ class LoopPlumbing:
 
     def __init__(self, m: Models, state: LoopState, log: collapse.RunLog, ckpts: checkpoint.RunCheckpoints,
                  judge: Judge | None, interrupt: checkpoint.GracefulExit, run: RunConfig, start: int, tokenizer,
-                 device: torch.device, group: int = 1):
+                 device: torch.device, group: int = 1, heldout: Callable[[int], dict] | None = None):
         self.m, self.state, self.log, self.ckpts, self.judge, self.interrupt = m, state, log, ckpts, judge, interrupt
         self.run, self.start, self.tokenizer, self.device, self.group = run, start, tokenizer, device, group
+        self.heldout, self.point = heldout, {}
         self.ended = {"stop_reason": None, "signal": None, "path": None}
 
     def steps(self):
-        """start … steps − 1 under the progress bar, until a stop reason or a signal ends the loop."""
+        """start … steps − 1 under the progress bar, until a stop reason or a signal ends the loop; at every
+        --heldout-every step, first the held-out point of the policy as it is (logged with that step)."""
         for step in self.log.steps(self.start, self.run.steps):
             if self.ended["stop_reason"] or self.ended["signal"]:
                 return
+            every = self.run.heldout_every
+            self.point = self.heldout(step) if self.heldout and every and step % every == 0 else {}
             self.t0 = time.time()
             yield step
 
@@ -899,7 +908,8 @@ class LoopPlumbing:
         prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
         judged = engine.gather_list(judged, G) if judge else None
         gold = judged if judge and judge.key == "reward/gold" else None
-        metrics = {"step": step, **exp["stats"], **upd, "reward/gold": float(np.mean(gold)) if gold else None,
+        metrics = {"step": step, **exp["stats"], **upd, **self.point,
+                   "reward/gold": float(np.mean(gold)) if gold else None,
                    "kl/coef": self.state.kl_ctl.value, "lr/policy": m.policy_opt.param_groups[0]["lr"],
                    "response/finished": engine.gather_batch(finished.float()).mean().item(),
                    "time/step": time.time() - self.t0}
@@ -915,6 +925,29 @@ class LoopPlumbing:
         every = self.run.save_every
         if self.ended["stop_reason"] or self.ended["signal"] or (every and done % every == 0):
             self.ended["path"] = self.ckpts.save(done, self.state.state_dict())
+
+
+def heldout_points(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, judge: Judge | None
+                   ) -> Callable[[int], dict]:
+    """The held-out curve's point at a step (--heldout-every): the policy sampled on the held-out prompts as the
+    final evaluation samples (top-p 0.9, temperature 0.8; --heldout-samples each, from a seed of the step's own),
+    judged like it: the judge's mean (heldout/gold or heldout/judge), the proxy's (heldout/score), KL to the
+    reference per token (heldout/kl) and the response length (heldout/length)."""
+    prompts = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    proxy = evaluation.rm_judge(m.reward_model)
+    key = {"reward/gold": "heldout/gold", "reward/judge": "heldout/judge"}[judge.key] if judge else None
+
+    def point(step: int) -> dict:
+        policy = engine.unwrap(m.policy)
+        was_training = policy.training
+        policy.eval()
+        samples = evaluation.sample(policy, inp.tokenizer, prompts, run.heldout_samples, 10_007 * run.seed + step + 1,
+                                    cfg.max_new_tokens)
+        r, _ = evaluation.measure(policy, m.ref, m.reward_model, samples, judge.score if judge else proxy)
+        policy.train(was_training)
+        return {**({key: r["gold_reward"]} if key else {}), "heldout/score": r["reward"], "heldout/kl": r["kl"],
+                "heldout/length": r["response_length"]}
+    return point
 
 
 def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, history: list[dict],
@@ -1165,7 +1198,7 @@ def main(argv=None) -> dict | None:
                           tracker=tracker(run, inp, out, rank))
     with checkpoint.GracefulExit() as interrupt:  # SIGINT/SIGTERM: finish the step, checkpoint, exit; not under pdb
         plumbing = LoopPlumbing(m, state, log, ckpts, judge, interrupt, run, start, inp.tokenizer, device,
-                                cfg.group_size)
+                                cfg.group_size, heldout_points(m, inp, run, cfg, judge))
         ended = ppo(m, batches, state, plumbing, cfg, run)
     log.close()
     timings["ppo"] = time.time() - t0

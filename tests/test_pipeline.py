@@ -71,6 +71,24 @@ def test_pipeline_same_seed_same_metrics(base_dir):
 
 
 @pytest.mark.slow
+def test_heldout_curve_changes_no_training_number(base_dir):
+    """--heldout-every logs the held-out points (step 0 = the SFT policy: KL 0) and leaves every training number,
+    sample and the final evaluation exactly as without it."""
+    run(base_dir, "h0", "--heldout-every", "0")
+    run(base_dir, "h2", "--heldout-every", "2")
+    rows = lambda p: [json.loads(l) for l in (base_dir / p / "metrics.jsonl").read_text().splitlines()]
+    untimed = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "heldout/"))}
+    assert [untimed(r) for r in rows("h0")] == [untimed(r) for r in rows("h2")]
+    assert (base_dir / "h0" / "samples.jsonl").read_text() == (base_dir / "h2" / "samples.jsonl").read_text()
+    final = lambda p: json.loads((base_dir / p / "summary.json").read_text())["final"]
+    assert final("h0") == final("h2")
+    points = [r for r in rows("h2") if "heldout/gold" in r]
+    assert [r["step"] for r in points] == [0, 2] and not any("heldout/gold" in r for r in rows("h0"))
+    assert points[0]["heldout/kl"] == pytest.approx(0.0, abs=1e-6)   # before any update the policy is π_SFT
+    assert all(set(r) >= {"heldout/score", "heldout/kl", "heldout/length"} for r in points)
+
+
+@pytest.mark.slow
 def test_critic_pretraining_lowers_value_loss(base_dir):
     run(base_dir, "c")
     log = json.loads((base_dir / "c" / "critic_pretrain.json").read_text())
