@@ -56,3 +56,15 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)
     assert all(r["plan_gib"] > 0 for r in results)  # the plan's prediction beside each stage's measurement
     assert (tmp_path / "check" / "run-lora" / "policy" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_bench_world_small_prints_every_number():
+    """`tools/bench.py world` end to end on the notebooks' small world: one variant, two PPO steps."""
+    result = bench.world_main(["--small", "--variants", "1", "--steps", "2"])
+    (row,) = result["rows"]
+    for key in ("base_s", "variant_s", "ppo_s_per_iter", "runner_s", "runs_per_hour"):
+        assert row[key] > 0, key
+    assert set(row["base_stages"]) >= {"sft", "reward_model"} and "ppo" in row["variant_stages"]
+    it = result["iteration"]
+    assert it["mm_gflop"] > 0 and it["gemm_gflop_s"] > 0 and it["achieved_gflop_s"] > 0

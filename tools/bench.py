@@ -7,10 +7,17 @@ Implements (no equation of Zheng et al. 2023 here: this file times the functions
     measure_bandwidth(device)        memory bandwidth of a large tensor copy (STREAM "copy": 2 bytes moved / byte)
     decode_roofline(...)             max decoding tokens/s when every step must read the weights and the KV cache
     main(argv) -> dict               the two tables; also what `--json OUT` writes and tests/test_bench.py checks
+    world_main(argv) -> dict         `world`: the synthetic world's own runs as whole processes (a new seed's base,
+                                     one variant run, eight variants through the notebooks' runner: runs per hour),
+                                     this tree beside an older commit (--against REF, a git worktree of it), and one
+                                     PPO iteration's matmul FLOPs counted from the shapes (MatmulLog) against the
+                                     single-thread GEMM rate at those shapes (gemm_rate)
 
 Run: python tools/bench.py [--configs tiny,25m,1b] [--iters N] [--device auto|cpu|cuda] [--dtype auto|fp32|bf16]
                      [--batch B] [--prompt-len P] [--response-len T] [--threads N] [--json OUT]
      (default: tiny and 25m on the CPU in fp32, sized for < 3 minutes on 2 free cores; 1b: GPU only, bf16)
+     python tools/bench.py world [--against REF] [--steps N] [--variants N] [--small] [--json OUT]
+     (the default budget: about 5 minutes per tree on 2 free cores; --small: the notebooks' small world, a check)
      On a shared, loaded CPU, OpenMP threads that outnumber the free cores wait on each other at every op:
      compare with --threads 1 before reading the numbers as the machine's.
 
@@ -367,5 +374,239 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------------------------
+# `python tools/bench.py world`: the synthetic world's own runs, whole processes, this tree beside an older commit
+# ---------------------------------------------------------------------------------------------------------
+# Eight variants of one seed, as the figure notebooks run them (four on vanilla PPO, four on PPO-max).
+WORLD_VARIANTS = [("vanilla", ("--preset", "vanilla")), ("kl-only", ("--preset", "vanilla", "--kl-coef", "0.05")),
+                  ("rscale", ("--preset", "vanilla", "--reward-scale")),
+                  ("rnorm-0.8", ("--preset", "vanilla", "--reward-norm", "--reward-clip", "0.8")),
+                  ("ppo-max", ()), ("ppo-max-no-ptx", ("--ptx-coef", "0")), ("lam-0", ("--lam", "0")),
+                  ("gclip-0", ("--grad-clip", "0"))]
+# The runner of the figure notebooks, driven from outside: every variant through notebooks/runs.py's run_many (a pool
+# of single-thread workers, one per core) where the tree has it, else one run() after the other (one process).
+RUNNER = """
+import json, sys, time
+sys.path.insert(0, "notebooks")
+import runs
 if __name__ == "__main__":
-    main()
+    runs.configure(full=True)
+    specs = [(name, tuple(flags), 0, steps) for name, flags, steps in json.loads(sys.argv[1])]
+    t0 = time.time()
+    if hasattr(runs, "run_many"):
+        runs.run_many(specs)
+    else:
+        for name, flags, seed, steps in specs:
+            runs.run(name, *flags, seed=seed, steps=steps)
+    print(json.dumps({"seconds": time.time() - t0, "jobs": getattr(runs, "JOBS", 1)}))
+"""
+
+
+NEW_SEED = 987654  # the seed whose base the bench builds (with --rebuild-base) and removes again
+
+
+def timed(cmd: list[str], cwd: Path) -> float:
+    """Wall seconds of one whole process run in `cwd` (interpreter start and imports included)."""
+    import subprocess
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        fail(f"`{' '.join(cmd)}` in {cwd} exited with {done.returncode}: "
+             f"{(done.stderr.strip().splitlines() or [''])[-1]}")
+    return time.perf_counter() - t0
+
+
+def bench_tree(tree: Path, scratch: Path, steps: int, variants: list, small: list[str]) -> dict:
+    """One tree's numbers, each a whole process of that tree's own code run in the tree (its runs/_base): a new
+    seed's base (--stages sft,rm, seed NEW_SEED rebuilt, then removed), one vanilla run with seed 0's base cached,
+    and every variant through the notebooks' runner (base cached)."""
+    import shutil
+    import subprocess
+    py, train_py = sys.executable, str(tree / "train.py")
+    budget = small + ["--steps", str(steps), "--threads", "1"]
+    timed([py, train_py, *budget, "--stages", "sft,rm", "--seed", "0", "--out", str(scratch / "warm")], tree)
+    out: dict = {"tree": str(tree)}
+    out["base_s"] = timed([py, train_py, *budget, "--stages", "sft,rm", "--seed", str(NEW_SEED), "--rebuild-base",
+                           "--out", str(scratch / "base")], tree)
+    (base,) = (tree / "runs" / "_base").glob(f"seed{NEW_SEED}-*")
+    out["base_stages"] = json.loads((base / "timings.json").read_text())
+    shutil.rmtree(base)
+    out["variant_s"] = timed([py, train_py, *budget, "--preset", "vanilla", "--seed", "0",
+                              "--out", str(scratch / "vanilla")], tree)
+    summary = json.loads((scratch / "vanilla" / "summary.json").read_text())
+    out["variant_stages"] = summary["timings"]
+    out["ppo_s_per_iter"] = summary["timings"]["ppo"] / steps
+    names = [(f"bench-{name}", list(small) + list(flags), steps) for name, flags in variants]
+    for name, *_ in names:
+        shutil.rmtree(tree / "runs" / f"{name}-seed0", ignore_errors=True)
+    done = subprocess.run([py, "-c", RUNNER, json.dumps(names)], cwd=tree, capture_output=True, text=True)
+    for name, *_ in names:
+        shutil.rmtree(tree / "runs" / f"{name}-seed0", ignore_errors=True)
+    if done.returncode:
+        fail(f"the notebooks' runner of {tree} failed: {(done.stderr.strip().splitlines() or [''])[-1]}")
+    runner = json.loads(done.stdout.strip().splitlines()[-1])
+    out["runner_s"], out["runner_jobs"], out["variants"] = runner["seconds"], runner["jobs"], len(names)
+    out["runs_per_hour"] = 3600 * len(names) / runner["seconds"]
+    return out
+
+
+class MatmulLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every matrix multiply (mm, addmm, bmm, baddbmm) and attention call (scaled_dot_product_*) dispatched while it
+    is on, by shape: the FLOPs of an iteration counted from the shapes (2·M·K·N a multiply; attention 4·B·H·Lq·Lk·d
+    forward, twice that backward, the causal half not subtracted)."""
+
+    MM = {"mm": lambda a, b: (a.shape[0], a.shape[1], b.shape[1], 1),
+          "addmm": lambda c, a, b: (a.shape[0], a.shape[1], b.shape[1], 1),
+          "bmm": lambda a, b: (a.shape[1], a.shape[2], b.shape[2], a.shape[0]),
+          "baddbmm": lambda c, a, b: (a.shape[1], a.shape[2], b.shape[2], a.shape[0])}
+
+    def __init__(self):
+        super().__init__()
+        self.mm: dict[tuple, int] = {}   # (M, K, N, batch) -> calls
+        self.attention_flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.MM:
+            shape = self.MM[name](*args[:3 if name in ("addmm", "baddbmm") else 2])
+            self.mm[shape] = self.mm.get(shape, 0) + 1
+        elif name.startswith("_scaled_dot_product") and not name.endswith("backward"):
+            q, k = args[0], args[1]                                     # (B, H, Lq, d), (B, H, Lk, d)
+            self.attention_flops += 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+        elif name.startswith("_scaled_dot_product") and name.endswith("backward"):
+            q, k = args[1], args[2]
+            self.attention_flops += 8 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def mm_flops(self) -> float:
+        return float(sum(2 * m * k * n * b * c for (m, k, n, b), c in self.mm.items()))
+
+
+def gemm_rate(shapes: dict[tuple, int], reps: int = 20) -> float:
+    """FLOP/s of torch.mm / torch.bmm at the logged shapes, each timed `reps` times and weighted by its calls."""
+    flops = seconds = 0.0
+    for (m, k, n, b), calls in shapes.items():
+        x, y = (torch.randn(m, k), torch.randn(k, n)) if b == 1 else (torch.randn(b, m, k), torch.randn(b, k, n))
+        f = torch.mm if b == 1 else torch.bmm
+        f(x, y)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f(x, y)
+        seconds += (time.perf_counter() - t0) / reps * calls
+        flops += 2.0 * m * k * n * b * calls
+    return flops / seconds
+
+
+def count_iteration(scratch: Path, small: list[str], iters: int = 4) -> dict:
+    """In this process, a vanilla run of `iters` + 1 PPO steps on seed 0's cached base: the matmul and attention
+    FLOPs of each iteration after the first, counted from the shapes (MatmulLog), its seconds without the log, and
+    the single-thread GEMM rate at those very shapes."""
+    import contextlib
+    import train
+    import ppo_max
+    torch.set_num_threads(1)
+    log, seconds, step = MatmulLog(), [], {"n": 0}
+    originals = {f: getattr(ppo_max, f) for f in ("rollout", "make_experience", "ppo_update")}
+
+    def wrap(name):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            with log if step["n"] == 1 else contextlib.nullcontext():  # iteration 1 counted, 0 warms up, 2+ timed
+                r = originals[name](*a, **k)
+            if step["n"] >= 2:
+                seconds.append(time.perf_counter() - t0)
+            step["n"] += name == "ppo_update"
+            return r
+        return call
+
+    try:
+        for f in originals:
+            setattr(ppo_max, f, wrap(f))
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(open(os.devnull, "w")), \
+                contextlib.redirect_stderr(open(os.devnull, "w")):
+            train.main([*small, "--preset", "vanilla", "--seed", "0", "--steps", str(iters + 1), "--threads", "1",
+                        "--out", str(scratch / "count"), "--save-every", "0", "--eval-samples", "1"])
+    finally:
+        for f, g in originals.items():
+            setattr(ppo_max, f, g)
+    per_iter = sum(seconds) / (iters - 1)
+    flops = log.mm_flops + log.attention_flops
+    return {"mm_gflop": log.mm_flops / 1e9, "attention_gflop": log.attention_flops / 1e9, "iter_s": per_iter,
+            "achieved_gflop_s": flops / per_iter / 1e9, "gemm_gflop_s": gemm_rate(log.mm) / 1e9,
+            "matmul_floor_s": log.mm_flops / gemm_rate(log.mm)}
+
+
+def format_world(rows: list[dict], counted: dict) -> str:
+    def stages(d: dict) -> str:
+        return " ".join(f"{k} {v:.1f}" for k, v in d.items())
+    lines = ["synthetic world, whole processes on one thread each (seconds)", ""]
+    for r in rows:
+        lines += [f"{r['label']}: {r['tree']}",
+                  f"  new seed's base (--stages sft,rm): {r['base_s']:.1f} s   stages: {stages(r['base_stages'])}",
+                  f"  one variant run (--preset vanilla, base cached): {r['variant_s']:.1f} s   stages: "
+                  f"{stages(r['variant_stages'])}   PPO {r['ppo_s_per_iter']:.3f} s/iteration",
+                  f"  {r['variants']} variants through the notebooks' runner: {r['runner_s']:.0f} s with "
+                  f"{r['runner_jobs']} process(es): {r['runs_per_hour']:.0f} variant runs per hour", ""]
+    if len(rows) == 2:
+        new, old = rows
+        lines.append(f"this tree / {old['label']}: base {new['base_s'] / old['base_s']:.2f}x the time, variant run "
+                     f"{new['variant_s'] / old['variant_s']:.2f}x, runs per hour "
+                     f"{new['runs_per_hour'] / old['runs_per_hour']:.2f}x")
+    lines += ["", f"one PPO iteration of this tree (vanilla, seed 0): matmul {counted['mm_gflop']:.2f} GFLOP + attention "
+              f"{counted['attention_gflop']:.2f} GFLOP in {counted['iter_s']:.3f} s: {counted['achieved_gflop_s']:.1f}"
+              f" GFLOP/s achieved, against {counted['gemm_gflop_s']:.1f} GFLOP/s of torch.mm at the same shapes on "
+              f"one thread (the matmuls alone at that rate: {counted['matmul_floor_s']:.3f} s)"]
+    return "\n".join(lines)
+
+
+def world_main(argv: list[str]) -> dict:
+    """`python tools/bench.py world [--against REF] [--steps N] [--small]`: the table of format_world."""
+    import shutil
+    import subprocess
+    import tempfile
+    p = OneLineParser(prog="tools/bench.py world", description="the synthetic world's runs, whole processes")
+    p.add_argument("--against", default="", help="also time this commit (a git worktree of it), side by side")
+    p.add_argument("--steps", type=int, default=80, help="PPO steps of every run (train.py's default 80)")
+    p.add_argument("--small", action="store_true", help="the notebooks' small world (a quick check, not a measure)")
+    p.add_argument("--variants", type=int, default=len(WORLD_VARIANTS), help="how many of the eight variants")
+    p.add_argument("--json", default="", help="also write the results to this file")
+    args = p.parse_args(argv)
+    if args.steps < 1 or not 1 <= args.variants <= len(WORLD_VARIANTS):
+        fail(f"--steps must be ≥ 1 and --variants in [1, {len(WORLD_VARIANTS)}]")
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    import runs
+    small = list(runs.SMALL_FLAGS) if args.small else []
+    variants = WORLD_VARIANTS[:args.variants]
+    work = Path(tempfile.mkdtemp(prefix="ppo-max-bench-"))
+    trees = [("this tree", ROOT)]
+    if args.against:
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", args.against + "^{commit}"],
+                             capture_output=True, text=True)
+        if sha.returncode:
+            fail(f"--against {args.against}: not a commit of {ROOT}")
+        old = work / f"tree-{sha.stdout.strip()[:10]}"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), sha.stdout.strip()],
+                       check=True, capture_output=True)
+        trees.append((f"commit {sha.stdout.strip()[:10]}", old))
+    rows = []
+    try:
+        for label, tree in trees:
+            print(f"[bench world] {label}: {tree}", file=sys.stderr)
+            rows.append({"label": label, **bench_tree(tree, work / label.replace(" ", "-"), args.steps, variants,
+                                                      small)})
+        counted = count_iteration(work / "this-tree", small)
+    finally:
+        if args.against:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees[1][1])],
+                           capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"machine": machine_info(torch.device("cpu"), 1), "rows": rows, "iteration": counted}
+    print(format_world(rows, counted), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    world_main(sys.argv[2:]) if sys.argv[1:2] == ["world"] else main()
