@@ -276,6 +276,12 @@ PRESETS: dict[str, dict] = {
     "ppo-max": {},
     "vanilla": dict(reward_norm=False, reward_clip=0.0, kl_coef=0.0, critic_pretrain_steps=0, ptx_coef=0.0,
                     value_clip=0.0, grad_clip=0.0),
+    # the settings of the scripts released with the paper (docs/differences.md): reward scaling by the running std
+    # (no centring, no clip), η = 0.01 (its English runs), no critic pre-training, no ptx, no advantage
+    # normalisation, and one optimizer step per rollout batch (its per-GPU batches of 2: the ratio is 1, the clip
+    # never binds)
+    "moss-release": dict(reward_norm=False, reward_clip=0.0, reward_scale=True, kl_coef=0.01, critic_pretrain_steps=0,
+                         ptx_coef=0.0, adv_norm=False, minibatch=64, ppo_epochs=1),
 }
 
 
