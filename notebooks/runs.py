@@ -3,8 +3,9 @@ judge it by one stated rule.
 
 Implements: no equation; the cache, the two budgets and the verdict rule behind every figure notebook.
   run(name, *flags, seed)        train.main([*flags, --seed s, --out runs/<name>-seed<s>, --threads 1]) unless
-                                 that directory already holds a summary.json whose saved config matches the flags
-                                 (then the notebook only re-plots); returns the run's summary.json (+ "dir")
+                                 that directory already holds a summary.json whose saved config matches the flags,
+                                 trained by the same code (code_version; then the notebook only re-plots); returns
+                                 the run's summary.json (+ "dir")
   run_seeds(name, *flags, n=)    run() for every seed of the budget (n seeds in FULL, default 3; 1 in the small one)
   series(runs_, key)             one metrics.jsonl key of several runs as an array (S, steps)
   samples(run_)                  samples.jsonl of a run: per step the RM scores, gold rewards and 4 examples
@@ -129,13 +130,34 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
     return run_many([(name, flags, seed, steps)])[0]
 
 
+def code_version() -> str:
+    """A hash of the project's code, the top-level .py files every run imports, each as its syntax tree without
+    docstrings: an edit of a comment or a docstring keeps it, any change of code changes it."""
+    import ast
+    import hashlib
+    h = hashlib.sha256()
+    for path in sorted(ROOT.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                    isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(path.name.encode() + ast.dump(tree).encode())
+    return h.hexdigest()[:12]
+
+
 def cached(name: str, flags, seed: int, steps: int | None) -> dict | None:
-    """The saved run that stands for these flags (summary.json plus "dir"), or None when there is none yet; a
-    RuntimeError when its directory holds a run of other flags."""
+    """The saved run that stands for these flags (summary.json plus "dir"), or None when there is none yet or it was
+    trained by other code (runner.json's code_version); a RuntimeError when its directory holds a run of other
+    flags."""
     out = out_dir(name, seed)
     argv = argv_for(name, tuple(flags), seed, steps)
     summary_path = out / "summary.json"
     if not summary_path.exists():
+        return None
+    runner = out / "runner.json"
+    if not runner.exists() or json.loads(runner.read_text()).get("code") != code_version():
         return None
     summary = json.loads(summary_path.read_text())
     bad = mismatch(summary, expected(argv))
@@ -195,7 +217,7 @@ def _build(full: bool, name: str, flags, seed: int, steps: int | None) -> tuple[
     argv = argv_for(name, tuple(flags), seed, steps)
     t0 = time.time()
     with _lock(ROOT / "runs" / ".locks" / (str(out.relative_to(ROOT / "runs")).replace("/", "+") + ".lock")):
-        if (out / "summary.json").exists():   # trained by another process while this one waited
+        if cached(name, flags, seed, steps) is not None:   # trained by another process while this one waited
             return str(out), 0.0
         base = ROOT / "runs" / "_base" / expected(argv)["base"]
         new_base = contextlib.nullcontext() if (base / "DONE").exists() else \
@@ -228,7 +250,7 @@ def _train(out: Path, argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # a killed earlier attempt (checkpoints, no summary.json): rerun from the start, which train.py refuses to do
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    (out / "runner.json").write_text(json.dumps({"argv": argv}, indent=2))
+    (out / "runner.json").write_text(json.dumps({"argv": argv, "code": code_version()}, indent=2))
     with open(out / "train.log", "w") as log, contextlib.chdir(ROOT), \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         train.main(argv)     # builds (or reuses) runs/_base/<seed>-<hash>, then critic pre-training + PPO
