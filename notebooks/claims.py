@@ -1,0 +1,865 @@
+"""The claims registry: every figure claim of the paper this project judges, each with its metric, comparison,
+direction, equivalence margin and seeds, written down before the runs that judge it; the one rule that turns a
+claim's runs into a verdict; and the small records that let a fresh clone compute every verdict without training.
+
+Implements: no equation of the paper; the evidence behind docs/findings.md's table.
+  MARGINS               the smallest difference that matters, one per kind of number, used everywhere
+  VARIANTS              every run a claim reads: name → train.py flags (PPO steps: 80 unless it says)
+  METRICS               every number a claim reads from a run, and exactly how it is read
+  CLAIMS                the registry: Claim(id, figure, sentence, parts, seeds, notebook, why)
+  OPERATING_POINT       the rule that sets train.py's default PPO-max (written before its pilot runs)
+  judge(d, margin, direction)    THE rule for one part (below, RULE)
+  combine(answers)      a claim from its parts (below, COMBINE)
+  verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the tally
+  record(...)           a run's record under notebooks/results/ (config key, seed, code version, commit, metrics)
+Run:
+  python notebooks/claims.py --run [--claims ID,...]   train (or reuse) every run the registry plans, write records
+  python notebooks/claims.py --table                   the verdict table of docs/findings.md (markdown)
+  python notebooks/claims.py --tally                   one JSON line: how many claims end in each verdict
+  python notebooks/claims.py --show ID                 one claim, part by part, with its numbers
+  python notebooks/claims.py --operating-point         the pilot runs of OPERATING_POINT and the candidate it picks
+--run trains through notebooks/runs.py (a pool of single-thread worker processes, one per core; cached runs whose
+config and code match are reused) and prints the runs per hour at the end. Everything else reads
+notebooks/results/ only.
+
+Why this file exists: a verdict is computed, never typed. Nothing below is edited after the results it judges
+without a dated note in docs/findings.md ("Changes to the registry") saying what changed and why, and the verdict
+under the original plan is reported beside it.
+
+References: Lakens 2017 (equivalence tests, TOST); Henderson et al. 2018, Agarwal et al. 2021, Colas et al. 2018
+(seeds, intervals and power in RL comparisons).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+# =====================================================================================================================
+# The margins: the smallest difference that would change what a reader does, one per kind of number. Chosen from
+# what the numbers mean, never from results.
+# =====================================================================================================================
+MARGINS = {
+    "gold": 0.25,       # gold reward per response: less than one filler word (gold charges 0.3 for it)
+    "score": 0.25,      # the proxy reward model's score, on gold's scale of one filler word
+    "win-lose": 0.10,   # ten percentage points of held-out comparisons with SFT
+    "kl": 0.01,         # nats per token: ~0.1 nats per response of 9 tokens, a sixth of best-of-4's 0.64 nats
+    "length": 1.0,      # tokens per response
+    "ppl": 0.10,        # perplexity, as a relative change (ratio − 1)
+    "entropy": 0.05,    # nats per token
+    "vf": 0.05,         # value loss (squared return error)
+    "pg": 0.10,         # policy-gradient loss
+    "adv": 0.02,        # advantage spread (std over tokens, per step)
+    "steps": 8.0,       # a step count (KL onset, the step gold falls below SFT): one held-out-curve interval
+    "skew": 0.5,        # skewness of the reward model's scores over a batch
+    "share": 0.10,      # a share or fraction (of pairs, of the accuracy gain)
+    "acc": 0.03,        # reward-model accuracy
+    "slope": 0.05,      # score change per added filler token
+}
+
+SEEDS = tuple(range(10))     # every comparison between variants: ten seeds (each its own world, SFT model and RM)
+SEEDS20 = tuple(range(20))   # where the pilot sds say ten cannot decide and twenty can (Claim.why says which)
+STEPS = 80                   # train.py's default budget of PPO steps
+KL_ONSET = 0.1               # nats/token: the drift threshold of the KL onset (5-step trailing mean)
+
+# =====================================================================================================================
+# The variants: train.py flags. "ppo-max" is train.py's default as OPERATING_POINT sets it; every other variant is a
+# change of it (or of --preset vanilla) that a figure ablates.
+# =====================================================================================================================
+V = ("--preset", "vanilla")
+ENT_CLIP = 1.0   # the entropy bonus's clip δ, the SFT policy's mean token entropy on its own samples (1.02 in the
+#                  pilot): the bonus stops acting above δ, so it acts as soon as the policy is less random than SFT;
+#                  ±10 % around it are 0.9 and 1.1 (Fig. 16). A δ far below 1 (0.7) would leave it inert until late.
+VARIANTS: dict[str, tuple] = {
+    # vanilla PPO and one trick added to it
+    "vanilla": V,
+    "kl-0.05": V + ("--kl-coef", "0.05"), "kl-0.1": V + ("--kl-coef", "0.1"), "kl-0.2": V + ("--kl-coef", "0.2"),
+    "is": V + ("--importance-sampling",),
+    "ent-0.01-clip": V + ("--entropy-coef", "0.01", "--entropy-clip", str(ENT_CLIP)),
+    "ent-0.01-clip-0.9": V + ("--entropy-coef", "0.01", "--entropy-clip", "0.9"),
+    "ent-0.01-clip-1.1": V + ("--entropy-coef", "0.01", "--entropy-clip", "1.1"),
+    "ent-0.01-noclip": V + ("--entropy-coef", "0.01"),
+    "ent-0.1-clip": V + ("--entropy-coef", "0.1", "--entropy-clip", str(ENT_CLIP)),
+    "ent-0.1-clip-0.9": V + ("--entropy-coef", "0.1", "--entropy-clip", "0.9"),
+    "ent-0.1-clip-1.1": V + ("--entropy-coef", "0.1", "--entropy-clip", "1.1"),
+    "ent-0.1-noclip": V + ("--entropy-coef", "0.1"),
+    "rscale": V + ("--reward-scale",),
+    "rnorm-0.3": V + ("--reward-norm", "--reward-clip", "0.3"),
+    "rnorm-0.8": V + ("--reward-norm", "--reward-clip", "0.8"),
+    "rnorm-5": V + ("--reward-norm", "--reward-clip", "5"),          # score reparameterisation as PPO-max has it
+    "advnorm-0.12": V + ("--adv-norm", "--adv-clip", "0.12"),
+    "advnorm-0.5": V + ("--adv-norm", "--adv-clip", "0.5"),
+    "rnorm-advnorm": V + ("--reward-norm", "--reward-clip", "0.8", "--adv-norm", "--adv-clip", "0.5"),
+    "rnorm-vclip": V + ("--reward-norm", "--reward-clip", "0.8", "--value-clip", "0.2"),
+    "rnorm-advnorm-vclip": V + ("--reward-norm", "--reward-clip", "0.8", "--adv-norm", "--adv-clip", "0.5",
+                                "--value-clip", "0.2"),
+    "clip-0.1": V + ("--clip-eps", "0.1"), "clip-0.4": V + ("--clip-eps", "0.4"),
+    # PPO-max and one part changed or removed
+    "ppo-max": (),
+    "ppo-max-kl0.1": ("--kl-coef", "0.1"), "ppo-max-kl0.2": ("--kl-coef", "0.2"),
+    "no-kl": ("--kl-coef", "0"), "no-rnorm": ("--no-reward-norm", "--reward-clip", "0"), "no-ptx": ("--ptx-coef", "0"),
+    "no-vclip": ("--value-clip", "0"), "no-critic-pretrain": ("--critic-pretrain-steps", "0"),
+    "gclip-0": ("--grad-clip", "0"), "gclip-0.5": ("--grad-clip", "0.5"),
+    "advnorm": ("--adv-norm", "--adv-clip", "0.5"), "advnorm-no-vclip": ("--adv-norm", "--adv-clip", "0.5",
+                                                                       "--value-clip", "0"),
+    "lam-0": ("--lam", "0"), "lam-1": ("--lam", "1"),
+    # Fig. 8: ptx on the world's pretraining text in every run, so that ptx cannot do the missing SFT's job
+    "ptx-pretrain": ("--ptx-data", "pretrain"),
+    "policy-pretrained": ("--ptx-data", "pretrain", "--policy-init", "pretrained"),
+    "critic-sft": ("--ptx-data", "pretrain", "--critic-init", "sft"),
+    "ptx-pretrain-no-critic-pretrain": ("--ptx-data", "pretrain", "--critic-pretrain-steps", "0"),
+    # the paper's released scripts, and PPO-max over a long run (Fig. 9: 400 steps, a checkpoint every 100)
+    "moss-release": ("--preset", "moss-release"),
+    "ppo-max-long": ("--save-every", "100", "--keep-last", "1"),
+}
+LONG = {"ppo-max-long": 400}   # variants whose PPO budget is not STEPS
+
+
+def steps_of(variant: str) -> int:
+    return LONG.get(variant, STEPS)
+
+
+# =====================================================================================================================
+# The metrics: how each number is read from a run. "Held-out" = the run's held-out prompts, never trained on.
+#   final_*   summary.json's final evaluation: the final policy, 4 samples per held-out prompt, sampled as the paper
+#             evaluates (top-p 0.9, temperature 0.8), judged by gold (the synthetic human); SFT on the same prompts
+#             and sampling seed; win / tie / lose pair them by prompt and sample.
+#   hgold_*   the held-out curve (train.py --heldout-every 8: the policy at the top of steps 0, 8, 16, …, one sample
+#             per prompt, the same sampling; step 0 is the SFT policy) and, as its last point, the final evaluation.
+#             Collapsing variants are read here rather than at the end only: their final gold depends mostly on
+#             when a collapse happens to start (sd 2–3 between seeds against effects of 0.1–1), the curve's mean does
+#             not hinge on one checkpoint, and no statistic is a maximum over noisy points (a best checkpoint is
+#             biased upward by about one noise sd).
+#   train windows  metrics.jsonl of the training steps: first5:KEY / first10:KEY (the first 5 / 10 steps), last10:KEY
+#             (the last 10), first8th:KEY / last8th:KEY (the first / last eighth of the run: 50 of 400 steps),
+#             mean:KEY (every step).
+# =====================================================================================================================
+TRAIN_KEYS = ("reward/score", "reward/gold", "kl/ref", "policy/perplexity", "response/length", "policy/entropy",
+              "loss/pg", "loss/vf", "adv/std")
+
+
+def _curve(run: dict) -> list[tuple[int, float]]:
+    """[(step, held-out gold)]: every --heldout-every point of the run, then the final evaluation at `steps`."""
+    pts = [(m["step"], m["heldout/gold"]) for m in run["metrics"] if m.get("heldout/gold") is not None]
+    return pts + [(run["summary"]["steps"], run["summary"]["final"]["gold_reward"])]
+
+
+def _fall_step(run: dict) -> float:
+    """The first point of the held-out curve from which gold stays below the SFT policy's (step 0) to the end;
+    steps + 8 when it never does (a censored count, 8 = one curve interval past the end)."""
+    pts = _curve(run)
+    sft = pts[0][1]
+    fall = None
+    for step, gold in pts[1:]:
+        if gold < sft:
+            fall = step if fall is None else fall
+        else:
+            fall = None
+    return float(run["summary"]["steps"] + 8 if fall is None else fall)
+
+
+def _kl_onset(run: dict) -> float:
+    """The first training step whose 5-step trailing mean KL (kl/ref) exceeds KL_ONSET; the step count if never."""
+    kl = np.array([m["kl/ref"] for m in run["metrics"]], float)
+    c = np.cumsum(np.insert(kl, 0, 0.0))
+    n = np.arange(1, len(kl) + 1)
+    smooth = (c[n] - c[np.maximum(n - 5, 0)]) / np.minimum(n, 5)
+    above = np.nonzero(smooth > KL_ONSET)[0]
+    return float(above[0] if len(above) else len(kl))
+
+
+def _skew(x) -> float:
+    """Sample skewness m3 / m2^1.5 (population moments)."""
+    d = np.asarray(x, float) - np.mean(x)
+    return float(np.mean(d ** 3) / np.mean(d ** 2) ** 1.5) if np.mean(d ** 2) > 0 else 0.0
+
+
+def _window(run: dict, key: str, which: str) -> float:
+    y = np.array([np.nan if m.get(key) is None else m[key] for m in run["metrics"]], float)
+    k = max(len(y) // 8, 1)
+    sl = {"first5": slice(0, 5), "first10": slice(0, 10), "last10": slice(-10, None), "first8th": slice(0, k),
+          "last8th": slice(-k, None), "mean": slice(None)}[which]
+    return float(np.nanmean(y[sl]))
+
+
+RUN_METRICS = {
+    "final_gold": lambda r: r["summary"]["final"]["gold_reward"],
+    "final_gold_vs_sft": lambda r: r["summary"]["final"]["gold_reward"] - r["summary"]["sft"]["gold_reward"],
+    "win_lose": lambda r: r["summary"]["win_rate_vs_sft"]["win"] - r["summary"]["win_rate_vs_sft"]["lose"],
+    "final_kl": lambda r: r["summary"]["final"]["kl"],
+    "final_kl_seq": lambda r: r["summary"]["frontier"]["kl_seq"],   # nats per response, sampled at temperature 1
+    "final_length": lambda r: r["summary"]["final"]["response_length"],
+    "final_score": lambda r: r["summary"]["final"]["reward"],
+    # the held-out curve, each relative to its step-0 point (the SFT policy)
+    "hgold_auc": lambda r: float(np.mean([g for _, g in _curve(r)[1:]]) - _curve(r)[0][1]),
+    "hgold_early": lambda r: float(np.mean([g for s, g in _curve(r) if 8 <= s <= 32]) - _curve(r)[0][1]),
+    "hgold_end": lambda r: float(np.mean([g for _, g in _curve(r)[-3:]]) - _curve(r)[0][1]),
+    "hgold_fall": _fall_step,
+    "kl_onset": _kl_onset,
+    "skew_first": lambda r: _skew(r["samples"][0]["scores"]),
+    "skew_last10": lambda r: float(np.mean([_skew(s["scores"]) for s in r["samples"][-10:]])),
+    **{f"{w}:{k}": (lambda r, k=k, w=w: _window(r, k, w)) for k in TRAIN_KEYS
+       for w in ("first5", "first10", "last10", "first8th", "last8th", "mean")},
+}
+
+
+def _rm_share20(base: dict) -> float:
+    """Share of the held-out accuracy gain (final − step 0) reached at 20 % of the reward model's steps (linear
+    interpolation between the evaluations around it)."""
+    steps = np.array([r["step"] for r in base["rm_log"]], float)
+    acc = np.array([r["heldout_accuracy"] for r in base["rm_log"]], float)
+    at20 = float(np.interp(0.2 * steps[-1], steps, acc))
+    return (at20 - acc[0]) / (acc[-1] - acc[0])
+
+
+def _rm_after20(base: dict) -> float:
+    """Held-out accuracy at the end − at 20 % of the steps: what the remaining 80 % add (a plateau adds ~0)."""
+    steps = np.array([r["step"] for r in base["rm_log"]], float)
+    acc = np.array([r["heldout_accuracy"] for r in base["rm_log"]], float)
+    return float(acc[-1] - np.interp(0.2 * steps[-1], steps, acc))
+
+
+def _rm_gold_agree(base: dict) -> float:
+    """Over held-out pairs of helpful prompts whose gold rewards differ: the share the reward model orders like gold."""
+    import toy_world
+    agree = []
+    for r, c, j in zip(base["pairs_heldout"], base["scores"]["chosen"], base["scores"]["rejected"]):
+        g = toy_world.gold_reward(r["prompt"], r["chosen"]) - toy_world.gold_reward(r["prompt"], r["rejected"])
+        if g != 0 and not toy_world.parse_prompt(r["prompt"]).harmful:
+            agree.append(np.sign(c - j) == np.sign(g))
+    return float(np.mean(agree))
+
+
+BASE_METRICS = {
+    "rm_acc_final": lambda b: b["rm_log"][-1]["heldout_accuracy"],
+    "rm_share20": _rm_share20,
+    "rm_after20": _rm_after20,
+    "margin_pos": lambda b: float(np.mean(np.array(b["scores"]["chosen"]) > np.array(b["scores"]["rejected"]))),
+    "rm_gold_agree": _rm_gold_agree,
+    "length_bias": lambda b: b["length_bias"]["rm_slope"] - b["length_bias"]["gold_slope"],
+}
+METRICS = {**RUN_METRICS, **BASE_METRICS}
+
+
+# =====================================================================================================================
+# The registry
+# =====================================================================================================================
+@dataclass(frozen=True)
+class Part:
+    """One test: per seed, metric of variant `a` − the same metric of variant `b` (paired by seed), or − metric
+    `minus` of the same run of `a` (a window against another), or − `const`; perplexities (margin "ppl") compare as
+    a ratio − 1. Read against the direction the paper claims: "higher", "lower", "alike" (no difference that matters)
+    or "differs" (a difference of either sign). `margin` names MARGINS' entry; `what` says it in words."""
+    what: str
+    metric: str
+    a: str
+    b: str | None
+    direction: str
+    margin: str
+    const: float = 0.0
+    minus: str | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    figure: str
+    sentence: str            # the paper's claim, in docs/paper.md's words
+    parts: tuple[Part, ...]
+    seeds: tuple[int, ...] = SEEDS
+    notebook: str = ""
+    why: str = ""            # why these metrics and this many seeds (the pilot: the 3-5-seed runs of the old table)
+
+
+def P(what, metric, a, b, direction, margin, const=0.0, minus=None) -> Part:
+    return Part(what, metric, a, b, direction, margin, const, minus)
+
+
+def W(what, key, a, direction, margin, first="first5", last="last10") -> Part:
+    """A run against itself: the training window `last` of metrics.jsonl key `key` − the window `first`."""
+    return Part(what, f"{last}:{key}", a, None, direction, margin, minus=f"{first}:{key}")
+
+
+BASE = "base"   # the variant name of a seed's base (SFT + reward model): the claims on the reward model read it
+
+CLAIMS: list[Claim] = [
+    # ----------------------------------------------------------------------------------------- the reward model (§4)
+    Claim("fig3", "3", "RM accuracy: most of the gain in the first ~20 % of the steps, then a plateau", (
+        P("share of the accuracy gain reached by 20 % of the steps − ½", "rm_share20", BASE, None, "higher", "share",
+          0.5),
+        P("accuracy at the end − at 20 % of the steps", "rm_after20", BASE, None, "alike", "acc"),
+    ), notebook="rm", why="held-out accuracy against the labels every 10 reward-model steps (rm_log.json); 'most' "
+                          "read as more than half"),
+    Claim("fig2", "2", "r(chosen) − r(rejected) on held-out pairs mostly positive; the RM roughly aligned", (
+        P("share of held-out margins > 0 − ½", "margin_pos", BASE, None, "higher", "share", 0.5),
+        P("share of helpful held-out pairs the RM orders like gold − ½", "rm_gold_agree", BASE, None, "higher",
+          "share", 0.5),
+    ), notebook="rm", why="'aligned' read against gold, which the paper cannot see: better than chance"),
+    Claim("sec4.3", "§4.3", "RMs prefer longer answers beyond their quality", (
+        P("RM − gold score change per filler token added to a correct answer", "length_bias", BASE, None, "higher",
+          "slope"),
+    ), notebook="rm"),
+    # ---------------------------------------------------------------------------------- vanilla PPO's collapse (§5.2)
+    Claim("fig4-reward", "4", "vanilla PPO: the reward rises and the losses converge", (
+        W("RM score, last 10 − first 5 steps", "reward/score", "vanilla", "higher", "score"),
+        P("PG loss over the last 10 steps (converged: near 0)", "last10:loss/pg", "vanilla", None, "alike", "pg"),
+        W("VF loss, last 10 − first 5 steps", "loss/vf", "vanilla", "lower", "vf"),
+    ), notebook="vanilla_collapse"),
+    Claim("fig4-winrate", "4", "… while the win rate against SFT peaks, then falls", (
+        P("held-out gold over steps 8–32 − SFT's (step 0)", "hgold_early", "vanilla", None, "higher", "gold"),
+        P("held-out gold over the last 3 points − SFT's", "hgold_end", "vanilla", None, "lower", "gold"),
+    ), notebook="vanilla_collapse", why="the held-out curve's mean over a window, not its best point (biased up)"),
+    Claim("fig4-drift", "4", "vanilla PPO: KL ↑, perplexity ↓, length ↑", (
+        W("KL, last 10 − first 5 steps", "kl/ref", "vanilla", "higher", "kl"),
+        W("perplexity, last 10 / first 5 steps − 1", "policy/perplexity", "vanilla", "lower", "ppl"),
+        W("length, last 10 − first 5 steps", "response/length", "vanilla", "higher", "length"),
+    ), notebook="vanilla_collapse"),
+    Claim("fig13", "13", "the reward distribution is stable, then grows a long tail after the collapse", (
+        P("PPO-max's skewness of the RM scores, last 10 steps − step 0", "skew_last10", "ppo-max", None, "alike",
+          "skew", minus="skew_first"),
+        P("|Δ skewness| of vanilla − of PPO-max", "skew_delta", "vanilla", "ppo-max", "higher", "skew"),
+    ), notebook="vanilla_collapse"),
+    # --------------------------------------------------------------------------------------------- PPO-max (§5.4)
+    Claim("fig9", "9", "PPO-max over a long run: the reward rises, KL stays small, length and perplexity flat", (
+        W("RM score, last − first eighth of 400 steps", "reward/score", "ppo-max-long", "higher", "score",
+          "first8th", "last8th"),
+        P(f"KL over the last eighth − {KL_ONSET} nats/token (the drift threshold)", "last8th:kl/ref", "ppo-max-long",
+          None, "lower", "kl", KL_ONSET),
+        W("length, last − first eighth", "response/length", "ppo-max-long", "alike", "length", "first8th",
+          "last8th"),
+        W("perplexity, last / first eighth − 1", "policy/perplexity", "ppo-max-long", "alike", "ppl", "first8th",
+          "last8th"),
+    ), notebook="ppo_max", why="'small' read against the KL onset threshold of Fig. 6's drift"),
+    Claim("fig10-style", "10-style (new)", "vanilla < score reparameterisation only < KL only ≈ PPO-max (win − lose "
+          "against SFT; the paper's argument, never measured by win rate)", (
+        P("win − lose, reward norm + clip only − vanilla", "win_lose", "rnorm-5", "vanilla", "higher", "win-lose"),
+        P("win − lose, KL only − reward norm + clip only", "win_lose", "kl-0.05", "rnorm-5", "higher", "win-lose"),
+        P("win − lose, PPO-max − KL only", "win_lose", "ppo-max", "kl-0.05", "alike", "win-lose"),
+    ), seeds=SEEDS20, notebook="win_rates", why="20 seeds: the pilot's PPO-max − KL only (+0.05, sd 0.10) needs ~14 "
+                                                 "to show equivalence at ±0.1"),
+    Claim("leave-one-out", "leave-one-out (new)", "each of PPO-max's parts is needed", tuple(
+        P(f"win − lose, PPO-max − without {what}", "win_lose", "ppo-max", v, "higher", "win-lose")
+        for what, v in [("the KL penalty", "no-kl"), ("reward norm + clip", "no-rnorm"), ("ptx", "no-ptx"),
+                        ("value clipping", "no-vclip"), ("critic pre-training", "no-critic-pretrain"),
+                        ("gradient clipping", "gclip-0")]), notebook="win_rates"),
+    # ---------------------------------------------------------------------------- score reparameterisation (§5.3.1)
+    Claim("fig6-scale", "6", "reward scaling ≈ vanilla", (
+        P("held-out gold over the run (curve mean − SFT), scaling − vanilla", "hgold_auc", "rscale", "vanilla",
+          "alike", "gold"),
+        P("KL onset step, scaling − vanilla", "kl_onset", "rscale", "vanilla", "alike", "steps"),
+    ), notebook="score_reparam"),
+    Claim("fig6-rnorm", "6", "reward normalisation + clipping (δ 0.3 / 0.8) delays the drift but does not prevent it",
+          tuple(p for d in ("0.3", "0.8") for p in (
+              P(f"KL onset, δ {d} − vanilla", "kl_onset", f"rnorm-{d}", "vanilla", "higher", "steps"),
+              P(f"KL over the last 10 steps at δ {d} − {KL_ONSET} (it still drifts)", "last10:kl/ref", f"rnorm-{d}",
+                None, "higher", "kl", KL_ONSET))), notebook="score_reparam"),
+    Claim("fig6-advnorm", "6", "advantage normalisation + clipping (δ 0.12 / 0.5) delays the drift but does not "
+          "prevent it", tuple(p for d in ("0.12", "0.5") for p in (
+              P(f"KL onset, δ {d} − vanilla", "kl_onset", f"advnorm-{d}", "vanilla", "higher", "steps"),
+              P(f"KL over the last 10 steps at δ {d} − {KL_ONSET} (it still drifts)", "last10:kl/ref",
+                f"advnorm-{d}", None, "higher", "kl", KL_ONSET))), notebook="score_reparam"),
+    Claim("fig14", "14", "mixing clips on the advantage and the value conflicts", (
+        P("interaction of advantage norm × value clip on vanilla + reward norm: (A+C − A) − (C − neither), "
+          "win − lose", "interaction_vanilla", "rnorm-advnorm-vclip", None, "lower", "win-lose"),
+        P("the same on PPO-max", "interaction_ppomax", "advnorm", None, "lower", "win-lose"),
+    ), notebook="score_reparam", why="the pilot: +0.09 (sd 0.3) on vanilla, −0.007 (sd 0.03) on PPO-max"),
+    # ------------------------------------------------------------------------------------ policy constraints (§5.3.2)
+    Claim("fig7-kl", "7", "the KL penalty gives lasting stability", (
+        P("KL over the last 10 steps, η 0.05 − vanilla", "last10:kl/ref", "kl-0.05", "vanilla", "lower", "kl"),
+        P("held-out gold over the run, η 0.05 − vanilla", "hgold_auc", "kl-0.05", "vanilla", "higher", "gold"),
+    ), notebook="policy_constraints"),
+    Claim("fig7-is", "7", "importance sampling steadies training but lowers the reward", (
+        P("KL over the last 10 steps, IS − vanilla", "last10:kl/ref", "is", "vanilla", "lower", "kl"),
+        P("RM score over the last 10 steps, IS − vanilla", "last10:reward/score", "is", "vanilla", "lower", "score"),
+    ), notebook="policy_constraints"),
+    Claim("fig7-entropy", "7", "the entropy bonus gives stability", (
+        P("KL over the last 10 steps, entropy bonus (0.01, clip δ 1.0) − vanilla", "last10:kl/ref", "ent-0.01-clip",
+          "vanilla", "lower", "kl"),
+        P("held-out gold over the run, entropy bonus − vanilla", "hgold_auc", "ent-0.01-clip", "vanilla", "higher",
+          "gold"),
+    ), notebook="policy_constraints"),
+    Claim("fig15-vanilla", "15", "η 0.05 / 0.1 / 0.2: larger η → lower reward, lower KL (on vanilla PPO, raw RM "
+          "scores)", tuple(P(f"{k} over the last 10 steps, η {b} − {a}", f"last10:{key}", f"kl-{b}", f"kl-{a}",
+                              "lower", m) for a, b in (("0.05", "0.1"), ("0.1", "0.2"))
+                            for k, key, m in (("RM score", "reward/score", "score"), ("KL", "kl/ref", "kl"))),
+          notebook="policy_constraints"),
+    Claim("fig15-ppomax", "15", "η 0.05 / 0.1 / 0.2: larger η → lower reward, lower KL (on PPO-max, normalised "
+          "rewards)", tuple(P(f"{k} over the last 10 steps, η {b} − {a}", f"last10:{key}", vb, va, "lower", m)
+                            for (a, va), (b, vb) in ((("0.05", "ppo-max"), ("0.1", "ppo-max-kl0.1")),
+                                                     (("0.1", "ppo-max-kl0.1"), ("0.2", "ppo-max-kl0.2")))
+                            for k, key, m in (("RM score", "reward/score", "score"), ("KL", "kl/ref", "kl"))),
+          notebook="policy_constraints", why="PPO-max's default η is 0.05"),
+    *[Claim(f"fig16-diverges-{w}", "16", f"the entropy bonus without its clip diverges (weight {w}"
+            f"{', the paper' if w == '0.01' else ''})", (
+        P("mean token entropy over the last 10 steps, no clip − clip δ 1.0", "last10:policy/entropy",
+          f"ent-{w}-noclip", f"ent-{w}-clip", "higher", "entropy"),
+        P("held-out gold over the run, no clip − clip δ 1.0", "hgold_auc", f"ent-{w}-noclip", f"ent-{w}-clip",
+          "lower", "gold"),
+    ), notebook="policy_constraints") for w in ("0.01", "0.1")],
+    *[Claim(f"fig16-sensitive-{w}", "16", f"very sensitive to the clip: a 10 % change of δ fails (weight {w})", (
+        P("held-out gold over the run, δ 0.9 − δ 1.0", "hgold_auc", f"ent-{w}-clip-0.9", f"ent-{w}-clip", "differs",
+          "gold"),
+        P("held-out gold over the run, δ 1.1 − δ 1.0", "hgold_auc", f"ent-{w}-clip-1.1", f"ent-{w}-clip", "differs",
+          "gold"),
+    ), notebook="policy_constraints") for w in ("0.01", "0.1")],
+    # ------------------------------------------------------------------------------------- initialisation (§5.3.3)
+    Claim("fig8-policy", "8", "a policy not initialised from SFT collapses: KL and perplexity explode", (
+        P("KL over the last 10 steps, pretrained − SFT-initialised", "last10:kl/ref", "policy-pretrained",
+          "ptx-pretrain", "higher", "kl"),
+        P("perplexity over the last 10 steps, pretrained / SFT-initialised − 1", "last10:policy/perplexity",
+          "policy-pretrained", "ptx-pretrain", "higher", "ppl"),
+        W("the pretrained policy's KL, last 10 − first 5 steps", "kl/ref", "policy-pretrained", "higher", "kl"),
+        W("its perplexity, last 10 / first 5 steps − 1", "policy/perplexity", "policy-pretrained", "higher", "ppl"),
+    ), notebook="initialization", why="every run of Fig. 8 has ptx on pretraining text (--ptx-data pretrain)"),
+    Claim("fig8-critic", "8", "the critic's initialisation (RM vs SFT) matters only early", (
+        P("VF loss over the first 5 steps, critic from SFT − from the RM", "first5:loss/vf", "critic-sft",
+          "ptx-pretrain", "higher", "vf"),
+        P("VF loss over the last 10 steps, from SFT − from the RM", "last10:loss/vf", "critic-sft", "ptx-pretrain",
+          "alike", "vf"),
+        P("held-out gold, from SFT − from the RM", "final_gold", "critic-sft", "ptx-pretrain", "alike", "gold"),
+    ), notebook="initialization", why="both critics are pre-trained first (PPO-max's recipe), as the paper's"),
+    Claim("fig8-pretrain", "8 / §5.4", "pre-training the critic steadies the start", (
+        P("VF loss over the first 5 steps, without − with critic pre-training", "first5:loss/vf",
+          "ptx-pretrain-no-critic-pretrain", "ptx-pretrain", "higher", "vf"),
+    ), notebook="initialization"),
+    # ------------------------------------------------------------------------------------ secondary tricks (App. C)
+    Claim("fig17", "17", "PPO-clip ε without a KL penalty: ε changes little, and none gives lasting stability", (
+        P("held-out gold over the run, ε 0.1 − 0.2", "hgold_auc", "clip-0.1", "vanilla", "alike", "gold"),
+        P("held-out gold over the run, ε 0.4 − 0.2", "hgold_auc", "clip-0.4", "vanilla", "alike", "gold"),
+        *[P(f"held-out gold over the last 3 points − SFT's, ε {e}", "hgold_end", v, None, "lower", "gold")
+          for e, v in (("0.1", "clip-0.1"), ("0.2", "vanilla"), ("0.4", "clip-0.4"))],
+    ), seeds=SEEDS20, notebook="secondary_tricks", why="20 seeds: the pilot's ε 0.1 − 0.2 (+2.0 gold, sd 2.1) needs "
+                                                        "~12 to decide a direction"),
+    Claim("fig18", "18", "global gradient clipping 0 / 0.5 / 1.0: hard to tell apart", (
+        P("held-out gold, clip 0 − 1.0", "final_gold", "gclip-0", "ppo-max", "alike", "gold"),
+        P("held-out gold, clip 0.5 − 1.0", "final_gold", "gclip-0.5", "ppo-max", "alike", "gold"),
+        P("win − lose, clip 0 − 1.0", "win_lose", "gclip-0", "ppo-max", "alike", "win-lose"),
+        P("win − lose, clip 0.5 − 1.0", "win_lose", "gclip-0.5", "ppo-max", "alike", "win-lose"),
+    ), notebook="secondary_tricks"),
+    Claim("fig19", "19", "GAE λ = 0 has low variance but is unstable; λ = 1 has high variance", (
+        P("advantage spread (adv/std, mean over steps), λ 0 − 0.9", "mean:adv/std", "lam-0", "ppo-max", "lower", "adv"),
+        P("held-out gold, λ 0 − 0.9 (unstable: worse)", "final_gold", "lam-0", "ppo-max", "lower", "gold"),
+        P("advantage spread, λ 1 − 0.9", "mean:adv/std", "lam-1", "ppo-max", "higher", "adv"),
+    ), notebook="secondary_tricks", why="'unstable' read as one number, the final held-out gold (no OR of tests)"),
+    # --------------------------------------------------------------------------------------- the paper's release
+    Claim("release", "release (new)", "PPO-max beats the settings of the paper's released scripts (reward scaling, "
+          "η 0.01, no critic pre-training, no ptx, one step per rollout batch)", (
+        P("win − lose, PPO-max − the release's settings", "win_lose", "ppo-max", "moss-release", "higher",
+          "win-lose"),
+    ), notebook="win_rates"),
+]
+
+# =====================================================================================================================
+# OPERATING_POINT: how train.py's default PPO-max was chosen. Written before its pilot runs; it names no figure claim.
+# The target: PPO-max travels at least as far from SFT as best-of-4 does under the same proxy (best-of-n's KL is
+# exactly log n − (n − 1)/n nats per response: 0.636 for n = 4), read as the final held-out KL per response at
+# temperature 1 (summary.json's frontier.kl_seq), averaged over the pilot seeds.
+# =====================================================================================================================
+OPERATING_POINT = {
+    "target_kl_seq": math.log(4) - 3 / 4,
+    "pilot_seeds": (100, 101, 102),        # not among the registry's seeds
+    "fixed": "η 0.05 (the paper's), 80 PPO steps (python train.py stays within ~3 minutes), every other flag as is",
+    # tried in this order, the first whose pilot mean reaches the target becomes the default: ptx on the world's
+    # pretraining text first (Eq. 17's D_pretrain, as the paper means it), with less weight before more; then ptx on
+    # the demonstrations with less weight; only then a larger policy learning rate (it changes vanilla PPO too)
+    "candidates": [
+        ("ptx pretrain 0.5", ("--ptx-data", "pretrain", "--ptx-coef", "0.5")),
+        ("ptx pretrain 0.25", ("--ptx-data", "pretrain", "--ptx-coef", "0.25")),
+        ("ptx pretrain 0.1", ("--ptx-data", "pretrain", "--ptx-coef", "0.1")),
+        ("ptx sft 0.25", ("--ptx-data", "sft", "--ptx-coef", "0.25")),
+        ("ptx sft 0.1", ("--ptx-data", "sft", "--ptx-coef", "0.1")),
+        ("lr 1.4e-4, ptx pretrain 0.5", ("--policy-lr", "1.4e-4", "--ptx-data", "pretrain", "--ptx-coef", "0.5")),
+        ("lr 1.4e-4, ptx pretrain 0.25", ("--policy-lr", "1.4e-4", "--ptx-data", "pretrain", "--ptx-coef", "0.25")),
+        ("lr 1.4e-4, ptx pretrain 0.1", ("--policy-lr", "1.4e-4", "--ptx-data", "pretrain", "--ptx-coef", "0.1")),
+    ],
+    "if_none": "the candidate with the largest pilot mean KL, and the README says the target was missed",
+}
+
+
+def choose_operating_point(kl: dict[str, float]) -> tuple[str, bool]:
+    """OPERATING_POINT's rule on the pilot means {candidate: mean kl_seq}: (the candidate, whether it reached the
+    target)."""
+    for name, _ in OPERATING_POINT["candidates"]:
+        if kl[name] >= OPERATING_POINT["target_kl_seq"]:
+            return name, True
+    return max(kl, key=kl.get), False
+
+
+# =====================================================================================================================
+# THE rule, one function for every part of every claim, and the rule that combines a claim's parts
+# =====================================================================================================================
+RULE = ("per seed s (each seed its own world, SFT model and reward model) d_s = metric(a) − metric(b) (or − a "
+        "constant); with the mean d̄, sd s (ddof 1) and n seeds: 'alike' when the 90 % interval d̄ ± t(0.95, n−1)·s/√n "
+        "lies inside ±margin (tested first); else 'higher' / 'lower' when the 95 % interval d̄ ± t(0.975, n−1)·s/√n "
+        "excludes 0; else 'undecided', printed with the seeds that would decide it at the observed d̄ and s")
+ANSWERS = ("as the paper", "against the paper", "alike", "undecided")
+COMBINE = ("a claim is 'against the paper' when any part is; else 'undecided' when any part is; else 'alike' when "
+           "any part finds no difference where the paper claims one; else 'as the paper' (every part holds)")
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (Numerical Recipes §6.4,
+    betai / betacf), switching to 1 − I_{1−x}(b, a) where the fraction converges slowly."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x >= (a + 1) / (a + b + 2):
+        return 1.0 - _betai(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((a - 1 + m2) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + 1 + m2))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / (c if abs(c) > tiny else tiny)
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return front * h / a
+
+
+def t_cdf(x: float, df: float) -> float:
+    """Student's t distribution function: P(T ≤ x) = 1 − ½ I_{df/(df+x²)}(df/2, ½) for x ≥ 0 (symmetric below)."""
+    tail = 0.5 * _betai(df / 2, 0.5, df / (df + x * x))
+    return 1.0 - tail if x >= 0 else tail
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t with df degrees of freedom, p in (½, 1): bisection on t_cdf."""
+    lo, hi = 0.0, 1e4
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def seeds_to_decide(mean: float, sd: float, margin: float) -> int | None:
+    """The smallest n at which RULE would decide a part with this observed mean and sd: alike (possible only when
+    |mean| < margin) or a direction, whichever comes first; None beyond 10,000 seeds."""
+    def decides(n: int) -> bool:
+        se = sd / math.sqrt(n)
+        return abs(mean) + t_quantile(0.95, n - 1) * se < margin or t_quantile(0.975, n - 1) * se < abs(mean)
+    if not decides(10_000):
+        return None
+    lo, hi = 2, 10_000          # decides(n) is monotone in n: the intervals only shrink
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if decides(mid) else (mid + 1, hi)
+    return lo
+
+
+def judge(d, margin: float, direction: str) -> dict:
+    """RULE on the paired differences d (one per seed), then the part's answer against the paper's `direction`:
+    "as the paper", "against the paper", "alike" (no difference that matters, where the paper claims one) or
+    "undecided". Returns the numbers with it: mean, the 95 % interval, the 90 % interval, n, seeds with d > 0, the
+    seeds that would decide an undecided part."""
+    d = np.asarray(d, float)
+    n = len(d)
+    mean = float(d.mean())
+    sd = float(d.std(ddof=1)) if n > 1 else float("inf")
+    se = sd / math.sqrt(n) if n > 1 else float("inf")
+    h95 = t_quantile(0.975, n - 1) * se if n > 1 else float("inf")
+    h90 = t_quantile(0.95, n - 1) * se if n > 1 else float("inf")
+    if -margin < mean - h90 and mean + h90 < margin:
+        stat = "alike"
+    elif mean - h95 > 0:
+        stat = "higher"
+    elif mean + h95 < 0:
+        stat = "lower"
+    else:
+        stat = "undecided"
+    if stat == "undecided":
+        answer = "undecided"
+    elif direction == "alike":
+        answer = "as the paper" if stat == "alike" else "against the paper"
+    elif direction == "differs":
+        answer = "alike" if stat == "alike" else "as the paper"
+    else:
+        answer = {direction: "as the paper", "alike": "alike"}.get(stat, "against the paper")
+    need = seeds_to_decide(mean, sd, margin) if stat == "undecided" and n > 1 else None
+    return {"answer": answer, "stat": stat, "mean": mean, "sd": sd, "n": n, "lo95": mean - h95, "hi95": mean + h95,
+            "lo90": mean - h90, "hi90": mean + h90, "above": int((d > 0).sum()), "seeds_to_decide": need}
+
+
+def combine(answers: list[str]) -> str:
+    """COMBINE: the claim's answer from its parts' answers."""
+    for a in ("against the paper", "undecided", "alike"):
+        if a in answers:
+            return a
+    return "as the paper"
+
+
+# =====================================================================================================================
+# Records: one small JSON per run (and per seed's base) under notebooks/results/, committed, read by the verdicts
+# =====================================================================================================================
+def record_path(variant: str, seed: int) -> Path:
+    return RESULTS / f"{variant}-seed{seed}.json"
+
+
+def load_run(run_dir: Path) -> dict:
+    """What RUN_METRICS read from a finished run directory."""
+    import runs
+    pretrain = run_dir / "critic_pretrain.json"
+    return {"summary": json.loads((run_dir / "summary.json").read_text()),
+            "metrics": runs.read_jsonl(run_dir / "metrics.jsonl"), "samples": runs.read_jsonl(run_dir / "samples.jsonl"),
+            "critic_pretrain": json.loads(pretrain.read_text()) if pretrain.exists() else []}
+
+
+def load_base(base: Path) -> dict:
+    import runs
+    return {"rm_log": json.loads((base / "rm_log.json").read_text()),
+            "scores": json.loads((base / "rm_heldout_scores.json").read_text()),
+            "length_bias": json.loads((base / "rm_length_bias.json").read_text()),
+            "pairs_heldout": runs.read_jsonl(base / "data" / "pairs_heldout.jsonl")}
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def config_key(variant: str, seed: int) -> str:
+    """A hash of what the run's summary.json must say for it to stand for this variant and seed (runs.expected)."""
+    import runs
+    want = runs.expected(runs.argv_for(variant, VARIANTS[variant], seed, steps_of(variant)))
+    return hashlib.sha256(json.dumps(want, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None = None) -> dict:
+    """The record of one run (or of a seed's base with variant BASE): the numbers METRICS read, with what they came
+    from."""
+    import runs
+    if variant == BASE:
+        got = load_base(base)
+        metrics = {k: float(f(got)) for k, f in BASE_METRICS.items()}
+        key, flags = base.name, ()
+    else:
+        got = load_run(run_dir)
+        metrics = {k: float(f(got)) for k, f in RUN_METRICS.items()}
+        key, flags = config_key(variant, seed), VARIANTS[variant]
+    return {"variant": variant, "flags": list(flags), "seed": seed, "steps": 0 if variant == BASE else steps_of(variant),
+            "config": key, "code": runs.code_version(), "commit": git_commit(), "metrics": metrics}
+
+
+def records() -> dict[tuple[str, int], dict]:
+    """Every committed record: {(variant, seed): record}."""
+    out = {}
+    for p in sorted(RESULTS.glob("*.json")):
+        r = json.loads(p.read_text())
+        out[(r["variant"], r["seed"])] = r
+    return out
+
+
+# =====================================================================================================================
+# Verdicts
+# =====================================================================================================================
+def _value(recs: dict, variant: str, seed: int, metric: str) -> float | None:
+    r = recs.get((variant, seed))
+    return None if r is None else r["metrics"].get(metric)
+
+
+INTERACTIONS = {  # Fig. 14's 2 × 2 on a base: (neither, advantage norm only, value clip only, both)
+    "interaction_vanilla": ("rnorm-0.8", "rnorm-advnorm", "rnorm-vclip", "rnorm-advnorm-vclip"),
+    "interaction_ppomax": ("no-vclip", "advnorm-no-vclip", "ppo-max", "advnorm"),
+}
+
+
+def part_variants(part: Part) -> set[str]:
+    return set(INTERACTIONS.get(part.metric, ())) or ({part.a, part.b} - {None})
+
+
+def difference(part: Part, recs: dict, seed: int) -> float | None:
+    """The part's d for one seed (None while a record it needs is missing)."""
+    if part.metric in INTERACTIONS:      # (A+C − A) − (C − neither) of win − lose: the interaction of the 2 × 2
+        neither, adv, clip, both = (_value(recs, v, seed, "win_lose") for v in INTERACTIONS[part.metric])
+        return None if None in (neither, adv, clip, both) else (both - adv) - (clip - neither)
+    if part.metric == "skew_delta":      # |Δ skewness| of a − of b, each its last 10 steps − step 0
+        x = [_value(recs, v, seed, m) for v in (part.a, part.b) for m in ("skew_last10", "skew_first")]
+        return None if None in x else abs(x[0] - x[1]) - abs(x[2] - x[3])
+    a = _value(recs, part.a, seed, part.metric)
+    if part.b is not None:
+        b = _value(recs, part.b, seed, part.metric)
+    elif part.minus is not None:
+        b = _value(recs, part.a, seed, part.minus)
+    else:
+        b = part.const
+    if a is None or b is None:
+        return None
+    return a / b - 1 if part.margin == "ppl" else a - b
+
+
+def verdict(claim: Claim, recs: dict | None = None) -> dict:
+    """One claim from the records: each part judged by RULE, the claim's answer by COMBINE ("not run" while a planned
+    seed has no record)."""
+    recs = records() if recs is None else recs
+    parts = []
+    for part in claim.parts:
+        d = {s: difference(part, recs, s) for s in claim.seeds}
+        missing = [s for s, x in d.items() if x is None]
+        if missing:
+            parts.append({"part": part, "answer": "not run", "missing": missing})
+        else:
+            parts.append({"part": part, **judge(list(d.values()), MARGINS[part.margin], part.direction)})
+    answers = [p["answer"] for p in parts]
+    return {"claim": claim, "parts": parts, "answer": "not run" if "not run" in answers else combine(answers)}
+
+
+def verdicts(recs: dict | None = None) -> list[dict]:
+    recs = records() if recs is None else recs
+    return [verdict(c, recs) for c in CLAIMS]
+
+
+def tally(recs: dict | None = None) -> dict:
+    out = {a: 0 for a in ANSWERS}
+    for v in verdicts(recs):
+        out[v["answer"]] = out.get(v["answer"], 0) + 1
+    return {k: v for k, v in out.items() if v or k in ANSWERS}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:+.3g}" if abs(x) >= 0.01 or x == 0 else f"{x:+.1e}"
+
+
+def part_text(p: dict) -> str:
+    part = p["part"]
+    if p["answer"] == "not run":
+        return f"{part.what}: not run (seeds {p['missing']})"
+    text = (f"{part.what}: {_fmt(p['mean'])} [{_fmt(p['lo95'])}, {_fmt(p['hi95'])}], {p['above']}/{p['n']} seeds > 0"
+            f" → {p['answer']}")
+    if p["answer"] == "undecided":
+        need = p["seeds_to_decide"]
+        text += f" (~{need} seeds would decide it)" if need else " (more than 10,000 seeds would not decide it)"
+    return text
+
+
+def table(recs: dict | None = None) -> str:
+    """docs/findings.md's verdict table, markdown."""
+    lines = ["| fig | the paper's claim | what was measured (paired by seed; mean [95 % interval]) | seeds | verdict | "
+             "notebook |", "|---|---|---|---|---|---|"]
+    for v in verdicts(recs):
+        c = v["claim"]
+        parts = "; ".join(part_text(p) for p in v["parts"])
+        nb = f"[{c.notebook}](../notebooks/{c.notebook}.ipynb)" if c.notebook else ""
+        lines.append(f"| {c.figure} | {c.sentence} | {parts} | {len(c.seeds)} | **{v['answer']}** | {nb} |")
+    return "\n".join(lines)
+
+
+def show(ids: list[str], recs: dict | None = None) -> None:
+    """Print each named claim part by part (the notebooks' verdict cells)."""
+    recs = records() if recs is None else recs
+    by_id = {c.id: c for c in CLAIMS}
+    for i in ids:
+        v = verdict(by_id[i], recs)
+        print(f"{i}: {by_id[i].sentence}")
+        for p in v["parts"]:
+            print(f"    {part_text(p)}")
+        print(f"  → {v['answer']}\n")
+
+
+# =====================================================================================================================
+# Running the registry
+# =====================================================================================================================
+def planned(claims: list[Claim] | None = None) -> list[tuple[str, int]]:
+    """Every (variant, seed) the claims read (all claims by default), bases included, in a stable order."""
+    want = {(v, s): None for c in (claims or CLAIMS) for part in c.parts for v in part_variants(part) for s in c.seeds}
+    return sorted(want, key=lambda vs: (vs[0] == BASE, vs[1], vs[0]))
+
+
+def run_registry(only: list[str] | None = None) -> None:
+    """Train (or reuse) every planned run of the claims `only` (all by default) through runs.run_many, one run per
+    distinct configuration (two variants that are the same flags once the defaults apply share it), and write each
+    (variant, seed)'s record; then print the runs per hour."""
+    import runs
+    runs.configure(full=True)
+    todo = planned([c for c in CLAIMS if not only or c.id in only])
+    RESULTS.mkdir(exist_ok=True)
+    by_config: dict[str, tuple[str, int]] = {}
+    for v, s in todo:
+        if v != BASE:
+            by_config.setdefault(config_key(v, s), (v, s))
+    specs = [(v, VARIANTS[v], s, LONG.get(v)) for v, s in by_config.values()]
+    t0 = time.time()
+    dirs = {config_key(v, s): r["dir"] for (v, _, s, _), r in zip(specs, runs.run_many(specs))}
+    for v, s in todo:
+        rec = make_record(BASE, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
+        record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
+    print(runs.report())
+    print(f"registry: {len(todo)} records from {len(specs)} runs in {(time.time() - t0) / 60:.1f} min")
+
+
+def run_operating_point() -> dict:
+    """OPERATING_POINT's pilot: every candidate on the pilot seeds (train.py's flags as they are plus the
+    candidate's), and the rule's choice."""
+    import runs
+    runs.configure(full=True)
+    cands = OPERATING_POINT["candidates"]
+    specs = [(f"op-{i}", flags, s, None) for i, (_, flags) in enumerate(cands) for s in OPERATING_POINT["pilot_seeds"]]
+    done = runs.run_many(specs)
+    kl, rows = {}, {}
+    for i, (name, flags) in enumerate(cands):
+        rs = [r for (n, *_), r in zip(specs, done) if n == f"op-{i}"]
+        kl[name] = float(np.mean([r["frontier"]["kl_seq"] for r in rs]))
+        rows[name] = {"flags": list(flags), "kl_seq": [r["frontier"]["kl_seq"] for r in rs],
+                      "kl_tok": [r["final"]["kl"] for r in rs],
+                      "gold_vs_sft": [r["final"]["gold_reward"] - r["sft"]["gold_reward"] for r in rs],
+                      "win_lose": [r["win_rate_vs_sft"]["win"] - r["win_rate_vs_sft"]["lose"] for r in rs]}
+    choice, reached = choose_operating_point(kl)
+    out = {"target_kl_seq": OPERATING_POINT["target_kl_seq"], "pilot_seeds": list(OPERATING_POINT["pilot_seeds"]),
+           "candidates": rows, "choice": choice, "reached": reached, "code": runs.code_version(),
+           "commit": git_commit()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "operating-point.json").write_text(json.dumps(out, indent=1) + "\n")
+    for name, row in rows.items():
+        print(f"{name:<32} KL/response {np.mean(row['kl_seq']):.3f} {[round(x, 3) for x in row['kl_seq']]}")
+    print(f"choice: {choice} ({'reaches' if reached else 'misses'} {OPERATING_POINT['target_kl_seq']:.3f} nats)")
+    print(runs.report())
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="notebooks/claims.py", description=__doc__.split("\n")[0])
+    p.add_argument("--run", action="store_true", help="train (or reuse) the registry's runs and write their records")
+    p.add_argument("--claims", default="", help="with --run or --show: comma-separated claim ids (default: all)")
+    p.add_argument("--table", action="store_true", help="print docs/findings.md's verdict table")
+    p.add_argument("--tally", action="store_true", help="print the tally as one JSON line")
+    p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
+    p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
+    args = p.parse_args(argv)
+    ids = [c for c in args.claims.split(",") if c]
+    unknown = [c for c in ids if c not in {x.id for x in CLAIMS}]
+    if unknown:
+        print(f"error: --claims: unknown claim(s) {unknown}", file=sys.stderr)
+        raise SystemExit(2)
+    if args.operating_point:
+        run_operating_point()
+    if args.run:
+        run_registry(ids or None)
+    if args.table:
+        print(table())
+    if args.tally:
+        print(json.dumps(tally()))
+    if args.show:
+        show(ids or [c.id for c in CLAIMS])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The claims registry (notebooks/claims.py): the t quantiles, the one rule (equivalence first, then a direction, else
+undecided with the seeds that would decide it), the rule that combines parts, and the registry's own consistency."""
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+import claims  # noqa: E402
+
+
+def t_cdf_by_integration(t: float, df: int, steps: int = 400_000) -> float:
+    """P(T ≤ t) for t ≥ 0: ½ + the midpoint rule on Student's density over [0, t]."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    x = (np.arange(steps) + 0.5) * (t / steps)
+    return 0.5 + float(np.sum(c * (1 + x * x / df) ** (-(df + 1) / 2)) * (t / steps))
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 9, 19, 30, 100])
+@pytest.mark.parametrize("p", [0.95, 0.975])
+def test_t_quantile_against_the_integrated_density(df, p):
+    assert t_cdf_by_integration(claims.t_quantile(p, df), df) == pytest.approx(p, abs=2e-5)
+
+
+def test_t_quantiles_agree_with_the_printed_tables():
+    # two-sided 95 % and 90 % quantiles every statistics table prints
+    assert claims.t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+    assert claims.t_quantile(0.975, 9) == pytest.approx(2.262, abs=1e-3)
+    assert claims.t_quantile(0.95, 9) == pytest.approx(1.833, abs=1e-3)
+    assert claims.t_quantile(0.95, 19) == pytest.approx(1.729, abs=1e-3)
+
+
+def intervals(d):
+    d = np.asarray(d, float)
+    n, m, se = len(d), d.mean(), d.std(ddof=1) / math.sqrt(len(d))
+    return m, m - claims.t_quantile(0.975, n - 1) * se, m + claims.t_quantile(0.975, n - 1) * se, \
+        m - claims.t_quantile(0.95, n - 1) * se, m + claims.t_quantile(0.95, n - 1) * se
+
+
+def test_equivalence_is_tested_before_the_direction():
+    # a small difference that is significant (its 95 % interval excludes 0) but lies inside the margin is "alike"
+    d = [0.010, 0.012, 0.011, 0.009, 0.010, 0.011, 0.012, 0.009, 0.010, 0.011]
+    m, lo95, hi95, lo90, hi90 = intervals(d)
+    assert lo95 > 0 and -0.05 < lo90 and hi90 < 0.05
+    assert claims.judge(d, 0.05, "higher")["answer"] == "alike"      # the paper claims a difference: none found
+    assert claims.judge(d, 0.05, "alike")["answer"] == "as the paper"
+    assert claims.judge(d, 0.005, "higher")["answer"] == "as the paper"   # a margin smaller than the effect
+
+
+def test_directions_and_the_paper_claim():
+    up = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.3, 0.7, 1.0, 1.0]
+    assert claims.judge(up, 0.1, "higher")["answer"] == "as the paper"
+    assert claims.judge(up, 0.1, "lower")["answer"] == "against the paper"
+    assert claims.judge(up, 0.1, "alike")["answer"] == "against the paper"
+    assert claims.judge(up, 0.1, "differs")["answer"] == "as the paper"
+    assert claims.judge([-x for x in up], 0.1, "differs")["answer"] == "as the paper"
+    v = claims.judge(up, 0.1, "higher")
+    m, lo95, hi95, _, _ = intervals(up)
+    assert (v["mean"], v["lo95"], v["hi95"], v["n"], v["above"]) == pytest.approx((m, lo95, hi95, 10, 10))
+
+
+def test_undecided_prints_the_seeds_that_would_decide_it():
+    d = [1.0, -1.0, 0.5, 0.2, -0.3, 1.0, -1.0, 0.5, 0.2, -0.3]
+    v = claims.judge(d, 0.1, "higher")
+    assert v["answer"] == "undecided" and v["stat"] == "undecided"
+    mean, sd = float(np.mean(d)), float(np.std(d, ddof=1))
+    # the same number by brute force: the first n whose 95 % half-width at this mean and sd falls below |mean|
+    # (or whose 90 % interval fits the margin)
+    brute = next(n for n in range(2, 100_000)
+                 if claims.t_quantile(0.975, n - 1) * sd / math.sqrt(n) < abs(mean)
+                 or abs(mean) + claims.t_quantile(0.95, n - 1) * sd / math.sqrt(n) < 0.1)
+    assert v["seeds_to_decide"] == brute
+    assert claims.judge([5.0], 1.0, "higher")["answer"] == "undecided"           # one seed tells nothing
+
+
+def test_combine_every_part_holds_or_the_claim_does_not():
+    assert claims.combine(["as the paper", "as the paper"]) == "as the paper"
+    assert claims.combine(["as the paper", "alike"]) == "alike"
+    assert claims.combine(["as the paper", "undecided", "alike"]) == "undecided"
+    assert claims.combine(["undecided", "against the paper"]) == "against the paper"
+
+
+def test_every_claim_names_variants_metrics_and_margins_that_exist():
+    ids = [c.id for c in claims.CLAIMS]
+    assert len(ids) == len(set(ids)) >= 26
+    for c in claims.CLAIMS:
+        assert len(c.seeds) >= 10, c.id
+        for part in c.parts:
+            assert part.margin in claims.MARGINS, (c.id, part.margin)
+            assert part.direction in ("higher", "lower", "alike", "differs"), (c.id, part.direction)
+            for v in claims.part_variants(part):
+                assert v == claims.BASE or v in claims.VARIANTS, (c.id, v)
+            special = part.metric in claims.INTERACTIONS or part.metric == "skew_delta"
+            assert special or part.metric in claims.METRICS, (c.id, part.metric)
+            assert part.minus is None or part.minus in claims.METRICS, (c.id, part.minus)
+            base_metric = part.metric in claims.BASE_METRICS
+            assert base_metric == (part.a == claims.BASE), (c.id, part.metric)
+
+
+def test_a_claim_reads_its_parts_from_records_paired_by_seed():
+    """verdict() on hand-made records: the d of each seed is the difference of that seed's two records."""
+    claim = claims.Claim("t", "t", "a beats b", (claims.P("x", "win_lose", "a", "b", "higher", "win-lose"),),
+                         seeds=(0, 1, 2))
+    recs = {(v, s): {"metrics": {"win_lose": x}} for v, xs in {"a": [0.5, 0.4, 0.6], "b": [0.1, 0.0, 0.3]}.items()
+            for s, x in enumerate(xs)}
+    v = claims.verdict(claim, recs)
+    assert v["parts"][0]["mean"] == pytest.approx(np.mean([0.4, 0.4, 0.3]))
+    del recs[("b", 2)]
+    assert claims.verdict(claim, recs)["answer"] == "not run"
+
+
+def test_operating_point_rule_takes_the_first_candidate_that_reaches_the_target():
+    names = [n for n, _ in claims.OPERATING_POINT["candidates"]]
+    target = claims.OPERATING_POINT["target_kl_seq"]
+    assert target == pytest.approx(math.log(4) - 0.75)
+    kl = {n: 0.1 for n in names}
+    kl[names[3]] = kl[names[5]] = target + 0.01
+    assert claims.choose_operating_point(kl) == (names[3], True)
+    kl = {n: 0.05 * i for i, n in enumerate(names)}     # none reaches it: the largest
+    assert claims.choose_operating_point(kl) == (names[-1], False)
