@@ -806,6 +806,23 @@ def run_registry(only: list[str] | None = None) -> None:
     print(f"registry: {len(todo)} records from {len(specs)} runs in {(time.time() - t0) / 60:.1f} min")
 
 
+def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict]]:
+    """The runs of `variants` on `seeds` for a notebook's figures: {variant: [summary.json + "dir", one per seed]},
+    each trained or reused through runs.run_many exactly as --run does (a variant whose flags give the same config
+    as another's reads that one's run). In the notebooks' small budget: seed 0 alone, on the small world."""
+    import runs
+    seeds = seeds if runs.FULL else runs.SMALL_SEEDS
+    specs, rep = [], {}
+    for v in variants:
+        for s in seeds:
+            key = config_key(v, s) if runs.FULL else (v, s)
+            if key not in rep:
+                rep[key] = len(specs)
+                specs.append((v, VARIANTS[v], s, LONG.get(v) if runs.FULL else None))
+    done = runs.run_many(specs)
+    return {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
+
+
 def run_operating_point() -> dict:
     """OPERATING_POINT's pilot: every candidate on the pilot seeds (train.py's flags as they are plus the
     candidate's), and the rule's choice."""
