@@ -221,8 +221,7 @@ class PPOConfig:
     adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off", ">=0")
     # --- policy constraints (Fig. 7, 15, 16) ---
     kl_coef: float = arg(0.05, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
-                               "(Fig. 15); here the smallest η at which 400 steps keep every part of Fig. 9 "
-                               "(notebooks/ppo_max.ipynb)", ">=0")
+                               "(Fig. 15)", ">=0")
     kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full "
                                   "(exact)", "k1|k2|k3|full")
     kl_target: float = arg(0.0, "adaptive KL controller target, in nats PER TOKEN (kl/ref; Ziegler et al. 2019 "
@@ -260,9 +259,10 @@ class PPOConfig:
     # --- ptx (Eq. 17) ---
     ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off", ">=0")
     ptx_batch: int = arg(16, "SFT sequences per ptx term", ">=1")
-    ptx_data: str = arg("sft", "D of Eq. 17: 'sft' (the SFT demonstrations, this project's default) or 'pretrain' "
-                               "(the synthetic world's pretraining text, responses without prompts: the paper's "
-                               "D_pretrain; Fig. 8)", "sft|pretrain")
+    ptx_data: str = arg("pretrain", "D of Eq. 17: 'pretrain' (the synthetic world's pretraining text, responses "
+                                    "without prompts: the paper's D_pretrain; the default, set by the operating "
+                                    "point's rule in notebooks/claims.py) or 'sft' (the SFT demonstrations; on real "
+                                    "data the only one: --sft-data or --data)", "sft|pretrain")
     # --- initialisation (Fig. 8) ---
     critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); "
                                          "0 = off", ">=0")

@@ -375,7 +375,8 @@ def given_flags(argv) -> set[str]:
 # harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared cores at load ~7: 4 min 56 s in all (data 3 s, SFT 47 s,
 # RM 52 s, judge 47 s, critic pre-training 19 s, PPO 98 s, eval 19 s); held-out RM accuracy 0.539 on 89 pairs.
 REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4,
-                          steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1)
+                          steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1,
+                          ptx_data="sft")  # real text has no pretraining split: ptx reads --sft-data or --data
 
 # --model llama-7b / llama-13b: the paper's hyperparameters (section 5 and its appendix) for the flags not given.
 # bf16 comes with DeepSpeed on an accelerator that has it; the final evaluation always samples as the paper
@@ -477,6 +478,8 @@ def resolve(argv):
         run, sft_cfg, rm_cfg, cfg = real_data_configs(argv, run, sft_cfg, rm_cfg, cfg)
     if run.model in MODEL_PRESETS:
         run, cfg, sft_cfg, rm_cfg = model_preset_configs(argv, run, cfg, sft_cfg, rm_cfg)
+    if run.model != "tiny" and "ptx_data" not in given_flags(argv):  # a real model: ptx on its SFT text, not given
+        cfg = dataclasses.replace(cfg, ptx_data="sft")                # the synthetic world's pretraining text
     if cfg.policy_init != "sft" and (run.data or run.model != "tiny"):
         fail("--policy-init pretrained needs the synthetic world")
     if cfg.ptx_data != "sft" and (run.data or run.model != "tiny"):
