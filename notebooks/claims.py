@@ -792,18 +792,30 @@ def run_registry(only: list[str] | None = None) -> None:
     runs.configure(full=True)
     todo = planned([c for c in CLAIMS if not only or c.id in only])
     RESULTS.mkdir(exist_ok=True)
-    by_config: dict[str, tuple[str, int]] = {}
-    for v, s in todo:
-        if v != BASE:
-            by_config.setdefault(config_key(v, s), (v, s))
-    specs = [(v, VARIANTS[v], s, LONG.get(v)) for v, s in by_config.values()]
-    t0 = time.time()
-    dirs = {config_key(v, s): r["dir"] for (v, _, s, _), r in zip(specs, runs.run_many(specs))}
-    for v, s in todo:
-        rec = make_record(BASE, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
-        record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
+    t0, n_runs, failed = time.time(), 0, []
+    for seed in sorted({s for _, s in todo}):   # one seed at a time: its records are written as soon as it is done
+        mine = [(v, s) for v, s in todo if s == seed]
+        by_config: dict[str, tuple[str, int]] = {}
+        for v, s in mine:
+            if v != BASE:
+                by_config.setdefault(config_key(v, s), (v, s))
+        # the long runs first, so that no worker is left alone with one at the end
+        specs = sorted(((v, VARIANTS[v], s, LONG.get(v)) for v, s in by_config.values()), key=lambda x: x[0] not in LONG)
+        try:
+            dirs = {config_key(v, s): r["dir"] for (v, _, s, _), r in zip(specs, runs.run_many(specs))}
+        except Exception as e:  # noqa: BLE001 — one seed's failure is reported and the others still run
+            failed.append(f"seed {seed}: {type(e).__name__}: {e}")
+            print(f"seed {seed} failed: {failed[-1]}", flush=True)
+            continue
+        for v, s in mine:
+            rec = make_record(BASE, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
+            record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
+        n_runs += len(specs)
+        print(f"seed {seed}: {len(mine)} records; {n_runs} runs so far in {(time.time() - t0) / 60:.1f} min",
+              flush=True)
     print(runs.report())
-    print(f"registry: {len(todo)} records from {len(specs)} runs in {(time.time() - t0) / 60:.1f} min")
+    print(f"registry: {len(todo)} planned records, {n_runs} runs in {(time.time() - t0) / 60:.1f} min"
+          + (f"; failed: {failed}" if failed else ""))
 
 
 def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict]]:
