@@ -30,9 +30,10 @@ What each piece stands for in the paper (arXiv 2307.04964):
 Where the reward model trained on those labels goes wrong (measured in notebooks/rm.ipynb): it learns the structure
 gold rewards — answer rather than refuse or evade, refuse harmful requests, give the count asked for, open and end
 properly — but not which items it reads (a repeated or off-topic item scores like a new one), and, from the
-annotators' bias, it pays for length: a refusal said twice, an answer said twice, a longer list. Near the
+annotators' bias, it punishes length far less than gold does: along every family of longer responses (filler
+words, items beyond the count, repeated or off-topic items) its score falls, but less steeply than gold's. Near the
 demonstrations these errors are small; far from them, where such responses pile up one token at a time, gold falls
-steeply while the RM keeps rising. So a policy optimised hard against the RM first improves (fewer refusals of
+steeply while the RM falls only a little. So a policy optimised hard against the RM first improves (fewer refusals of
 harmless prompts and more of harmful ones, better counts, proper endings), then drifts into repetition and padding
 that gold punishes: the paper's pattern collapse (Fig. 4), visible because gold can be called on every sample.
 
@@ -179,7 +180,8 @@ def split_prompts(seed: int, heldout_frac: float) -> tuple[list[Prompt], list[Pr
 def gold_reward(prompt: str, response: str, finished: bool = True) -> float:
     """Exact quality of `response` (space-separated words, no special tokens) for `prompt`.
 
-    finished: the response ended with EOS (False = it ran out of tokens). A good answer scores about 3-6.
+    finished: the response ended with EOS (False = it ran out of tokens). The best answer (toy_world.best_answer)
+    scores 1.8-2.2 when one item is asked for and 5.5-7.1 for five.
     Helpful prompt asking for n items of topic t:
       + QUALITY[w] for each of the first n distinct on-topic items; −0.6 per distinct on-topic item beyond n;
       −2 per off-topic item; −2 per repeated item; +0.3 for the opener "sure :".

@@ -526,7 +526,9 @@ def _betai(a: float, b: float, x: float) -> float:
     h = d
     for m in range(1, 300):
         m2 = 2 * m
-        for num in (m * (b - m) * x / ((a - 1 + m2) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + 1 + m2))):
+        even = m * (b - m) * x / ((a - 1 + m2) * (a + m2))
+        odd = -(a + m) * (a + b + m) * x / ((a + m2) * (a + 1 + m2))
+        for num in (even, odd):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / (c if abs(c) > tiny else tiny)
@@ -620,7 +622,8 @@ def load_run(run_dir: Path) -> dict:
     import runs
     pretrain = run_dir / "critic_pretrain.json"
     return {"summary": json.loads((run_dir / "summary.json").read_text()),
-            "metrics": runs.read_jsonl(run_dir / "metrics.jsonl"), "samples": runs.read_jsonl(run_dir / "samples.jsonl"),
+            "metrics": runs.read_jsonl(run_dir / "metrics.jsonl"),
+            "samples": runs.read_jsonl(run_dir / "samples.jsonl"),
             "critic_pretrain": json.loads(pretrain.read_text()) if pretrain.exists() else []}
 
 
@@ -656,7 +659,8 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
         got = load_run(run_dir)
         metrics = {k: float(f(got)) for k, f in RUN_METRICS.items()}
         key, flags = config_key(variant, seed), VARIANTS[variant]
-    return {"variant": variant, "flags": list(flags), "seed": seed, "steps": 0 if variant == BASE else steps_of(variant),
+    return {"variant": variant, "flags": list(flags), "seed": seed,
+            "steps": 0 if variant == BASE else steps_of(variant),
             "config": key, "code": runs.code_version(), "commit": git_commit(), "metrics": metrics}
 
 
@@ -800,7 +804,8 @@ def run_registry(only: list[str] | None = None) -> None:
             if v != BASE:
                 by_config.setdefault(config_key(v, s), (v, s))
         # the long runs first, so that no worker is left alone with one at the end
-        specs = sorted(((v, VARIANTS[v], s, LONG.get(v)) for v, s in by_config.values()), key=lambda x: x[0] not in LONG)
+        specs = sorted(((v, VARIANTS[v], s, LONG.get(v)) for v, s in by_config.values()),
+                       key=lambda spec: spec[0] not in LONG)
         try:
             dirs = {config_key(v, s): r["dir"] for (v, _, s, _), r in zip(specs, runs.run_many(specs))}
         except Exception as e:  # noqa: BLE001 — one seed's failure is reported and the others still run
@@ -808,7 +813,8 @@ def run_registry(only: list[str] | None = None) -> None:
             print(f"seed {seed} failed: {failed[-1]}", flush=True)
             continue
         for v, s in mine:
-            rec = make_record(BASE, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
+            base = runs.base_dir(s) if v == BASE else None
+            rec = make_record(v, s, None, base) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
             record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
         n_runs += len(specs)
         print(f"seed {seed}: {len(mine)} records; {n_runs} runs so far in {(time.time() - t0) / 60:.1f} min",
