@@ -18,6 +18,8 @@ Run:
   python notebooks/claims.py --tally                   one JSON line: how many claims end in each verdict
   python notebooks/claims.py --show ID                 one claim, part by part, with its numbers
   python notebooks/claims.py --operating-point         the pilot runs of OPERATING_POINT and the candidate it picks
+  python notebooks/claims.py --summary                 the README's table: SFT, PPO-max, vanilla PPO, best-of-4
+  python notebooks/claims.py --records                 every record again from the cached runs (no training)
 --run trains through notebooks/runs.py (a pool of single-thread worker processes, one per core; cached runs whose
 config and code match are reused) and prints the runs per hour at the end. Everything else reads
 notebooks/results/ only.
@@ -126,6 +128,8 @@ VARIANTS: dict[str, tuple] = {
     # the paper's released scripts, and PPO-max over a long run (Fig. 9: 400 steps, a checkpoint every 100)
     "moss-release": ("--preset", "moss-release"),
     "ppo-max-long": ("--save-every", "100", "--keep-last", "1"),
+    # no claim reads it: the README's comparison of how far PPO-max travels, and what it gains, with best-of-4
+    "bon-4": ("--method", "best-of-n", "--bon-n", "4"),
 }
 LONG = {"ppo-max-long": 400}   # variants whose PPO budget is not STEPS
 
@@ -205,6 +209,7 @@ RUN_METRICS = {
     "final_kl_seq": lambda r: r["summary"]["frontier"]["kl_seq"],   # nats per response, sampled at temperature 1
     "final_length": lambda r: r["summary"]["final"]["response_length"],
     "final_score": lambda r: r["summary"]["final"]["reward"],
+    **{k: (lambda r, k=k: r["summary"]["win_rate_vs_sft"][k]) for k in ("win", "tie", "lose")},
     # the held-out curve, each relative to its step-0 point (the SFT policy)
     "hgold_auc": lambda r: float(np.mean([g for _, g in _curve(r)[1:]]) - _curve(r)[0][1]),
     "hgold_early": lambda r: float(np.mean([g for s, g in _curve(r) if 8 <= s <= 32]) - _curve(r)[0][1]),
@@ -244,6 +249,9 @@ def _rm_gold_agree(base: dict) -> float:
             agree.append(np.sign(c - j) == np.sign(g))
     return float(np.mean(agree))
 
+
+FINAL_METRICS = ("final_gold", "final_gold_vs_sft", "win_lose", "final_kl", "final_kl_seq", "final_length",
+                 "final_score", "win", "tie", "lose")   # what a run without PPO steps (best-of-n, DPO) has
 
 BASE_METRICS = {
     "rm_acc_final": lambda b: b["rm_log"][-1]["heldout_accuracy"],
@@ -627,9 +635,9 @@ def load_run(run_dir: Path) -> dict:
     """What RUN_METRICS read from a finished run directory."""
     import runs
     pretrain = run_dir / "critic_pretrain.json"
+    read = lambda name: runs.read_jsonl(run_dir / name) if (run_dir / name).exists() else []  # noqa: E731
     return {"summary": json.loads((run_dir / "summary.json").read_text()),
-            "metrics": runs.read_jsonl(run_dir / "metrics.jsonl"),
-            "samples": runs.read_jsonl(run_dir / "samples.jsonl"),
+            "metrics": read("metrics.jsonl"), "samples": read("samples.jsonl"),
             "critic_pretrain": json.loads(pretrain.read_text()) if pretrain.exists() else []}
 
 
@@ -663,7 +671,8 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
         key, flags = base.name, ()
     else:
         got = load_run(run_dir)
-        metrics = {k: float(f(got)) for k, f in RUN_METRICS.items()}
+        names = RUN_METRICS if got["metrics"] else FINAL_METRICS   # DPO, best-of-n: a final evaluation, no PPO steps
+        metrics = {k: float(RUN_METRICS[k](got)) for k in names}
         key, flags = config_key(variant, seed), VARIANTS[variant]
     return {"variant": variant, "flags": list(flags), "seed": seed,
             "steps": 0 if variant == BASE else steps_of(variant),
@@ -673,7 +682,7 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
 def records() -> dict[tuple[str, int], dict]:
     """Every committed record: {(variant, seed): record}."""
     out = {}
-    for p in sorted(RESULTS.glob("*.json")):
+    for p in sorted(RESULTS.glob("*-seed*.json")):
         r = json.loads(p.read_text())
         out[(r["variant"], r["seed"])] = r
     return out
@@ -831,6 +840,63 @@ def run_registry(only: list[str] | None = None) -> None:
           + (f"; failed: {failed}" if failed else ""))
 
 
+SUMMARY = ("ppo-max", "vanilla", "bon-4")   # the README's table: SFT (each run's own SFT evaluation) and these
+
+
+def write_records(variants, seeds) -> None:
+    """Train (or reuse) `variants` on `seeds` and write their records (the README's summary runs: --summary)."""
+    import runs
+    runs.configure(full=True)
+    for v, rs in runs_for(list(variants), tuple(seeds)).items():
+        for s, r in zip(seeds, rs):
+            record_path(v, s).write_text(json.dumps(make_record(v, s, r["dir"]), indent=1) + "\n")
+
+
+def rewrite_records() -> int:
+    """Every record again from the runs this machine has cached (no training): for a metric added to METRICS after
+    the runs. Returns how many it wrote."""
+    import runs
+    runs.configure(full=True)
+    reps, n = {}, 0
+    for v, s in planned() + [(v, s) for v in SUMMARY for s in SEEDS]:
+        if v == BASE:
+            record_path(v, s).write_text(json.dumps(make_record(v, s, None, runs.base_dir(s)), indent=1) + "\n")
+            n += 1
+            continue
+        key = config_key(v, s)
+        rep = reps.setdefault(key, (v, s))
+        found = runs.cached(rep[0], VARIANTS[rep[0]], s, LONG.get(rep[0]))
+        if found is not None:
+            record_path(v, s).write_text(json.dumps(make_record(v, s, found["dir"]), indent=1) + "\n")
+            n += 1
+    return n
+
+
+def summary(recs: dict | None = None, seeds: tuple[int, ...] = SEEDS) -> str:
+    """The README's table from the records: held-out gold, win / tie / lose against SFT, KL per response (temperature
+    1; best-of-n's is exact, log n − (n − 1)/n) and length of SFT, PPO-max, vanilla PPO and best-of-4 (mean ± sd over
+    `seeds`), and PPO-max − best-of-4 paired by seed."""
+    recs = records() if recs is None else recs
+    get = lambda v, m: np.array([recs[(v, s)]["metrics"][m] for s in seeds])  # noqa: E731
+    ms = lambda x: f"{x.mean():.2f} ± {x.std(ddof=1):.2f}"  # noqa: E731
+    sft = get("ppo-max", "final_gold") - get("ppo-max", "final_gold_vs_sft")
+    rows = [f"| held-out ({len(seeds)} seeds) | SFT | PPO-max (default) | vanilla PPO | best-of-4 (SFT, the same proxy) |",
+            "|---|---|---|---|---|",
+            "| gold reward | " + ms(sft) + " | " + " | ".join(ms(get(v, "final_gold")) for v in SUMMARY) + " |",
+            "| win / tie / lose vs SFT (gold) | | " + " | ".join(
+                " / ".join(f"{get(v, k).mean():.2f}" for k in ("win", "tie", "lose")) for v in SUMMARY) + " |",
+            "| KL to SFT per response (nats) | 0 | " + " | ".join(ms(get(v, "final_kl_seq")) for v in SUMMARY) + " |",
+            "| response length (tokens) | | " + " | ".join(ms(get(v, "final_length")) for v in SUMMARY) + " |"]
+    d = get("ppo-max", "final_gold") - get("bon-4", "final_gold")
+    v = judge(d, MARGINS["gold"], "alike")
+    w = get("ppo-max", "win_lose") - get("bon-4", "win_lose")
+    vw = judge(w, MARGINS["win-lose"], "alike")
+    rows.append("")
+    rows.append(f"PPO-max − best-of-4, paired by seed: gold {_fmt(v['mean'])} [{_fmt(v['lo95'])}, {_fmt(v['hi95'])}], "
+                f"win − lose against SFT {_fmt(vw['mean'])} [{_fmt(vw['lo95'])}, {_fmt(vw['hi95'])}]")
+    return "\n".join(rows)
+
+
 def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict]]:
     """The runs of `variants` on `seeds` for a notebook's figures: {variant: [summary.json + "dir", one per seed]},
     each trained or reused through runs.run_many exactly as --run does (a variant whose flags give the same config
@@ -885,6 +951,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tally", action="store_true", help="print the tally as one JSON line")
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
+    p.add_argument("--records", action="store_true", help="write every record again from the cached runs")
+    p.add_argument("--summary", action="store_true", help="the README's table of SFT, PPO-max, vanilla and "
+                   "best-of-4 (trains the best-of-4 runs if their records are missing)")
     args = p.parse_args(argv)
     ids = [c for c in args.claims.split(",") if c]
     unknown = [c for c in ids if c not in {x.id for x in CLAIMS}]
@@ -901,6 +970,13 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(tally()))
     if args.show:
         show(ids or [c.id for c in CLAIMS])
+    if args.records:
+        print(f"{rewrite_records()} records written from cached runs")
+    if args.summary:
+        missing = [(v, s) for v in SUMMARY for s in SEEDS if not record_path(v, s).exists()]
+        if missing:
+            write_records(sorted({v for v, _ in missing}), SEEDS)
+        print(summary())
 
 
 if __name__ == "__main__":
