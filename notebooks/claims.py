@@ -654,6 +654,7 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+@functools.lru_cache(maxsize=None)
 def config_key(variant: str, seed: int) -> str:
     """A hash of what the run's summary.json must say for it to stand for this variant and seed (runs.expected)."""
     import runs
@@ -804,13 +805,28 @@ def planned(claims: list[Claim] | None = None) -> list[tuple[str, int]]:
     return sorted(want, key=lambda vs: (vs[0] == BASE, vs[1], vs[0]))
 
 
-def run_registry(only: list[str] | None = None) -> None:
-    """Train (or reuse) every planned run of the claims `only` (all by default) through runs.run_many, one run per
-    distinct configuration (two variants that are the same flags once the defaults apply share it), and write each
-    (variant, seed)'s record; then print the runs per hour."""
+def recorded(variant: str, seed: int) -> bool:
+    """Whether a committed record already stands for this run: written by this code (runs.code_version) for this
+    config. A budget can then span sittings on different machines: --run trains only what no record covers."""
+    import runs
+    path = record_path(variant, seed)
+    if not path.exists():
+        return False
+    rec = json.loads(path.read_text())
+    key = runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"] if variant == BASE else \
+        config_key(variant, seed)
+    return rec.get("code") == runs.code_version() and rec.get("config") == key
+
+
+def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -> None:
+    """Train (or reuse) every planned run of the claims `only` (all by default; on `seeds` only, if given) that no
+    committed record stands for (recorded()) through runs.run_many, one run per distinct configuration (two variants
+    that are the same flags once the defaults apply share it), and write each (variant, seed)'s record; then print
+    the runs per hour."""
     import runs
     runs.configure(full=True)
-    todo = planned([c for c in CLAIMS if not only or c.id in only])
+    todo = [(v, s) for v, s in planned([c for c in CLAIMS if not only or c.id in only])
+            if (seeds is None or s in seeds) and not recorded(v, s)]
     RESULTS.mkdir(exist_ok=True)
     t0, n_runs, failed = time.time(), 0, []
     for seed in sorted({s for _, s in todo}):   # one seed at a time: its records are written as soon as it is done
@@ -943,10 +959,25 @@ def run_operating_point() -> dict:
     return out
 
 
+def parse_seeds(text: str) -> set[int]:
+    """'6-9' or '6,7,8' (or both, comma-separated) → {6, 7, 8, 9}; a bad one is a one-line exit 2."""
+    out = set()
+    try:
+        for item in text.split(","):
+            lo, _, hi = item.strip().partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        print(f"error: --seeds: {text!r} is not a list of seeds such as 6-9 or 6,7,8", file=sys.stderr)
+        raise SystemExit(2) from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="notebooks/claims.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", action="store_true", help="train (or reuse) the registry's runs and write their records")
     p.add_argument("--claims", default="", help="with --run or --show: comma-separated claim ids (default: all)")
+    p.add_argument("--seeds", default="", help="with --run: only these seeds, as 6-9 or 6,7,8 (default: every planned "
+                   "seed)")
     p.add_argument("--table", action="store_true", help="print docs/findings.md's verdict table")
     p.add_argument("--tally", action="store_true", help="print the tally as one JSON line")
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
@@ -963,7 +994,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.operating_point:
         run_operating_point()
     if args.run:
-        run_registry(ids or None)
+        run_registry(ids or None, parse_seeds(args.seeds) if args.seeds else None)
     if args.table:
         print(table())
     if args.tally:
