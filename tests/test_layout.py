@@ -47,7 +47,7 @@ def test_no_import_cycles():
 
 
 # scripts on top of the entry point (like the notebooks' runner and the tests)
-DRIVERS = {"train", "gpu_check", "trace_iteration", "memory_check", "architectures"}
+DRIVERS = {"train", "gpu_check", "trace_iteration", "memory_check", "architectures", "bench"}
 
 
 def test_nothing_imports_the_entry_point():
