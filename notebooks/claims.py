@@ -735,8 +735,10 @@ def verdict(claim: Claim, recs: dict | None = None) -> dict:
     for part in claim.parts:
         d = {s: difference(part, recs, s) for s in claim.seeds}
         missing = [s for s, x in d.items() if x is None]
-        if missing:
-            parts.append({"part": part, "answer": "not run", "missing": missing})
+        if missing:   # the seeds run so far, judged as they stand: printed, never the claim's answer
+            have = [x for x in d.values() if x is not None]
+            interim = judge(have, MARGINS[part.margin], part.direction) if len(have) > 1 else None
+            parts.append({"part": part, "answer": "not run", "missing": missing, "interim": interim})
         else:
             parts.append({"part": part, **judge(list(d.values()), MARGINS[part.margin], part.direction)})
     answers = [p["answer"] for p in parts]
@@ -759,10 +761,26 @@ def _fmt(x: float) -> str:
     return f"{x:+.3g}" if abs(x) >= 0.01 or x == 0 else f"{x:+.1e}"
 
 
+def _seed_ranges(seeds: list[int]) -> str:
+    """[6, 7, 8, 9, 12] → '6–9, 12'."""
+    out, start = [], None
+    for i, s in enumerate(seeds):
+        start = s if start is None else start
+        if i + 1 == len(seeds) or seeds[i + 1] != s + 1:
+            out.append(f"{start}–{s}" if s > start else f"{s}")
+            start = None
+    return ", ".join(out)
+
+
 def part_text(p: dict) -> str:
     part = p["part"]
     if p["answer"] == "not run":
-        return f"{part.what}: not run (seeds {p['missing']})"
+        text = f"{part.what}: not run (seeds {_seed_ranges(p['missing'])} missing)"
+        i = p.get("interim")
+        if i:
+            text += (f"; so far, {i['n']} seeds: {_fmt(i['mean'])} [{_fmt(i['lo95'])}, {_fmt(i['hi95'])}], "
+                     f"{i['above']}/{i['n']} > 0 → {i['answer']} (interim, not a verdict)")
+        return text
     text = (f"{part.what}: {_fmt(p['mean'])} [{_fmt(p['lo95'])}, {_fmt(p['hi95'])}], {p['above']}/{p['n']} seeds > 0"
             f" → {p['answer']}")
     if p["answer"] == "undecided":
