@@ -56,7 +56,7 @@ class RunningMoments:
     spread of the scores seen, not an estimate of a wider population, and it is what the merge formula keeps
     exactly. Before any update: count 0, mean 0.0, var 1.0 (so std 1.0), which makes Eq. 18 and reward scaling
     the identity (up to the clip) until the first batch arrives. A history with no spread yet (one score, or
-    scores all equal: std 0) says nothing about the scale either, so Eq. 18 and scaling keep the scale at 1 then
+    scores all equal: std 0 up to rounding) says nothing about the scale either, so Eq. 18 and scaling keep the scale at 1 then
     (they centre, they do not divide by ~0), until a batch brings a spread.
 
     Under data parallelism every rank must call `update` with the same values (gather the scores of all ranks
@@ -112,7 +112,7 @@ def normalize_and_clip_rewards(
     it; the recipe calls `moments.update(scores)` first, so the batch is normalized with moments that include
     it. clip_delta: δ > 0 (the paper tries 0.3 and 0.8), or None for normalization without a clip.
     eps: the smallest std that counts as a spread. A history without one (std ≤ eps: one score, or all scores
-    equal, as on a first batch of one prompt) leaves the scale at 1, as before any update: r̃ = clip(r − mean),
+    equal, as on a first batch of one response) leaves the scale at 1, as before any update: r̃ = clip(r − mean),
     not (r − mean)/eps, which would magnify differences below eps (rounding) into rewards of order one.
     """
     if clip_delta is not None and clip_delta <= 0:
