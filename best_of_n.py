@@ -5,7 +5,8 @@ Implements:
                                          2020, App. G.3; Gao et al. 2022, section 2): exact when the scores have a
                                          continuous distribution (no ties), an upper bound otherwise (Beirami et al.
                                          2024); it grows like log n, so d = √KL grows like √(log n)
-    select_best(scores)                → (N, n) proxy scores → (N,) the index of the best of each row (first on a tie)
+    select_best(scores)                → (N, n) proxy scores → (N,) the index of the best of each row (first on a tie;
+                                         a NaN/inf score is never the best, as PPO's guard never learns from one)
     sample(model, rm, tokenizer, prompts, n, per_prompt, seed, ...)
                                        → per_prompt best-of-n responses per prompt, in eval.sample's layout, with the
                                          proxy score of each chosen response
@@ -28,6 +29,7 @@ guarantees on the best-of-n alignment policy" (the formula is an upper bound).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor
@@ -42,10 +44,19 @@ def bon_kl(n: int) -> float:
 
 
 def select_best(scores: Tensor) -> Tensor:
-    """(N, n) proxy scores of n candidates per row → (N,) the index of the highest (the first of equal ones)."""
+    """(N, n) proxy scores of n candidates per row → (N,) the index of the highest (the first of equal ones).
+
+    A NaN or ±inf score (a reward model that overflowed) is skipped, never chosen: argmax alone would take a NaN as
+    the largest. PPO treats such a score the same way (ppo_max.check_finite: the batch is not learned from). A row
+    whose n scores are all non-finite has nothing to choose from: a ValueError naming it."""
     if scores.dim() != 2:
         raise ValueError(f"best_of_n.select_best: scores must be (N, n), got {tuple(scores.shape)}")
-    return scores.argmax(dim=1)                                          # (N,)
+    finite = torch.isfinite(scores)                                      # (N, n)
+    if not finite.any(dim=1).all():
+        row = int((~finite.any(dim=1)).nonzero()[0])
+        raise ValueError(f"best_of_n.select_best: row {row} has no finite proxy score among its {scores.shape[1]} "
+                         f"candidates ({scores[row].tolist()}): the reward model returned NaN/inf for every one")
+    return scores.masked_fill(~finite, -math.inf).argmax(dim=1)         # (N,)
 
 
 @torch.no_grad()
@@ -53,7 +64,8 @@ def sample(model, reward_model, tokenizer, prompts: list[str], n: int, per_promp
            max_new_tokens: int, sampling: dict | None = None) -> dict:
     """per_prompt responses for each prompt, each the best of n candidates sampled from `model` and scored by
     `reward_model` (the proxy): eval.sample's dict (prompts, query, query_mask, response, mask, texts, finished),
-    one batch, plus "scores" (the proxy score of each chosen response)."""
+    one batch, plus "scores" (the proxy score of each chosen response) and "nonfinite" (how many candidates had a
+    NaN/inf proxy score and were skipped by select_best; a line on stderr says so when there are any)."""
     import data
     import eval as evaluation
     cand = evaluation.sample(model, tokenizer, prompts, per_prompt * n, seed, max_new_tokens, sampling=sampling)
@@ -62,14 +74,20 @@ def sample(model, reward_model, tokenizer, prompts: list[str], n: int, per_promp
         scores.append(reward_model.score(torch.cat([q, r], 1), torch.cat([qm, m], 1)).float())  # (b,)
         rows += [(qi[qmi != 0].tolist(), ri[mi != 0].tolist()) for qi, qmi, ri, mi in zip(q, qm, r, m)]
     scores = torch.cat(scores).view(-1, n).cpu()                         # (len(prompts)·per_prompt, n)
-    best = select_best(scores) + torch.arange(scores.shape[0]) * n       # (N,) the chosen candidate's row
+    choice = select_best(scores)                                         # (N,) index within each group of n
+    best = choice + torch.arange(scores.shape[0]) * n                    # (N,) the chosen candidate's row
+    nonfinite = int((~torch.isfinite(scores)).sum())
+    if nonfinite:
+        print(f"[best-of-n] {nonfinite} of {scores.numel()} candidates had a NaN/inf proxy score; none was chosen",
+              file=sys.stderr)
     device = cand["query"][0].device
     query, query_mask = data.pad([rows[i][0] for i in best.tolist()], tokenizer.pad_token_id, "left")
     response, mask = data.pad([rows[i][1] for i in best.tolist()], tokenizer.pad_token_id, "right")
     return {"prompts": [cand["prompts"][i] for i in best.tolist()], "query": [query.to(device)],
             "query_mask": [query_mask.to(device)], "response": [response.to(device)], "mask": [mask.to(device)],
             "texts": [cand["texts"][i] for i in best.tolist()],
-            "finished": [cand["finished"][i] for i in best.tolist()], "scores": scores.max(dim=1).values.tolist()}
+            "finished": [cand["finished"][i] for i in best.tolist()],
+            "scores": scores.gather(1, choice[:, None]).squeeze(1).tolist(), "nonfinite": nonfinite}
 
 
 def evaluate(sft, reward_model, tokenizer, prompts: list[str], n: int, per_prompt: int, seed: int,

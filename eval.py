@@ -449,6 +449,9 @@ def eval_args(argv):
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--random-head", action="store_true",
+                   help="score with a fresh (seeded) random head where --reward-model or the run's judge has no "
+                        "trained one: a chance-level baseline; without it such a directory is an error")
     a = p.parse_args(argv)
     cli.check_flags(a, {"samples": ">=1", "max_new_tokens": ">=1"})
     return a
@@ -474,9 +477,20 @@ def paths_from_run(a) -> tuple[str, str | None]:
     return summ.get("judge", "gold"), summ.get("judge_model")
 
 
+def world_prompts(prompts: list[str]) -> bool:
+    """Whether every prompt is one of the synthetic world's (toy_world.parse_prompt reads it), so gold can judge."""
+    try:
+        for p in prompts:
+            toy_world.parse_prompt(p)
+    except (ValueError, StopIteration):  # no topic word, or a helpful request without its number
+        return False
+    return True
+
+
 def evaluate(argv) -> None:
-    """The policy against the SFT model (compare()), printed as a table and a few examples. Flags, paths and the
-    prompts file are checked before any model loads."""
+    """The policy against the SFT model (compare()), printed as a table and a few examples. Flags, paths, the
+    prompts file and the scorers' heads (a --reward-model or judge without a trained one is an error unless
+    --random-head) are checked before any model loads; the tokenizer is the policy's, loaded as train.py does."""
     a = eval_args(argv)
     judge_name, judge_dir = paths_from_run(a)
     for flag, path in (("--policy", a.policy), ("--sft", a.sft), ("--reward-model", a.reward_model)):
@@ -484,20 +498,27 @@ def evaluate(argv) -> None:
             cli.fail(f"{flag} is missing: pass --run RUN_DIR, or --policy, --sft and --reward-model directories")
         if not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
+    from reward_model import ScalarHeadModel, not_a_reward_model, reward_model_kind
+    # a scorer without a trained head would score with a random one: refused as train.py refuses it (pipeline.py)
+    for flag, path in (("--reward-model", a.reward_model), (f"--run {a.run}: judge_model", judge_dir)):
+        if path and not Path(path, "config.json").is_file():  # only the judge is still unchecked here
+            cli.fail(f"{flag} {path}: not a model directory (no config.json)")
+        if path and reward_model_kind(path) is None and not a.random_head:
+            cli.fail(f"{flag} {not_a_reward_model(path)} (--random-head scores with one anyway)")
     prompt_items = data.load_prompts(a.prompts, with_source=True)  # a bad line: DataError naming file and line
-    from transformers import AutoTokenizer
-    from reward_model import ScalarHeadModel
-    tok = AutoTokenizer.from_pretrained(a.policy)
+    tok = data.load_tokenizer(a.policy)  # as train.py: no pad token (LLaMA, GPT-2) → pad = EOS; the masks know padding
     policy = lm.causal_lm_class(a.policy).from_pretrained(a.policy).eval()
     sft = lm.causal_lm_class(a.sft).from_pretrained(a.sft).eval()
-    rm = ScalarHeadModel.from_pretrained(a.reward_model).eval()
+    rm = ScalarHeadModel.from_pretrained(a.reward_model, require_head=not a.random_head).eval()
     # {"prompt"} lines, or the prompts of pairs, cut as in training (data.fit_example) to fit every model
     limits = model_limits(a.reward_model, rm.config)
     P, _, a.max_new_tokens = data.context_limits(limits["max_prompt_tokens"], limits["max_response_tokens"],
                                                  a.max_new_tokens, policy.config.max_position_embeddings)
     prompts = [r["prompt"] for r in data.prompt_records(prompt_items, tok, P, False, data.DataReport())]
+    if not a.run and not world_prompts(prompts):  # real data has no gold: the reward model judges, as in train.py
+        judge_name = "reward model"
     judge = toy_world.gold_judge if judge_name == "gold" else rm_judge(
-        ScalarHeadModel.from_pretrained(judge_dir).eval() if judge_dir else rm)
+        ScalarHeadModel.from_pretrained(judge_dir, require_head=not a.random_head).eval() if judge_dir else rm)
     extra = {"reward model (proxy)": rm_judge(rm)} if judge_dir else None
     rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge,
                   extra_judges=extra)

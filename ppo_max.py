@@ -55,7 +55,9 @@ class RunningMoments:
     `.std` is the population standard deviation (ddof = 0, divide by the count, as numpy's default): it is the
     spread of the scores seen, not an estimate of a wider population, and it is what the merge formula keeps
     exactly. Before any update: count 0, mean 0.0, var 1.0 (so std 1.0), which makes Eq. 18 and reward scaling
-    the identity (up to the clip) until the first batch arrives.
+    the identity (up to the clip) until the first batch arrives. A history with no spread yet (one score, or
+    scores all equal: std 0 up to rounding) says nothing about the scale either, so Eq. 18 and scaling keep the scale at 1 then
+    (they centre, they do not divide by ~0), until a batch brings a spread.
 
     Under data parallelism every rank must call `update` with the same values (gather the scores of all ranks
     first), or the ranks' moments drift apart.
@@ -109,11 +111,14 @@ def normalize_and_clip_rewards(
     scores: reward-model scores r, any shape (usually (B,)). moments: the history; this function only reads
     it; the recipe calls `moments.update(scores)` first, so the batch is normalized with moments that include
     it. clip_delta: δ > 0 (the paper tries 0.3 and 0.8), or None for normalization without a clip.
-    eps: floor on the std, so a history of identical scores does not divide by zero.
+    eps: the smallest std that counts as a spread. A history without one (std ≤ eps: one score, or all scores
+    equal, as on a first batch of one response) leaves the scale at 1, as before any update: r̃ = clip(r − mean),
+    not (r − mean)/eps, which would magnify differences below eps (rounding) into rewards of order one.
     """
     if clip_delta is not None and clip_delta <= 0:
         raise ValueError(f"ppo_max.py: clip_delta (δ of Eq. 18) must be > 0 or None, got {clip_delta}")
-    normalized = (scores - moments.mean) / max(moments.std, eps)  # (r − mean) / std   (Eq. 18)
+    std = moments.std if moments.std > eps else 1.0  # no spread seen yet: nothing to measure the scale by
+    normalized = (scores - moments.mean) / std  # (r − mean) / std   (Eq. 18)
     if clip_delta is None:
         return normalized
     return normalized.clamp(-clip_delta, clip_delta)  # clip(·, −δ, δ)   (Eq. 18)
@@ -124,9 +129,11 @@ def scale_rewards(scores: Tensor, moments: RunningMoments, eps: float = 1e-8) ->
 
     This is what the authors' released scripts enable (see README, notes); the paper finds it ≈ vanilla PPO.
     Same order as Eq. 18: update the moments with the batch first, then scale; this function only reads them.
-    eps: floor on the std, as in normalize_and_clip_rewards (a constant history gives r / eps, not inf).
+    eps: the smallest std that counts as a spread, as in normalize_and_clip_rewards: a history without one (one
+    score, or all scores equal) leaves the scores as they are (a score of 2.0 stays 2.0, not 2.0 / eps = 2e8).
     """
-    return scores / max(moments.std, eps)  # r / std
+    std = moments.std if moments.std > eps else 1.0  # no spread seen yet: nothing to measure the scale by
+    return scores / std  # r / std
 
 
 def shape_rewards(

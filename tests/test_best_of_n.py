@@ -51,6 +51,44 @@ def test_bon_kl_is_an_upper_bound_when_responses_repeat():
         assert 0 < exact < best_of_n.bon_kl(n)
 
 
+def test_select_best_never_picks_a_nonfinite_score():
+    """argmax alone takes a NaN for the largest; a NaN or ±inf proxy score is skipped, the best finite one chosen."""
+    nan, inf = math.nan, math.inf
+    scores = torch.tensor([[nan, 1.0, 2.0], [3.0, nan, inf], [-inf, -5.0, nan], [0.5, 0.5, nan]])
+    assert best_of_n.select_best(scores).tolist() == [2, 0, 1, 0]
+
+
+def test_select_best_row_without_a_finite_score_is_an_error():
+    with pytest.raises(ValueError, match=r"row 1 has no finite proxy score among its 2 candidates"):
+        best_of_n.select_best(torch.tensor([[1.0, 2.0], [math.nan, math.inf]]))
+
+
+def test_sample_skips_candidates_with_a_nonfinite_proxy_score(tmp_path, capsys):
+    """best_of_n.sample with a proxy that returns NaN for the first of every n candidates and otherwise a score that
+    grows along the batch: each prompt gets its last candidate, with that candidate's (finite) score, and the skipped
+    candidates are counted and reported."""
+    import data
+    import eval as evaluation
+    import tiny_model
+    from transformers import AutoModelForCausalLM
+    prompts, n = ["how do I cook rice ?", "how do I boil it ?"], 4
+
+    class Proxy:  # r = the row's index in its batch (the candidates of a prompt are consecutive), NaN on each first
+        def score(self, ids, mask):
+            r = torch.arange(len(ids), dtype=torch.float32)
+            return torch.where(r % n == 0, math.nan, r)
+
+    model_dir = tiny_model.build_model("llama", ["how do I cook rice ? rinse it , then boil it ."] * 20,
+                                       tmp_path / "m", hidden=16, layers=1, heads=2, vocab_size=300)
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), data.load_tokenizer(model_dir)
+    cand = evaluation.sample(model, tok, prompts, n, seed=5, max_new_tokens=3)  # the candidates best-of-n draws
+    capsys.readouterr()
+    out = best_of_n.sample(model, Proxy(), tok, prompts, n, per_prompt=1, seed=5, max_new_tokens=3)
+    assert out["scores"] == [3.0, 7.0] and out["nonfinite"] == 2
+    assert out["texts"] == [cand["texts"][3], cand["texts"][7]] and out["prompts"] == prompts
+    assert "[best-of-n] 2 of 8 candidates had a NaN/inf proxy score; none was chosen" in capsys.readouterr().err
+
+
 def test_select_best_takes_the_first_of_equal_scores_and_n_one_is_the_policy():
     assert best_of_n.select_best(torch.tensor([[1.0, 3.0, 3.0], [0.0, 0.0, 0.0]])).tolist() == [1, 0]
     assert best_of_n.bon_kl(1) == 0.0

@@ -99,12 +99,14 @@ def one_line_error(main, argv: list[str], capsys, *needles: str) -> str:
 
 
 def fake_run(path: Path, summary: bytes | None = None) -> Path:
-    """A run directory by hand: three steps of metrics.jsonl, models that are folders with a config.json (enough
-    for every check; nothing here loads), held-out prompts, and a summary.json naming them."""
+    """A run directory by hand: three steps of metrics.jsonl, models that are folders with a config.json and, for
+    the reward model, the name of a trained head (enough for every check; nothing here loads), held-out prompts, and
+    a summary.json naming them."""
     (path / "data").mkdir(parents=True)
     for name in ("policy", "sft", "reward_model"):
         (path / name).mkdir()
         (path / name / "config.json").write_text("{}")
+    (path / "reward_model" / "value_head.safetensors").write_bytes(b"")
     (path / "data" / "prompts_heldout.jsonl").write_text('{"prompt": "name 2 fruits ."}\n')
     (path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "kl/ref": 0.01}}\n' for s in range(3)))
     default = {"base": str(path), "steps": 3, "win_rate_vs_sft": {"win": 0.5, "tie": 0.0, "lose": 0.5}}
@@ -129,6 +131,24 @@ def test_eval_bad_prompts_file_before_any_model(tmp_path, capsys, evaluation):
     run = fake_run(tmp_path / "run")  # its models are empty folders: the prompts must fail before they load
     one_line_error(evaluation.main, ["--run", str(run), "--prompts", str(tmp_path / "prompts.jsonl")], capsys,
                    "prompts.jsonl:2", "not JSON")
+
+
+def test_eval_scorer_without_a_trained_head_before_any_model(tmp_path, capsys, evaluation):
+    """A --reward-model or the run's judge without a trained head (value_head.safetensors, or a sequence classifier)
+    would score with a random one: one line naming it, before the prompts are read or any model loads."""
+    run = fake_run(tmp_path / "run")
+    (run / "data" / "prompts_heldout.jsonl").write_text("{not json\n")  # an error that must come later
+    one_line_error(evaluation.main, ["--run", str(run), "--reward-model", str(run / "sft")], capsys,
+                   f"--reward-model {run / 'sft'}: not a reward model", "--random-head")
+    (run / "judge_model").mkdir()
+    (run / "judge_model" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "judge": "held-out reward model",
+                                                  "judge_model": str(run / "judge_model")}))
+    one_line_error(evaluation.main, ["--run", str(run)], capsys,
+                   f"--run {run}: judge_model {run / 'judge_model'}: not a reward model")
+    (run / "judge_model" / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    one_line_error(evaluation.main, ["--run", str(run)], capsys, "prompts_heldout.jsonl:1", "not JSON")
 
 
 @pytest.mark.parametrize("summary,needle", [(b"\xff\xfe{}", "UnicodeDecodeError"), (b"{not json", "JSONDecodeError"),

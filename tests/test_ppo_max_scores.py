@@ -147,6 +147,22 @@ def test_normalize_and_clip_rewards_eq18_constant_history_does_not_divide_by_zer
     torch.testing.assert_close(out, torch.tensor([0.0, 0.5]), atol=0, rtol=0)
 
 
+def test_normalize_and_clip_rewards_eq18_history_without_spread_keeps_the_scale_at_one():
+    """One score, or equal ones: Eq. 18 centres (r − mean) and does not divide by ~0; a score away from that mean
+    moves by its own distance, as before any update. With a spread, (r − mean)/std of the history (numpy)."""
+    for first in ([2.0], [2.0, 2.0, 2.0, 2.0]):
+        m = RunningMoments()
+        m.update(torch.tensor(first, dtype=torch.float64))
+        scores = torch.tensor([2.0, 3.0, 1.5], dtype=torch.float64)
+        torch.testing.assert_close(ppo_max.normalize_and_clip_rewards(scores, m, None), scores - 2.0, atol=0, rtol=0)
+        torch.testing.assert_close(ppo_max.normalize_and_clip_rewards(scores, m, 0.8),
+                                   torch.tensor([0.0, 0.8, -0.5], dtype=torch.float64), atol=0, rtol=0)
+        m.update(torch.tensor([1.0, 4.0], dtype=torch.float64))
+        history = np.array(first + [1.0, 4.0])
+        expected = (scores - history.mean()) / history.std()  # numpy: ddof = 0
+        torch.testing.assert_close(ppo_max.normalize_and_clip_rewards(scores, m, None), expected, atol=1e-12, rtol=0)
+
+
 def test_normalize_and_clip_rewards_eq18_rejects_nonpositive_delta():
     with pytest.raises(ValueError, match="clip_delta"):
         ppo_max.normalize_and_clip_rewards(torch.zeros(2), RunningMoments(), 0.0)
@@ -161,11 +177,21 @@ def test_scale_rewards_divides_by_running_std_only():
     torch.testing.assert_close(ppo_max.scale_rewards(scores, m), expected, atol=1e-12, rtol=0)
 
 
-def test_scale_rewards_constant_history_divides_by_eps_not_zero():
-    m = RunningMoments()
-    m.update(torch.full((4,), 2.0))
-    out = ppo_max.scale_rewards(torch.tensor([2.0, -1.0], dtype=torch.float64), m, eps=1e-3)
-    torch.testing.assert_close(out, torch.tensor([2e3, -1e3], dtype=torch.float64), atol=0, rtol=1e-12)
+def test_scale_rewards_history_without_spread_leaves_the_scores_as_they_are():
+    """A first batch of one score, of equal scores, or of equal scores whose float64 mean rounds (var ~1e-34): no
+    spread to scale by, so r / 1 (not r / eps = 2e8 for a score of 2.0); once a batch brings a spread, r / std of the
+    whole history, as numpy computes it."""
+    for first in ([2.0], [2.0, 2.0, 2.0, 2.0], [0.1, 0.1, 0.1]):
+        m = RunningMoments()
+        m.update(torch.tensor(first, dtype=torch.float64))
+        scores = torch.tensor(first, dtype=torch.float64)
+        torch.testing.assert_close(ppo_max.scale_rewards(scores, m), scores, atol=0, rtol=0,
+                                   msg=lambda s: f"first batch {first} (no spread): expected r unchanged; {s}")
+        m.update(torch.tensor([1.0, 4.0], dtype=torch.float64))
+        history = np.array(first + [1.0, 4.0])
+        expected = torch.tensor([1.0, 4.0], dtype=torch.float64) / history.std()  # numpy: ddof = 0
+        torch.testing.assert_close(ppo_max.scale_rewards(torch.tensor([1.0, 4.0], dtype=torch.float64), m),
+                                   expected, atol=0, rtol=1e-12)
 
 
 # ------------------------------------------------------------------------------------- Eq. 19

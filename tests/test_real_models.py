@@ -102,6 +102,47 @@ def test_policy_and_reward_model_must_share_a_tokenizer(tmp_path, pairs, capsys)
     assert "share one tokenizer" in capsys.readouterr().err
 
 
+def test_eval_refuses_a_reward_model_without_a_trained_head(tmp_path, pairs):
+    """`python eval.py --policy M --sft M --reward-model M --prompts P` with a plain causal LM M (GPT-2: its tokenizer
+    has no pad token) is one line and exit 2 before any model loads: M's head would be random."""
+    import subprocess
+    import sys
+    from transformers import AutoTokenizer
+    model = tiny("gpt2", tmp_path, pairs)
+    assert AutoTokenizer.from_pretrained(model).pad_token is None
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.prompt} for p in data.load_pairs(pairs)[:4]])
+    proc = subprocess.run([sys.executable, str(Path(tiny_model.ROOT) / "eval.py"), "--policy", str(model), "--sft",
+                           str(model), "--reward-model", str(model), "--prompts", str(prompts)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-1500:])
+    assert len(lines) == 1 and lines[0].startswith("error: --reward-model ") and "not a reward model" in lines[0], lines
+    assert "--random-head" in lines[0] and proc.stdout == ""
+
+
+def test_eval_runs_with_a_trained_reward_model_and_a_tokenizer_without_pad(tmp_path, pairs, capsys):
+    """The same plain GPT-2 as policy and SFT, with a reward-model directory that has a trained head
+    (value_head.safetensors): eval.py samples (pad = EOS, as train.py loads the tokenizer) and prints its table,
+    judged by the reward model (real prompts have no gold); a random head only with --random-head, and then the
+    reward column differs."""
+    import eval as evaluation
+    model = tiny("gpt2", tmp_path, pairs)
+    ScalarHeadModel.from_pretrained(model, seed=3).save_pretrained(tmp_path / "rm")
+    data.load_tokenizer(model).save_pretrained(tmp_path / "rm")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p.prompt} for p in data.load_pairs(pairs)[:4]])
+    argv = ["--policy", str(model), "--sft", str(model), "--prompts", str(prompts), "--samples", "1",
+            "--max-new-tokens", "4"]
+    capsys.readouterr()
+    evaluation.main(argv + ["--reward-model", str(tmp_path / "rm")])
+    trained = capsys.readouterr().out
+    # real prompts have no gold: the reward model judges; the policy is the SFT model, so every sample ties
+    assert "win rate vs SFT (judge: reward model): win 0.00  tie 1.00  lose 0.00" in trained, trained
+    assert trained.splitlines()[1].startswith("sft")
+    evaluation.main(argv + ["--reward-model", str(model), "--random-head"])
+    random_head = capsys.readouterr().out
+    assert "win rate vs SFT" in random_head and random_head.splitlines()[1] != trained.splitlines()[1]
+
+
 def test_chat_messages_pairs_read_like_transcripts(tmp_path):
     """Today's preference sets: {"chosen": [messages], "rejected": [messages]}, the same pair as the transcript."""
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
