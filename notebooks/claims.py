@@ -16,10 +16,12 @@ Run:
   python notebooks/claims.py --run [--claims ID,...]   train (or reuse) every run the registry plans, write records
   python notebooks/claims.py --table                   the verdict table of docs/findings.md (markdown)
   python notebooks/claims.py --tally                   one JSON line: how many claims end in each verdict
+  python notebooks/claims.py --write-docs              the table and the tally into docs/findings.md, between its marks
   python notebooks/claims.py --show ID                 one claim, part by part, with its numbers
   python notebooks/claims.py --operating-point         the pilot runs of OPERATING_POINT and the candidate it picks
-  python notebooks/claims.py --summary                 the README's table: SFT, PPO-max, vanilla PPO, best-of-4
+  python notebooks/claims.py --summary [--run]         the README's table: SFT, PPO-max, vanilla PPO, best-of-4
   python notebooks/claims.py --records                 every record again from the cached runs (no training)
+  python notebooks/claims.py --check-code SEED         CHECK's runs of SEED again: do the records stand for this code?
 --run trains through notebooks/runs.py (a pool of single-thread worker processes, one per core; cached runs whose
 config and code match are reused) and prints the runs per hour at the end. Everything else reads
 notebooks/results/ only.
@@ -802,6 +804,40 @@ def table(recs: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+FINDINGS = ROOT / "docs" / "findings.md"
+TABLE_MARKS = ("<!-- claims.py --table -->", "<!-- end of claims.py --table -->")
+TALLY_MARKS = ("<!-- claims.py --tally -->", "<!-- end of claims.py --tally -->")
+RULE_MARKS = ("<!-- claims.py rule -->", "<!-- end of claims.py rule -->")
+
+
+def rule_text() -> str:
+    """The rule, the way parts combine and the margins, as docs/findings.md prints them (from RULE, COMBINE, MARGINS,
+    SEEDS: never retyped)."""
+    margins = ", ".join(f"{k} ±{v:g}" for k, v in MARGINS.items())
+    return (f"**The rule, for every part of every claim:** {RULE}.\n\n**A claim from its parts:** {COMBINE}.\n\n"
+            f"**The margins** (`MARGINS`, one per kind of number, the same in every claim): {margins}.\n\n"
+            f"**Seeds:** {len(SEEDS)} per comparison ({SEEDS[0]}–{SEEDS[-1]}), {len(SEEDS20)} where the registry's "
+            f"`why` says the pilot's spread needs them. A claim is *not run* while a planned seed has no record; its "
+            f"parts are then printed on the seeds run so far, marked interim.")
+
+
+def findings_blocks(recs: dict | None = None) -> dict[tuple[str, str], str]:
+    """What docs/findings.md holds between each pair of marks: the table and the tally, from the records."""
+    recs = records() if recs is None else recs
+    return {RULE_MARKS: rule_text(), TABLE_MARKS: table(recs), TALLY_MARKS: f"`{json.dumps(tally(recs))}`"}
+
+
+def write_findings(recs: dict | None = None, path: Path = FINDINGS) -> None:
+    """Replace docs/findings.md's generated blocks (the verdict table, the tally) with what the records give."""
+    text = path.read_text()
+    for (start, end), body in findings_blocks(recs).items():
+        if start not in text or end not in text:
+            raise SystemExit(f"error: {path} has lost the marks {start} … {end}")
+        head, rest = text.split(start, 1)
+        text = head + start + "\n" + body + "\n" + end + rest.split(end, 1)[1]
+    path.write_text(text)
+
+
 def show(ids: list[str], recs: dict | None = None) -> None:
     """Print each named claim part by part (the notebooks' verdict cells)."""
     recs = records() if recs is None else recs
@@ -833,7 +869,66 @@ def recorded(variant: str, seed: int) -> bool:
     rec = json.loads(path.read_text())
     key = runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"] if variant == BASE else \
         config_key(variant, seed)
-    return rec.get("code") == runs.code_version() and rec.get("config") == key
+    return same_code(rec.get("code"), runs.code_version()) and rec.get("config") == key
+
+
+EQUIVALENCE = RESULTS / "code-equivalence.json"
+CHECK = (BASE, "vanilla", "ppo-max", "rnorm-5")   # what --check-code trains again: the base, and one run of each family
+
+
+def same_code(a: str | None, b: str) -> bool:
+    """Whether records of code version `a` stand for code `b`: the same version, or linked by code-equivalence.json,
+    whose every entry says a later version re-trained CHECK's runs and got every recorded metric to the last bit."""
+    if a == b:
+        return True
+    links = json.loads(EQUIVALENCE.read_text()) if EQUIVALENCE.exists() else []
+    group, grew = {b}, True
+    while grew:
+        grew = False
+        for e in links:
+            pair = {e["code"], e["same_as"]}
+            if pair & group and not pair <= group:
+                group |= pair
+                grew = True
+    return a in group
+
+
+def check_code(seed: int) -> bool:
+    """Train CHECK's runs of `seed` again with this code (into runs/check-*, the base into a fresh runs/_base) and
+    compare every metric with its committed record. All equal: this code version is recorded as equivalent to the
+    records' (code-equivalence.json), so --run reuses their records. Returns whether they were all equal."""
+    import runs
+    runs.configure(full=True)
+    recs = {v: json.loads(record_path(v, seed).read_text()) for v in CHECK}
+    old = {r["code"] for r in recs.values()}
+    if len(old) != 1:
+        raise SystemExit(f"error: the records of seed {seed} come from several code versions {sorted(old)}")
+    now = runs.code_version()
+    import shutil
+    base = ROOT / "runs" / "_base" / runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"]
+    if base.exists():   # a cached base may come from other code: this code builds it again
+        print(f"removing the cached {base.relative_to(ROOT)} so that this code builds it again")
+        shutil.rmtree(base)
+    for v in CHECK:
+        shutil.rmtree(runs.out_dir(f"check-{v}", seed), ignore_errors=True)
+    specs = [(f"check-{v}", VARIANTS[v], seed, LONG.get(v)) for v in CHECK if v != BASE]
+    done = runs.run_many(specs)
+    got = {BASE: make_record(BASE, seed, None, runs.base_dir(seed))["metrics"]}
+    got.update({v: make_record(v, seed, r["dir"])["metrics"] for v, r in zip([v for v in CHECK if v != BASE], done)})
+    differ = [(v, k, recs[v]["metrics"][k], got[v].get(k)) for v in CHECK for k in recs[v]["metrics"]
+              if got[v].get(k) != recs[v]["metrics"][k]]
+    for v, k, a, b in differ:
+        print(f"{v} seed {seed} {k}: recorded {a!r}, now {b!r}")
+    if differ:
+        print(f"code {now} does not reproduce the records of code {old.pop()}: --run will train every run again")
+        return False
+    links = json.loads(EQUIVALENCE.read_text()) if EQUIVALENCE.exists() else []
+    links.append({"code": now, "same_as": old.pop(), "commit": git_commit(), "seed": seed, "checked": list(CHECK),
+                  "metrics": sum(len(m) for m in got.values())})
+    EQUIVALENCE.write_text(json.dumps(links, indent=1) + "\n")
+    print(f"code {now} reproduces every metric of {', '.join(CHECK)} on seed {seed}: recorded in "
+          f"{EQUIVALENCE.relative_to(ROOT)}")
+    return True
 
 
 def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -> None:
@@ -906,15 +1001,19 @@ def rewrite_records() -> int:
     return n
 
 
-def summary(recs: dict | None = None, seeds: tuple[int, ...] = SEEDS) -> str:
+def summary(recs: dict | None = None, seeds: tuple[int, ...] | None = None) -> str:
     """The README's table from the records: held-out gold, win / tie / lose against SFT, KL per response (temperature
     1; best-of-n's is exact, log n − (n − 1)/n) and length of SFT, PPO-max, vanilla PPO and best-of-4 (mean ± sd over
-    `seeds`), and PPO-max − best-of-4 paired by seed."""
+    `seeds`: by default every seed of SEEDS with a record of all three), and PPO-max − best-of-4 paired by seed."""
     recs = records() if recs is None else recs
+    if seeds is None:
+        seeds = tuple(s for s in SEEDS if all((v, s) in recs for v in SUMMARY))
+    if len(seeds) < 2:
+        return "no summary yet: fewer than two seeds have records of " + ", ".join(SUMMARY)
     get = lambda v, m: np.array([recs[(v, s)]["metrics"][m] for s in seeds])  # noqa: E731
     ms = lambda x: f"{x.mean():.2f} ± {x.std(ddof=1):.2f}"  # noqa: E731
     sft = get("ppo-max", "final_gold") - get("ppo-max", "final_gold_vs_sft")
-    rows = [f"| held-out ({len(seeds)} seeds) | SFT | PPO-max (default) | vanilla PPO | best-of-4 (SFT, the same proxy) |",
+    rows = [f"| held-out (seeds {_seed_ranges(list(seeds))}) | SFT | PPO-max (default) | vanilla PPO | best-of-4 (SFT, the same proxy) |",
             "|---|---|---|---|---|",
             "| gold reward | " + ms(sft) + " | " + " | ".join(ms(get(v, "final_gold")) for v in SUMMARY) + " |",
             "| win / tie / lose vs SFT (gold) | | " + " | ".join(
@@ -998,20 +1097,27 @@ def main(argv: list[str] | None = None) -> None:
                    "seed)")
     p.add_argument("--table", action="store_true", help="print docs/findings.md's verdict table")
     p.add_argument("--tally", action="store_true", help="print the tally as one JSON line")
+    p.add_argument("--write-docs", action="store_true", help="write the table and the tally into docs/findings.md "
+                   "(between its marks)")
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
+    p.add_argument("--check-code", type=int, metavar="SEED", help="train CHECK's runs of SEED again with this code and "
+                   "compare them with the records; equal to the last bit: the records stand for this code too")
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
     p.add_argument("--records", action="store_true", help="write every record again from the cached runs")
     p.add_argument("--summary", action="store_true", help="the README's table of SFT, PPO-max, vanilla and "
-                   "best-of-4 (trains the best-of-4 runs if their records are missing)")
+                   "best-of-4 from the records (with --run: trains those runs missing on --seeds, or on every seed, "
+                   "instead of the registry's)")
     args = p.parse_args(argv)
     ids = [c for c in args.claims.split(",") if c]
     unknown = [c for c in ids if c not in {x.id for x in CLAIMS}]
     if unknown:
         print(f"error: --claims: unknown claim(s) {unknown}", file=sys.stderr)
         raise SystemExit(2)
+    if args.check_code is not None and not check_code(args.check_code):
+        raise SystemExit(1)
     if args.operating_point:
         run_operating_point()
-    if args.run:
+    if args.run and not args.summary:
         run_registry(ids or None, parse_seeds(args.seeds) if args.seeds else None)
     if args.table:
         print(table())
@@ -1019,12 +1125,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(tally()))
     if args.show:
         show(ids or [c.id for c in CLAIMS])
+    if args.write_docs:
+        write_findings()
+        print(f"wrote the verdict table and the tally into {FINDINGS.relative_to(ROOT)}")
     if args.records:
         print(f"{rewrite_records()} records written from cached runs")
     if args.summary:
-        missing = [(v, s) for v in SUMMARY for s in SEEDS if not record_path(v, s).exists()]
-        if missing:
-            write_records(sorted({v for v, _ in missing}), SEEDS)
+        seeds = parse_seeds(args.seeds) if args.seeds else set(SEEDS)
+        missing = sorted({s for v in SUMMARY for s in seeds if not record_path(v, s).exists()})
+        if missing and args.run:   # trains (or reuses) the summary's runs of these seeds first
+            write_records(SUMMARY, tuple(missing))
         print(summary())
 
 

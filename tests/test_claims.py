@@ -108,7 +108,49 @@ def test_a_claim_reads_its_parts_from_records_paired_by_seed():
     v = claims.verdict(claim, recs)
     assert v["parts"][0]["mean"] == pytest.approx(np.mean([0.4, 0.4, 0.3]))
     del recs[("b", 2)]
-    assert claims.verdict(claim, recs)["answer"] == "not run"
+    v = claims.verdict(claim, recs)
+    assert v["answer"] == "not run" and v["parts"][0]["missing"] == [2]
+    # the seeds run so far are judged and printed as interim, never as the claim's answer
+    assert v["parts"][0]["interim"]["mean"] == pytest.approx(0.4) and v["parts"][0]["interim"]["n"] == 2
+    assert "not run (seeds 2 missing)" in claims.part_text(v["parts"][0])
+    assert "interim, not a verdict" in claims.part_text(v["parts"][0])
+
+
+def test_seed_ranges_and_parse_seeds_agree():
+    for seeds in ([6, 7, 8, 9], [0, 2, 3, 10], [5]):
+        text = claims._seed_ranges(seeds)
+        assert claims.parse_seeds(text.replace("–", "-").replace(" ", "")) == set(seeds)
+    assert claims._seed_ranges([6, 7, 8, 9, 12]) == "6–9, 12"
+    with pytest.raises(SystemExit) as e:
+        claims.parse_seeds("6-x")
+    assert e.value.code == 2
+
+
+def test_code_equivalence_links_versions_that_reproduced_the_records(tmp_path, monkeypatch):
+    """Records of one code version stand for another only through code-equivalence.json's links, in either
+    direction and along a chain, never for an unlinked version."""
+    import json
+    path = tmp_path / "code-equivalence.json"
+    monkeypatch.setattr(claims, "EQUIVALENCE", path)
+    assert claims.same_code("a", "a") and not claims.same_code("a", "b")
+    path.write_text(json.dumps([{"code": "b", "same_as": "a"}, {"code": "c", "same_as": "b"}]))
+    assert claims.same_code("a", "c") and claims.same_code("c", "a") and claims.same_code("b", "a")
+    assert not claims.same_code("a", "d") and not claims.same_code(None, "c")
+
+
+def test_write_findings_fills_every_block_and_keeps_the_prose(tmp_path):
+    text = "intro\n"
+    for start, end in (claims.RULE_MARKS, claims.TABLE_MARKS, claims.TALLY_MARKS):
+        text += f"PROSE-A\n{start}\nSTALE-X\n{end}\nPROSE-B\n"
+    page = tmp_path / "findings.md"
+    page.write_text(text)
+    claims.write_findings(path=page)
+    out = page.read_text()
+    assert "STALE-X" not in out and out.count("PROSE-A") == 3 and out.count("PROSE-B") == 3
+    assert claims.table().strip() in out and claims.rule_text() in out
+    page.write_text("no marks")
+    with pytest.raises(SystemExit):
+        claims.write_findings(path=page)
 
 
 def test_operating_point_rule_takes_the_first_candidate_that_reaches_the_target():
@@ -120,3 +162,16 @@ def test_operating_point_rule_takes_the_first_candidate_that_reaches_the_target(
     assert claims.choose_operating_point(kl) == (names[3], True)
     kl = {n: 0.05 * i for i, n in enumerate(names)}     # none reaches it: the largest
     assert claims.choose_operating_point(kl) == (names[-1], False)
+
+
+def test_docs_findings_table_and_tally_are_what_the_committed_records_give():
+    """docs/findings.md's verdict table and tally are claims.py's output from notebooks/results/, character for
+    character (python notebooks/claims.py --table / --tally): a verdict is computed, never typed."""
+    import json
+    text = (claims.ROOT / "docs" / "findings.md").read_text()
+    start, end = "<!-- claims.py --table -->", "<!-- end of claims.py --table -->"
+    assert start in text and end in text, "docs/findings.md has lost the markers of its generated table"
+    assert text.split(start, 1)[1].split(end, 1)[0].strip() == claims.table().strip()
+    tally = json.dumps(claims.tally())
+    assert f"`{tally}`" in text, f"docs/findings.md does not quote the tally {tally}"
+    assert sum(claims.tally().values()) == len(claims.CLAIMS) >= 26
