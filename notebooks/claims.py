@@ -16,7 +16,7 @@ Run:
   python notebooks/claims.py --run [--claims ID,...]   train (or reuse) every run the registry plans, write records
   python notebooks/claims.py --table                   the verdict table of docs/findings.md (markdown)
   python notebooks/claims.py --tally                   one JSON line: how many claims end in each verdict
-  python notebooks/claims.py --write-docs              the table and the tally into docs/findings.md, between its marks
+  python notebooks/claims.py --write-docs              the table and tally into docs/findings.md, --summary into README
   python notebooks/claims.py --show ID                 one claim, part by part, with its numbers
   python notebooks/claims.py --operating-point         the pilot runs of OPERATING_POINT and the candidate it picks
   python notebooks/claims.py --summary [--run]         the README's table: SFT, PPO-max, vanilla PPO, best-of-4
@@ -808,6 +808,8 @@ FINDINGS = ROOT / "docs" / "findings.md"
 TABLE_MARKS = ("<!-- claims.py --table -->", "<!-- end of claims.py --table -->")
 TALLY_MARKS = ("<!-- claims.py --tally -->", "<!-- end of claims.py --tally -->")
 RULE_MARKS = ("<!-- claims.py rule -->", "<!-- end of claims.py rule -->")
+README = ROOT / "README.md"
+SUMMARY_MARKS = ("<!-- claims.py --summary -->", "<!-- end of claims.py --summary -->")
 
 
 def rule_text() -> str:
@@ -827,10 +829,11 @@ def findings_blocks(recs: dict | None = None) -> dict[tuple[str, str], str]:
     return {RULE_MARKS: rule_text(), TABLE_MARKS: table(recs), TALLY_MARKS: f"`{json.dumps(tally(recs))}`"}
 
 
-def write_findings(recs: dict | None = None, path: Path = FINDINGS) -> None:
-    """Replace docs/findings.md's generated blocks (the verdict table, the tally) with what the records give."""
+def write_findings(recs: dict | None = None, path: Path = FINDINGS, blocks: dict | None = None) -> None:
+    """Replace docs/findings.md's generated blocks (the rule, the verdict table, the tally), or `blocks` of another
+    page, with what the records give."""
     text = path.read_text()
-    for (start, end), body in findings_blocks(recs).items():
+    for (start, end), body in (findings_blocks(recs) if blocks is None else blocks).items():
         if start not in text or end not in text:
             raise SystemExit(f"error: {path} has lost the marks {start} … {end}")
         head, rest = text.split(start, 1)
@@ -1002,31 +1005,47 @@ def rewrite_records() -> int:
 
 
 def summary(recs: dict | None = None, seeds: tuple[int, ...] | None = None) -> str:
-    """The README's table from the records: held-out gold, win / tie / lose against SFT, KL per response (temperature
+    """The README's table from the records: held-out gold, win − lose against SFT, KL per response (temperature
     1; best-of-n's is exact, log n − (n − 1)/n) and length of SFT, PPO-max, vanilla PPO and best-of-4 (mean ± sd over
-    `seeds`: by default every seed of SEEDS with a record of all three), and PPO-max − best-of-4 paired by seed."""
+    `seeds`: by default every seed of SEEDS with records of PPO-max and vanilla PPO; a column whose records are
+    missing on them says so), and PPO-max − best-of-4 paired by seed."""
     recs = records() if recs is None else recs
     if seeds is None:
-        seeds = tuple(s for s in SEEDS if all((v, s) in recs for v in SUMMARY))
+        seeds = tuple(s for s in SEEDS if all((v, s) in recs for v in SUMMARY[:2]))
     if len(seeds) < 2:
-        return "no summary yet: fewer than two seeds have records of " + ", ".join(SUMMARY)
+        return "no summary yet: fewer than two seeds have records of " + " and ".join(SUMMARY[:2])
+    have = [v for v in SUMMARY if all((v, s) in recs for s in seeds)]
     get = lambda v, m: np.array([recs[(v, s)]["metrics"][m] for s in seeds])  # noqa: E731
     ms = lambda x: f"{x.mean():.2f} ± {x.std(ddof=1):.2f}"  # noqa: E731
+    cell = lambda v, f: f(v) if v in have else "not run"  # noqa: E731
     sft = get("ppo-max", "final_gold") - get("ppo-max", "final_gold_vs_sft")
-    rows = [f"| held-out (seeds {_seed_ranges(list(seeds))}) | SFT | PPO-max (default) | vanilla PPO | best-of-4 (SFT, the same proxy) |",
-            "|---|---|---|---|---|",
-            "| gold reward | " + ms(sft) + " | " + " | ".join(ms(get(v, "final_gold")) for v in SUMMARY) + " |",
-            "| win / tie / lose vs SFT (gold) | | " + " | ".join(
-                " / ".join(f"{get(v, k).mean():.2f}" for k in ("win", "tie", "lose")) for v in SUMMARY) + " |",
-            "| KL to SFT per response (nats) | 0 | " + " | ".join(ms(get(v, "final_kl_seq")) for v in SUMMARY) + " |",
-            "| response length (tokens) | | " + " | ".join(ms(get(v, "final_length")) for v in SUMMARY) + " |"]
-    d = get("ppo-max", "final_gold") - get("bon-4", "final_gold")
-    v = judge(d, MARGINS["gold"], "alike")
-    w = get("ppo-max", "win_lose") - get("bon-4", "win_lose")
-    vw = judge(w, MARGINS["win-lose"], "alike")
+    rows = [f"| held-out (seeds {_seed_ranges(list(seeds))}) | SFT | PPO-max (default) | vanilla PPO | "
+            "best-of-4 (SFT, the same proxy) |", "|---|---|---|---|---|",
+            "| gold reward | " + ms(sft) + " | " + " | ".join(cell(v, lambda v: ms(get(v, "final_gold")))
+                                                          for v in SUMMARY) + " |",
+            "| win − lose vs SFT (gold, held-out pairs) | | " + " | ".join(
+                cell(v, lambda v: ms(get(v, "win_lose"))) for v in SUMMARY) + " |",
+            "| KL to SFT per response (nats) | 0 | " + " | ".join(cell(v, lambda v: ms(get(v, "final_kl_seq")))
+                                                                for v in SUMMARY) + " |",
+            "| KL to SFT per token (nats) | 0 | " + " | ".join(
+                cell(v, lambda v: ms(get(v, "final_kl")) if v != "bon-4" else "—") for v in SUMMARY) + " |",
+            "| response length (tokens) | | " + " | ".join(cell(v, lambda v: ms(get(v, "final_length")))
+                                                          for v in SUMMARY) + " |"]
+    for a, b in (("ppo-max", "bon-4"), ("ppo-max", "vanilla")):
+        if b not in have:
+            continue
+        v = judge(get(a, "final_gold") - get(b, "final_gold"), MARGINS["gold"], "alike")
+        vw = judge(get(a, "win_lose") - get(b, "win_lose"), MARGINS["win-lose"], "alike")
+        rows.append("")
+        rows.append(f"{a} − {b}, paired by seed (mean [95 % interval]): gold {_fmt(v['mean'])} [{_fmt(v['lo95'])}, "
+                    f"{_fmt(v['hi95'])}], win − lose against SFT {_fmt(vw['mean'])} [{_fmt(vw['lo95'])}, "
+                    f"{_fmt(vw['hi95'])}]")
+    d = get("ppo-max", "final_gold_vs_sft")
+    v = judge(d, MARGINS["gold"], "higher")
     rows.append("")
-    rows.append(f"PPO-max − best-of-4, paired by seed: gold {_fmt(v['mean'])} [{_fmt(v['lo95'])}, {_fmt(v['hi95'])}], "
-                f"win − lose against SFT {_fmt(vw['mean'])} [{_fmt(vw['lo95'])}, {_fmt(vw['hi95'])}]")
+    rows.append(f"ppo-max − SFT, gold: {_fmt(v['mean'])} [{_fmt(v['lo95'])}, {_fmt(v['hi95'])}], "
+                f"{v['above']}/{v['n']} seeds above SFT; win − lose: "
+                + ", ".join(f"{x:+.2f}" for x in get("ppo-max", "win_lose")))
     return "\n".join(rows)
 
 
@@ -1097,8 +1116,8 @@ def main(argv: list[str] | None = None) -> None:
                    "seed)")
     p.add_argument("--table", action="store_true", help="print docs/findings.md's verdict table")
     p.add_argument("--tally", action="store_true", help="print the tally as one JSON line")
-    p.add_argument("--write-docs", action="store_true", help="write the table and the tally into docs/findings.md "
-                   "(between its marks)")
+    p.add_argument("--write-docs", action="store_true", help="write the table and the tally into docs/findings.md, "
+                   "and --summary into README.md (between their marks)")
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
     p.add_argument("--check-code", type=int, metavar="SEED", help="train CHECK's runs of SEED again with this code and "
                    "compare them with the records; equal to the last bit: the records stand for this code too")
@@ -1127,6 +1146,7 @@ def main(argv: list[str] | None = None) -> None:
         show(ids or [c.id for c in CLAIMS])
     if args.write_docs:
         write_findings()
+        write_findings(path=README, blocks={SUMMARY_MARKS: summary()})
         print(f"wrote the verdict table and the tally into {FINDINGS.relative_to(ROOT)}")
     if args.records:
         print(f"{rewrite_records()} records written from cached runs")

@@ -175,3 +175,12 @@ def test_docs_findings_table_and_tally_are_what_the_committed_records_give():
     tally = json.dumps(claims.tally())
     assert f"`{tally}`" in text, f"docs/findings.md does not quote the tally {tally}"
     assert sum(claims.tally().values()) == len(claims.CLAIMS) >= 26
+
+
+def test_readme_summary_is_what_the_committed_records_give():
+    """The README's table of SFT, PPO-max, vanilla PPO and best-of-4 is claims.py --summary's output, character for
+    character (python notebooks/claims.py --write-docs writes it)."""
+    text = claims.README.read_text()
+    start, end = claims.SUMMARY_MARKS
+    assert start in text and end in text, "README.md has lost the marks of its generated summary"
+    assert text.split(start, 1)[1].split(end, 1)[0].strip() == claims.summary().strip()
