@@ -1102,7 +1102,7 @@ def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig,
     else:
         if rank != 0:
             return None
-        score = judge.score if judge else evaluation.rm_judge(reward_model, inp.tokenizer)
+        score = judge.score if judge else evaluation.rm_judge(reward_model)
         rep = best_of_n.evaluate(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed,
                                  cfg.max_new_tokens, score)
         plain = best_of_n.sample(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed + 1,
