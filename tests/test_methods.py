@@ -72,6 +72,19 @@ def test_default_out_names_the_estimator():
     assert run.out == "runs/ppo-max-seed0"
 
 
+def test_dr_grpo_implies_its_loss_aggregation():
+    """`python train.py --advantage dr-grpo --group-size 4` (docs/methods.md) is both halves of Dr. GRPO: its advantage
+    and its constant divisor (--loss-agg seq-mean-token-sum-norm), with the KL in the reward (k1) or, with --kl-in
+    loss, GRPO's k3; the other estimators keep the token-mean."""
+    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "dr-grpo", "--group-size", "4"])
+    assert (cfg.advantage, cfg.loss_agg, cfg.kl_in, cfg.kl_estimator) == ("dr-grpo", "seq-mean-token-sum-norm",
+                                                                          "reward", "k1")
+    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "dr-grpo", "--group-size", "4", "--kl-in", "loss"])
+    assert (cfg.loss_agg, cfg.kl_estimator) == ("seq-mean-token-sum-norm", "k3")
+    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "grpo", "--group-size", "4"])
+    assert cfg.loss_agg == "token-mean"
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--advantage", "grpo"], "--advantage grpo: needs --group-size G ≥ 2"),
     (["--advantage", "rloo", "--group-size", "4", "--rollout-batch", "18"], "--rollout-batch 18: must be a multiple"),
