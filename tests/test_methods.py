@@ -2,7 +2,6 @@
 resume, G responses per prompt in whole groups), --kl-in loss, and the one-line refusals of combinations that cannot
 work."""
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,22 +13,8 @@ TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldo
         "--eval-samples", "1", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("methods")
-    old = os.getcwd()
-    os.chdir(d)
-    yield d
-    os.chdir(old)
-
-
-def metrics(path):
-    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
-            for l in Path(path, "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
-def test_grpo_runs_without_a_critic_and_resumes_exactly(work):
+def test_grpo_runs_without_a_critic_and_resumes_exactly(work, metrics):
     args = TINY + ["--advantage", "grpo", "--group-size", "4", "--save-every", "2"]
     summary = train.main(args + ["--steps", "4", "--out", "grpo"])
     out = work / "grpo"
@@ -52,7 +37,7 @@ def test_grpo_runs_without_a_critic_and_resumes_exactly(work):
 @pytest.mark.parametrize("flags", [["--advantage", "reinforce++"],
                                    ["--advantage", "dr-grpo", "--group-size", "2", "--kl-in", "loss"],
                                    ["--advantage", "rloo", "--group-size", "2", "--lora-r", "4"]])
-def test_other_estimators_run(work, flags):
+def test_other_estimators_run(work, flags, metrics):
     name = "-".join(flags).replace("--", "")
     summary = train.main(TINY + flags + ["--steps", "2", "--out", name])
     cfg = summary["config"]
