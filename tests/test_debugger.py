@@ -1,7 +1,8 @@
 """Stepping through one PPO iteration in pdb, as the README's "Step through one iteration" says: `python -m pdb
-train.py --break-at 0 --critic-pretrain-steps 0 ...` stops at the top of iteration 0, and Ctrl-C inside a step breaks
-into pdb instead of checkpointing and exiting (checkpoint.GracefulExit leaves SIGINT to a debugger). pdb is driven
-through its stdin, as a person would type."""
+train.py --break-at 0 --critic-pretrain-steps 0 ...` stops at the top of iteration 0, `n` walks steps (0)-(7) with one
+stop per statement (each numbered call on one line, its result printable right after it), and Ctrl-C inside a step
+breaks into pdb instead of checkpointing and exiting (checkpoint.GracefulExit leaves SIGINT to a debugger). pdb is
+driven through its stdin, as a person would type."""
 import ast
 import os
 import re
@@ -102,7 +103,7 @@ def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
         # `n` from (0) to the next iteration's loop head: one stop per statement, none on a continuation line, and
         # one stop at each line of the README's table, after which its values print
         stops = [where(stop)]
-        while "plumbing.end_step(" not in stops[-1][1]:
+        while "plumbing.end_step(" not in stops[-1][1] and len(stops) < 40:
             stops.append(where(s.stop_after("n")))
             for name, (line, printed) in STEPS.items():
                 if printed and line in stops[-2][1]:
