@@ -22,9 +22,10 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     token_ids / query_ids / response_ids / pad / lm_batch(_of_ids) / pair_batch(_of_ids)
                         the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
                         (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
-    encode_rows / encode_pairs / shuffled_batches
-                        a data set encoded once (one batch call of the tokenizer), and the seeded
-                        minibatches of row indices SFT, the reward model and DPO train on
+    encode_rows / encode_pairs / shuffled_batches / minibatches
+                        a data set encoded once (one batch call of the tokenizer), the seeded
+                        minibatches of row indices, and the loop SFT, the reward model and DPO
+                        read them with (this rank's share of each, collated, on the device)
     train_bpe_tokenizer byte-level BPE trained with `tokenizers` on the training split, saved as a
                         Hugging Face tokenizer directory
     load_tokenizer      AutoTokenizer.from_pretrained with a clear error
@@ -825,6 +826,17 @@ def shuffled_batches(n_rows: int, batch: int, steps: int, seed: int) -> Iterator
             order += rng.sample(range(n_rows), n_rows)
         idx, order = order[:batch], order[batch:]
         yield idx
+
+
+def minibatches(encoded: list, batch: int, steps: int, seed: int, collate: Callable, pad_id: int | None, device,
+                rank: int = 0, world: int = 1) -> Iterator[tuple]:
+    """The minibatch loop of SFT, the reward model and DPO: `steps` minibatches of `batch` encoded rows in
+    shuffled_batches' order, each as (the row indices this rank takes, *collate(their rows, pad_id) on `device`),
+    e.g. (idx, ids, attention mask, response mask) with lm_batch_of_ids or pair_batch_of_ids. Under DeepSpeed rank r
+    of W takes positions r, r + W, … of every minibatch; one process takes all of it."""
+    for idx in shuffled_batches(len(encoded), batch, steps, seed):
+        mine = idx[rank::world]
+        yield mine, *(t.to(device) for t in collate([encoded[i] for i in mine], pad_id))
 
 
 def pad(seqs: list[list[int]], pad_id: int, side: str):

@@ -130,7 +130,8 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
     device = next(model.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     log = []
-    batches = data.shuffled_batches(len(pairs), cfg.dpo_batch, steps, seed)  # pair indices, seeded epochs
+    batches = data.minibatches(encoded, cfg.dpo_batch, steps, seed, data.pair_batch_of_ids, tokenizer.pad_token_id,
+                               device, rank, world)  # seeded epochs: pair indices, then ids, attn, resp (2B, L)
     bar = (progress or (lambda r, *_: r))(range(steps + 1), "DPO")
     for step in bar:
         if step % cfg.dpo_eval_every == 0 or step == steps:  # held-out pairs: how often r̂_w > r̂_l
@@ -140,10 +141,8 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
         if step == steps:
             break
         trained.train()
-        idx = next(batches)[rank::world]
+        idx, ids, attn, resp = next(batches)                                                       # (2B, L)
         B = len(idx)
-        ids, attn, resp = (t.to(device) for t in data.pair_batch_of_ids([encoded[i] for i in idx],
-                                                                         tokenizer.pad_token_id))  # (2B, L)
         logps = sequence_logprobs(trained, ids, attn, resp)                                        # (2B,)
         loss, stats = dpo_loss(logps[:B], logps[B:], ref_w[idx].to(logps), ref_l[idx].to(logps), cfg.dpo_beta)
         engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.dpo_lr))

@@ -459,7 +459,8 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     device = next(rm.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     log = []
-    batches = data.shuffled_batches(len(train_rows), cfg.rm_batch, steps, seed)  # pair indices, seeded epochs
+    batches = data.minibatches(train_ids, cfg.rm_batch, steps, seed, data.pair_batch_of_ids, tokenizer.pad_token_id,
+                               device, rank, world)  # seeded epochs: pair indices, then ids, attn, resp (2B, L)
     for step in (bar := progress(range(steps + 1), "2. reward model", leave=False, disable=rank != 0)):
         if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
             rm.eval()
@@ -469,10 +470,8 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
         if step == steps:
             break
         trained.train()
-        idx = next(batches)[rank::world]
+        idx, ids, attn, resp = next(batches)                                        # chosen rows, then rejected
         B = len(idx)
-        ids, attn, resp = (t.to(device) for t in data.pair_batch_of_ids([train_ids[i] for i in idx],
-                                                                         tokenizer.pad_token_id))
         values, logits = trained(ids, attn, return_logits=True)                      # (2B, L), (2B, L, V)
         idx = score_index(ids, attn, rm.score_pad_id)                                # (2B,)  the last real token
         scores = values.gather(1, idx[:, None]).squeeze(1)                           # (2B,)  r(x, y)

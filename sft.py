@@ -75,11 +75,11 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     device = next(model.parameters()).device
     rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
     losses = []
-    batches = data.shuffled_batches(len(rows), cfg.sft_batch, steps, seed)  # row indices, seeded epochs
+    batches = data.minibatches(encoded, cfg.sft_batch, steps, seed, data.lm_batch_of_ids, tokenizer.pad_token_id,
+                               device, rank, world)  # seeded epochs: row indices, then ids, attn, resp_mask (B, L)
     trained.train()
-    for step, idx in zip(bar := progress(range(steps), desc, leave=False, disable=rank != 0), batches):
-        mine = [encoded[i] for i in idx[rank::world]]
-        ids, attn, resp_mask = (t.to(device) for t in data.lm_batch_of_ids(mine, tokenizer.pad_token_id))  # (B, L)
+    bar = progress(range(steps), desc, leave=False, disable=rank != 0)
+    for step, (_, ids, attn, resp_mask) in zip(bar, batches):
         logits = trained(input_ids=ids, attention_mask=attn, use_cache=False).logits   # (B, L, V) no KV cache to
         # build while training (xLSTM's updates its states in place, which backward then cannot use)
         loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -826,6 +827,10 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, plumbing: "Lo
     Returns how the loop ended: {"stop_reason", "signal", "path"}."""
     tokenizer = batches.tokenizer
     eos, pad_id = batches.stop_id, tokenizer.pad_token_id  # eos: EOS or the template's end of turn (data.stop_id)
+    # the arguments every iteration passes unchanged, named here so that each numbered call is one line in pdb
+    sampling = dict(max_new_tokens=cfg.max_new_tokens, eos_id=eos, pad_id=pad_id, temperature=cfg.temperature)
+    models = (m.policy, m.ref, m.reward_model, m.critic)  # π_θ, π_SFT, the reward model, V_φ (None: critic-free)
+    ptx_batch = functools.partial(batches.ptx, cfg.ptx_batch)  # Eq. 17's SFT rows, drawn by step (6) when it needs them
     warmup_steps = math.ceil(cfg.warmup_frac * run.steps)
     for step in plumbing.steps():  # PLUMBING: the bar; ends early on a signal, the guard or --on-collapse stop
         if step == run.break_at:
@@ -836,22 +841,20 @@ def ppo(m: Models, batches: data.RolloutBatches, state: LoopState, plumbing: "Lo
         if m.critic_opt is not None:  # none with a critic-free --advantage
             engine.set_lr(m.critic_opt, cfg.critic_lr * lr_scale)
         prompts, query, query_mask = batches.prompts(cfg.rollout_batch, cfg.group_size)  # (B, P): G rows per prompt
-        # (1) sample responses with the KV cache, stopping at EOS
+        # (1) sample responses with the KV cache, stopping at EOS: response, response_mask (B, T), finished (B,)
         m.policy.eval()
-        response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, cfg.max_new_tokens, eos,
-                                                            pad_id, cfg.temperature)  # (B, T), (B, T), (B,)
-        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19), values and GAE (Eq. 9) or, without a
-        # critic, the group's or the batch's baseline (critic_free.py)
-        exp = ppo_max.make_experience(m.policy, m.ref, m.reward_model, m.critic, query, query_mask, response,
-                                      response_mask, state.moments, cfg, state.kl_ctl.value)
+        response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, **sampling)
+        # (2)-(5): score, normalise and clip (Eq. 18), KL-shape (Eq. 19) with η = kl_coef, values and GAE (Eq. 9) or,
+        # without a critic, the group's or the batch's baseline (critic_free.py)
+        kl_coef = state.kl_ctl.value  # η of Eq. 19 (it adapts only with --kl-target)
+        exp = ppo_max.make_experience(*models, query, query_mask, response, response_mask, state.moments, cfg, kl_coef)
         if plumbing.skip(step, exp["nonfinite"]):  # PLUMBING: a NaN/inf in (2)-(5) skips the update (the guard)
             continue
         # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global grad clip
         m.policy.train()
         if m.critic is not None:
             m.critic.train()
-        upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg,
-                                 lambda: batches.ptx(cfg.ptx_batch))
+        upd = ppo_max.ppo_update(m.policy, m.critic, m.policy_opt, m.critic_opt, exp, cfg, ptx_batch)
         state.kl_ctl.update(exp["stats"]["kl/ref"], cfg.rollout_batch)  # adaptive η (only with --kl-target)
         # (7) log: the judge (gold: the synthetic human) is never seen by training; then checkpoint
         plumbing.end_step(step, exp, upd, prompts, finished)  # PLUMBING: judge, ranks, metrics, alarm, checkpoints
@@ -1102,7 +1105,7 @@ def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig,
     else:
         if rank != 0:
             return None
-        score = judge.score if judge else evaluation.rm_judge(reward_model, inp.tokenizer)
+        score = judge.score if judge else evaluation.rm_judge(reward_model)
         rep = best_of_n.evaluate(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed,
                                  cfg.max_new_tokens, score)
         plain = best_of_n.sample(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed + 1,

@@ -6,6 +6,7 @@ is one); every other module (data, engine, ...) still comes from the repository.
 from the repository root, so it names the same folder whatever the current directory (tools/assignment.py's
 impl_folder; the exercises notebook reads it the same way).
 """
+import json
 import os
 import sys
 from pathlib import Path
@@ -81,3 +82,29 @@ def two_at_a_time(fn, args) -> list:
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(fn, args))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End-to-end runs of train.py: the runs of one test module share a temporary working directory (so runs/_base, the
+# cached stages 1-2, is theirs and not the user's), and are compared by their metrics.jsonl without the wall clock.
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, request) -> Path:
+    """A fresh directory for the test module, the current one while its tests run."""
+    d = tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+    old = os.getcwd()
+    os.chdir(d)
+    yield d
+    os.chdir(old)
+
+
+def run_metrics(path) -> list[dict]:
+    """The rows of <path>/metrics.jsonl without their time/ keys, the only ones that differ between equal runs."""
+    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
+            for l in Path(path, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def metrics():
+    """run_metrics, for the tests and fixtures that compare runs."""
+    return run_metrics

@@ -94,3 +94,69 @@ def test_select_best_takes_the_first_of_equal_scores_and_n_one_is_the_policy():
     assert best_of_n.bon_kl(1) == 0.0
     with pytest.raises(ValueError):
         best_of_n.bon_kl(0)
+
+
+# ------------------------------------------------------------------------------- the wiring, on a tiny LLaMA
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random LLaMA (tools/tiny_model.py) and a reward model from it with a random head (the proxy here):
+    (sft dir, reward-model dir, tokenizer, policy, reward model)."""
+    from transformers import AutoModelForCausalLM
+
+    import data
+    from reward_model import ScalarHeadModel
+    from test_lora import build
+    sft, rm_dir = build("llama", tmp_path_factory.mktemp("bon"))
+    policy = AutoModelForCausalLM.from_pretrained(sft).eval()
+    return sft, rm_dir, data.load_tokenizer(sft), policy, ScalarHeadModel.from_pretrained(rm_dir).eval()
+
+
+def test_sample_keeps_the_best_of_each_prompts_own_candidates(tiny):
+    """best_of_n.sample: response j of prompt i is the best, by the proxy, of the j-th block of n among the
+    candidates eval.sample draws for prompt i with the same seed (scored here one sequence at a time, unpadded),
+    never of another prompt's; its proxy score comes back beside it."""
+    import eval as evaluation
+    from test_lora import PROMPTS
+    _, _, tokenizer, policy, rm = tiny
+    prompts, n, per_prompt = PROMPTS[:3], 3, 2
+    got = best_of_n.sample(policy, rm, tokenizer, prompts, n, per_prompt, seed=5, max_new_tokens=6)
+    cand = evaluation.sample(policy, tokenizer, prompts, per_prompt * n, 5, 6)
+    rows = [(q[qm != 0], r[m != 0]) for Q, QM, R, M in zip(cand["query"], cand["query_mask"], cand["response"],
+                                                           cand["mask"]) for q, qm, r, m in zip(Q, QM, R, M)]
+    with torch.no_grad():
+        scores = [rm.score(torch.cat([q, r])[None], torch.ones(1, len(q) + len(r))).item() for q, r in rows]
+    want = []
+    for p in prompts:
+        own = [k for k, c in enumerate(cand["prompts"]) if c == p]       # prompt p's per_prompt · n candidates
+        assert len(own) == per_prompt * n
+        want += [max(own[j * n:(j + 1) * n], key=lambda k: scores[k]) for j in range(per_prompt)]
+    assert got["prompts"] == [p for p in prompts for _ in range(per_prompt)]
+    assert [r[m != 0].tolist() for r, m in zip(got["response"][0], got["mask"][0])] == [rows[k][1].tolist()
+                                                                                         for k in want]
+    assert got["scores"] == pytest.approx([scores[k] for k in want], abs=1e-5)
+
+
+def test_method_best_of_n_samples_only_the_heldout_prompts(tiny, tmp_path, monkeypatch):
+    """train.py --method best-of-n (train.other_method) on a tiny model: every prompt it samples, for the comparison
+    with SFT and for the frontier point, is a held-out one; none is a training prompt."""
+    import time
+
+    import dpo
+    import eval as evaluation
+    import ppo_max
+    import train
+    from pipeline import Inputs
+    from test_lora import PROMPTS
+    sft, rm_dir, tokenizer, _, _ = tiny
+    sampled = []
+    original = evaluation.sample
+    monkeypatch.setattr(evaluation, "sample", lambda model, tok, prompts, *a, **k: sampled.append(list(prompts))
+                        or original(model, tok, prompts, *a, **k))
+    train_prompts, heldout = PROMPTS[:2], PROMPTS[2:]
+    inp = Inputs(sft, sft, rm_dir, rm_dir, tokenizer, {"prompts_train": [{"prompt": p} for p in train_prompts],
+                                                       "prompts_heldout": [{"prompt": p} for p in heldout]})
+    run = train.RunConfig(method="best-of-n", bon_n=2, eval_samples=1, out=str(tmp_path))
+    summary = train.other_method(run, ppo_max.PPOConfig(max_new_tokens=4), dpo.DPOConfig(), inp, {"sft": str(sft)},
+                                 0, 1, torch.device("cpu"), time.time())
+    assert summary["method"] == "best-of-n" and summary["frontier"]["kl_seq"] == best_of_n.bon_kl(2)
+    assert len(sampled) == 3 and all(sorted(set(p)) == sorted(heldout) for p in sampled), sampled

@@ -61,6 +61,19 @@ def test_grpo_group_of_equal_scores_gets_zero_advantage():
     assert A[3] < 0 < A[4]
 
 
+def test_grpo_epsilon_is_verls_1e_6_where_it_matters():
+    """ε = 1e-6 (verl's), added to the std: on a group whose std is itself about 1e-6 the advantages are of order 1
+    and depend on ε, so this loop with ε written out pins it (at ε = 1e-2 they would be 10⁴ times smaller)."""
+    scores = torch.tensor([1.0, 1.0 + 2e-6, 1.0 - 2e-6, 1.0, 0.0, 1.0, 2.0, 3.0], dtype=F64)
+    want = []
+    for i in range(0, 8, 4):
+        r = scores[i:i + 4].tolist()
+        want += [(x - statistics.fmean(r)) / (statistics.pstdev(r) + 1e-6) for x in r]
+    A = critic_free.grpo(scores, 4)                                    # the default ε, as make_experience calls it
+    assert_close(A, torch.tensor(want, dtype=F64), rtol=1e-9, atol=0)
+    assert 0.5 < A[1].item() < 1.0                                     # 2e-6 / (√2·1e-6 + 1e-6) = 0.83
+
+
 def test_dr_grpo_against_a_loop():
     scores = torch.randn(12, generator=torch.Generator().manual_seed(1), dtype=F64)
     want = [x - statistics.fmean(scores[i // 4 * 4:i // 4 * 4 + 4].tolist()) for i, x in enumerate(scores.tolist())]
@@ -259,3 +272,27 @@ def test_first_update_ratio_is_one_without_a_critic_on_architectures_with_dropou
     policy.train()
     upd = ppo_max.ppo_update(policy, None, torch.optim.AdamW(policy.parameters(), lr=1e-3), None, exp, cfg, None)
     assert upd["ppo/ratio"] == 1.0 and upd["ppo/clipfrac"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny random LLaMA's directory and a reward model's beside it (tests/test_lora.py build): (sft, rm)."""
+    from test_lora import build
+    return build("llama", tmp_path_factory.mktemp("critic-free"))
+
+
+@pytest.mark.parametrize("name", critic_free.ESTIMATORS)
+def test_load_models_builds_a_critic_for_gae_only(name, model_dirs):
+    """train.load_models: GAE gets a critic (from the reward model, PPO-max) and its optimizer; a critic-free
+    estimator gets neither, and its frozen reward model is the saved one."""
+    import data
+    import ppo_max
+    import train
+    from pipeline import Inputs
+    sft, rm = model_dirs
+    inp = Inputs(sft, sft, rm, rm, data.load_tokenizer(sft), {})
+    m = train.load_models(inp, train.RunConfig(), ppo_max.PPOConfig(advantage=name), torch.device("cpu"), None)
+    assert (m.critic is None, m.critic_opt is None) == (name != "gae",) * 2
+    assert m.policy is not None and m.ref is not None and m.reward_model is not None
+    if name == "gae":
+        assert_close(m.critic.head.weight, m.reward_model.head.weight, rtol=0, atol=0)  # both start from the RM

@@ -382,6 +382,22 @@ def test_shuffled_batches_are_epochs_of_one_seeded_shuffle():
     assert all(len(b) == 4 for b in batches) and sorted(stream[:10]) == list(range(10))
 
 
+def test_minibatches_split_each_shuffled_batch_across_ranks_and_collate_it():
+    """data.minibatches, the loop of SFT, the reward model and DPO: one process takes every shuffled_batches minibatch
+    whole; W ranks take positions r, r + W, … of it, together the whole; each share is collated from its own rows."""
+    encoded = [([1, 2 + i], [10 + i] * (1 + i % 3), [20 + i]) for i in range(10)]   # (query, chosen, rejected) ids
+    want = list(data.shuffled_batches(10, 4, 5, seed=7))
+    one = list(data.minibatches(encoded, 4, 5, 7, data.pair_batch_of_ids, 0, "cpu"))
+    assert [idx for idx, *_ in one] == want
+    for idx, *tensors in one:
+        for got, expected in zip(tensors, data.pair_batch_of_ids([encoded[i] for i in idx], 0)):
+            assert torch.equal(got, expected)
+    ranks = [list(data.minibatches(encoded, 4, 5, 7, data.pair_batch_of_ids, 0, "cpu", rank=r, world=2))
+             for r in range(2)]
+    for k, idx in enumerate(want):
+        assert ranks[0][k][0] == idx[0::2] and ranks[1][k][0] == idx[1::2]
+
+
 def test_train_bpe_tokenizer_deterministic(bpe_dir):
     assert (bpe_dir / "a" / "tokenizer.json").read_bytes() == (bpe_dir / "b" / "tokenizer.json").read_bytes()
 

@@ -1,8 +1,11 @@
 """Stepping through one PPO iteration in pdb, as the README's "Step through one iteration" says: `python -m pdb
-train.py --break-at 0 --critic-pretrain-steps 0 ...` stops at the top of iteration 0, and Ctrl-C inside a step breaks
-into pdb instead of checkpointing and exiting (checkpoint.GracefulExit leaves SIGINT to a debugger). pdb is driven
-through its stdin, as a person would type."""
+train.py --break-at 0 --critic-pretrain-steps 0 ...` stops at the top of iteration 0, `n` walks steps (0)-(7) with one
+stop per statement (each numbered call on one line, its result printable right after it), and Ctrl-C inside a step
+breaks into pdb instead of checkpointing and exiting (checkpoint.GracefulExit leaves SIGINT to a debugger). pdb is
+driven through its stdin, as a person would type."""
+import ast
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +52,34 @@ class Session:
     def type(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
 
+    def stop_after(self, command: str) -> str:
+        """Type `command` and wait for pdb's next prompt; returns what pdb wrote in between."""
+        count = self.text.count("(Pdb)")
+        self.type(command)
+        self.wait_for("(Pdb)", count + 1)
+        return self.text.rsplit("(Pdb)", 2)[-2]
+
+
+def where(stop: str) -> tuple[int, str]:
+    """(line, source) of a pdb stop in train.ppo: `> …/train.py(LINE)ppo()` then `-> SOURCE`."""
+    found = re.search(r"train\.py\((\d+)\)ppo\(\)\n-> (.*)\n", stop)
+    assert found, stop
+    return int(found[1]), found[2]
+
+
+def statement_starts(function: str) -> set[int]:
+    """The first line of every statement of train.py's `function`: the lines where `n` may stop."""
+    tree = ast.parse((ROOT / "train.py").read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {n.lineno for n in ast.walk(fn) if isinstance(n, ast.stmt)}
+
+
+# the README's table ("Step through one iteration"): the line of train.ppo that carries each numbered step, and what
+# to print once `n` has run it
+STEPS = {"(0)": ("lr_scale = ", None), "(1)": ("ppo_max.rollout(", ("p response.shape", "torch.Size([16, ")),
+         "(2)-(5)": ("ppo_max.make_experience(", ('p exp["advantages"].shape', "torch.Size([16, ")),
+         "(6)": ("ppo_max.ppo_update(", ('p "loss/pg" in upd', "True")), "(7)": ("plumbing.end_step(", None)}
+
 
 @pytest.mark.slow
 def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
@@ -69,6 +100,20 @@ def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
         s.type("p step")
         s.wait_for("(Pdb) 0\n")
         print(f"pdb reached PPO iteration 0 in {seconds:.1f} s (the base cached)")
+        # `n` from (0) to the next iteration's loop head: one stop per statement, none on a continuation line, and
+        # one stop at each line of the README's table, after which its values print
+        stops = [where(stop)]
+        while "plumbing.end_step(" not in stops[-1][1] and len(stops) < 40:
+            stops.append(where(s.stop_after("n")))
+            for name, (line, printed) in STEPS.items():
+                if printed and line in stops[-2][1]:
+                    assert printed[1] in s.stop_after(printed[0]), (name, s.text[-2000:])
+        stops.append(where(s.stop_after("n")))
+        assert "for step in plumbing.steps()" in stops[-1][1], stops
+        assert {line for line, _ in stops} <= statement_starts("ppo"), stops
+        assert len({line for line, _ in stops}) == len(stops), stops
+        named = [name for _, code in stops for name, (line, _) in STEPS.items() if line in code]
+        assert named == list(STEPS), stops
     finally:
         s.proc.kill()
         s.proc.wait(30)

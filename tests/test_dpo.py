@@ -41,6 +41,18 @@ def test_dpo_loss_eq7_against_a_loop(beta):
     assert stats["accuracy"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
 
 
+def test_dpo_accuracy_counts_a_tie_as_half():
+    """The implicit rewards' accuracy counts r̂_w = r̂_l as ½ (as reward_model.accuracy): 0.5 at π = π_ref, where
+    every margin is 0, and (1 + 1 + ½ + 0) / 4 on a win, a win, a tie and a loss."""
+    pw, pl, rw, rl = logps(4, B=4)
+    _, stats = dpo.dpo_loss(rw, rl, rw, rl, 0.1)
+    assert stats["accuracy"] == 0.5
+    chosen = rw + torch.tensor([1.0, 2.0, 0.0, -1.0], dtype=F64)            # log π(y_w) moved by +1, +2, 0, −1
+    _, stats = dpo.dpo_loss(chosen, rl, rw, rl, 0.1)
+    margins = [0.1 * d for d in (1.0, 2.0, 0.0, -1.0)]
+    assert stats["accuracy"] == sum(1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins) / 4 == 0.625
+
+
 def test_dpo_loss_is_log2_at_the_reference_and_its_gradient_is_the_closed_form():
     pw, pl, rw, rl = logps(1)
     loss, _ = dpo.dpo_loss(rw, rl, rw, rl, 0.1)
@@ -77,6 +89,43 @@ def test_response_logprob_sum_against_a_token_loop():
     for b in range(2):
         want = sum(torch.log_softmax(logits[b, t - 1], -1)[ids[b, t]].item() for t in range(1, 6) if resp[b, t])
         assert got[b].item() == pytest.approx(want, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------ the stage on a tiny model
+PROMPTS = ["Human: how do I bake bread?\n\nAssistant:", "Human: what is a good name for a cat?\n\nAssistant:",
+           "Human: tell me a joke\n\nAssistant:", "Human: is the sea salty?\n\nAssistant:"]
+CHOSEN = [" Mix flour, water and yeast.", " Maybe Tom.", " A horse walks into a bar.", " Yes, quite."]
+REJECTED = [" No.", " I do not know.", " No.", " Who cares."]
+
+
+def test_train_dpo_keeps_the_sft_model_as_the_reference(tmp_path):
+    """train_dpo on a tiny LLaMA: π_ref is the model as it came in, frozen. Its held-out loss at the end equals Eq. 7
+    computed here with a copy of the starting model as π_ref, and after the first step the training margins move
+    away from 0 (a reference that followed the policy would keep every margin at 0 and the loss at log 2)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import data
+    import tiny_model
+    pairs = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
+    sft = tiny_model.build_model("llama", [p + r for p, r in zip(PROMPTS * 2, CHOSEN + REJECTED)] * 4,
+                                 tmp_path / "sft", hidden=32, layers=1, heads=4, vocab_size=300)
+    tokenizer = data.load_tokenizer(sft)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(sft)
+    ref = copy.deepcopy(model).eval()
+    cfg = dpo.DPOConfig(dpo_lr=1e-2, dpo_epochs=3.0, dpo_batch=4, dpo_eval_every=1)
+    log = dpo.train_dpo(model, tokenizer, pairs * 2, pairs, cfg, seed=0)
+    assert log[0]["heldout_accuracy"] == 0.5 and log[0]["heldout_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    pol_w, pol_l = dpo.pair_logprobs(model, tokenizer, pairs)
+    ref_w, ref_l = dpo.pair_logprobs(ref, tokenizer, pairs)
+    loss, stats = dpo.dpo_loss(pol_w, pol_l, ref_w, ref_l, cfg.dpo_beta)
+    assert log[-1]["heldout_loss"] == pytest.approx(loss.item(), abs=1e-5) and loss.item() < math.log(2) - 0.1
+    assert log[-1]["heldout_accuracy"] == stats["accuracy"]
+    train = [s for row in log for s in row.get("train", [])]
+    assert len(train) == 6 and train[0]["margin"] == 0.0
+    assert all(abs(s["margin"]) > 0.1 and s["loss"] < math.log(2) - 0.05 for s in train[1:]), train
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -111,3 +111,46 @@ def test_the_loops_kl_term_is_the_estimator_of_the_sampled_tokens():
     ref_lp = torch.log_softmax(REF, -1)
     cfg = ppo_max.PPOConfig(kl_estimator="k3")
     assert_close(ppo_max.sampled_kl(lp[None], ref_lp[None], cfg)[0], k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["k3", "k2"])
+def test_kl_in_the_loss_lowers_the_kl_to_the_reference_in_one_update(kind):
+    """ppo_update with the KL term alone on (advantages 0, so PPO-clip has no gradient; no critic, no ptx, no entropy
+    bonus): one optimizer step on η·KL_t must bring π_θ closer to π_SFT, both by the exact KL at the sampled positions
+    and by the estimator itself. The term enters the loss with a + sign; with a − it would push π_θ away."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lm
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = lm.disable_dropout(LlamaForCausalLM(config)).eval()
+    policy = lm.disable_dropout(LlamaForCausalLM(config))      # another init: KL(π ‖ π_SFT) > 0
+    cfg = ppo_max.PPOConfig(advantage="grpo", group_size=4, kl_in="loss", kl_estimator=kind, rollout_batch=8,
+                            minibatch=8, ppo_epochs=1, max_new_tokens=6, ptx_coef=0.0, entropy_coef=0.0)
+    query = torch.tensor([[1, 5, 6], [1, 7, 8]]).repeat_interleave(4, 0)       # (8, 3)
+    query_mask = torch.ones_like(query, dtype=torch.float)
+    torch.manual_seed(1)
+    response, mask, _ = ppo_max.rollout(policy.eval(), query, query_mask, 6, 2, 0)
+
+    @torch.no_grad()
+    def kl_to_ref():
+        """(exact KL, the estimator's KL) per response token, and the two log-probs of the sampled tokens."""
+        logits = ppo_max.policy_logits(policy, query, query_mask, response, mask)     # (B, T, V)
+        ref_logits = ppo_max.policy_logits(ref, query, query_mask, response, mask)   # (B, T, V)
+        lp = ppo_loss.logprobs_from_logits(logits, response)
+        ref_lp = ppo_loss.logprobs_from_logits(ref_logits, response)
+        return (ppo_loss.masked_mean(ppo_loss.kl_full(logits, ref_logits), mask).item(),
+                ppo_loss.masked_mean(ppo_loss.kl_sampled(lp, ref_lp, kind), mask).item(), lp, ref_lp)
+
+    exact_before, sampled_before, logprobs, ref_logprobs = kl_to_ref()
+    exp = {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
+           "ref_logprobs": ref_logprobs, "advantages": torch.zeros_like(mask), "scores": torch.zeros(8),
+           "kl_coef": 1.0}
+    policy.train()
+    upd = ppo_max.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=0.5), None, exp, cfg, None)
+    assert upd["loss/pg"] == 0.0 and upd["loss/ptx"] == 0.0 and upd["loss/kl"] == pytest.approx(sampled_before)
+    exact_after, sampled_after, _, _ = kl_to_ref()
+    assert sampled_after < 0.8 * sampled_before, (sampled_before, sampled_after)
+    assert exact_after < 0.97 * exact_before, (exact_before, exact_after)

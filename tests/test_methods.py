@@ -2,7 +2,6 @@
 resume, G responses per prompt in whole groups), --kl-in loss, and the one-line refusals of combinations that cannot
 work."""
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,22 +13,8 @@ TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldo
         "--eval-samples", "1", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("methods")
-    old = os.getcwd()
-    os.chdir(d)
-    yield d
-    os.chdir(old)
-
-
-def metrics(path):
-    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
-            for l in Path(path, "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
-def test_grpo_runs_without_a_critic_and_resumes_exactly(work):
+def test_grpo_runs_without_a_critic_and_resumes_exactly(work, metrics):
     args = TINY + ["--advantage", "grpo", "--group-size", "4", "--save-every", "2"]
     summary = train.main(args + ["--steps", "4", "--out", "grpo"])
     out = work / "grpo"
@@ -52,7 +37,7 @@ def test_grpo_runs_without_a_critic_and_resumes_exactly(work):
 @pytest.mark.parametrize("flags", [["--advantage", "reinforce++"],
                                    ["--advantage", "dr-grpo", "--group-size", "2", "--kl-in", "loss"],
                                    ["--advantage", "rloo", "--group-size", "2", "--lora-r", "4"]])
-def test_other_estimators_run(work, flags):
+def test_other_estimators_run(work, flags, metrics):
     name = "-".join(flags).replace("--", "")
     summary = train.main(TINY + flags + ["--steps", "2", "--out", name])
     cfg = summary["config"]
@@ -70,6 +55,19 @@ def test_default_out_names_the_estimator():
     assert run.out == "runs/ppo-max-grpo-g4-seed0"
     run, *_ = train.parse_configs([])
     assert run.out == "runs/ppo-max-seed0"
+
+
+def test_dr_grpo_implies_its_loss_aggregation():
+    """`python train.py --advantage dr-grpo --group-size 4` (docs/methods.md) is both halves of Dr. GRPO: its advantage
+    and its constant divisor (--loss-agg seq-mean-token-sum-norm), with the KL in the reward (k1) or, with --kl-in
+    loss, GRPO's k3; the other estimators keep the token-mean."""
+    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "dr-grpo", "--group-size", "4"])
+    assert (cfg.advantage, cfg.loss_agg, cfg.kl_in, cfg.kl_estimator) == ("dr-grpo", "seq-mean-token-sum-norm",
+                                                                          "reward", "k1")
+    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "dr-grpo", "--group-size", "4", "--kl-in", "loss"])
+    assert (cfg.loss_agg, cfg.kl_estimator) == ("seq-mean-token-sum-norm", "k3")
+    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "grpo", "--group-size", "4"])
+    assert cfg.loss_agg == "token-mean"
 
 
 @pytest.mark.parametrize("flags,message", [

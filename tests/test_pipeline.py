@@ -1,6 +1,5 @@
 """End-to-end checks of `python train.py` on a tiny budget: files and keys, determinism, and that flags do what they say."""
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,24 +21,14 @@ METRIC_KEYS = ["reward/score", "reward/gold", "kl/ref", "policy/perplexity", "re
                "grad/norm", "time/step"]
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """Run everything inside a temporary working directory so runs/_base is not shared with the user's."""
-    d = tmp_path_factory.mktemp("work")
-    old = os.getcwd()
-    os.chdir(d)
-    yield d
-    os.chdir(old)
-
-
-def run(base_dir, name, *extra):
-    return train.main(TINY + ["--out", str(base_dir / name), *extra])
+def run(work, name, *extra):
+    return train.main(TINY + ["--out", str(work / name), *extra])
 
 
 @pytest.mark.slow
-def test_pipeline_writes_metrics_and_summary(base_dir):
-    summary = run(base_dir, "a")
-    out = base_dir / "a"
+def test_pipeline_writes_metrics_and_summary(work):
+    summary = run(work, "a")
+    out = work / "a"
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3
     for key in METRIC_KEYS:
@@ -62,25 +51,23 @@ def test_pipeline_writes_metrics_and_summary(base_dir):
 
 
 @pytest.mark.slow
-def test_pipeline_same_seed_same_metrics(base_dir):
-    run(base_dir, "b1")
-    run(base_dir, "b2")
-    strip = lambda p: [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
-                       for l in (base_dir / p / "metrics.jsonl").read_text().splitlines()]
-    assert strip("b1") == strip("b2")
+def test_pipeline_same_seed_same_metrics(work, metrics):
+    run(work, "b1")
+    run(work, "b2")
+    assert metrics(work / "b1") == metrics(work / "b2")
 
 
 @pytest.mark.slow
-def test_heldout_curve_changes_no_training_number(base_dir):
+def test_heldout_curve_changes_no_training_number(work):
     """--heldout-every logs the held-out points (step 0 = the SFT policy: KL 0) and leaves every training number,
     sample and the final evaluation exactly as without it."""
-    run(base_dir, "h0", "--heldout-every", "0")
-    run(base_dir, "h2", "--heldout-every", "2")
-    rows = lambda p: [json.loads(l) for l in (base_dir / p / "metrics.jsonl").read_text().splitlines()]
+    run(work, "h0", "--heldout-every", "0")
+    run(work, "h2", "--heldout-every", "2")
+    rows = lambda p: [json.loads(l) for l in (work / p / "metrics.jsonl").read_text().splitlines()]
     untimed = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "heldout/"))}
     assert [untimed(r) for r in rows("h0")] == [untimed(r) for r in rows("h2")]
-    assert (base_dir / "h0" / "samples.jsonl").read_text() == (base_dir / "h2" / "samples.jsonl").read_text()
-    final = lambda p: json.loads((base_dir / p / "summary.json").read_text())["final"]
+    assert (work / "h0" / "samples.jsonl").read_text() == (work / "h2" / "samples.jsonl").read_text()
+    final = lambda p: json.loads((work / p / "summary.json").read_text())["final"]
     assert final("h0") == final("h2")
     points = [r for r in rows("h2") if "heldout/gold" in r]
     assert [r["step"] for r in points] == [0, 2] and not any("heldout/gold" in r for r in rows("h0"))
@@ -89,9 +76,9 @@ def test_heldout_curve_changes_no_training_number(base_dir):
 
 
 @pytest.mark.slow
-def test_critic_pretraining_lowers_value_loss(base_dir):
-    run(base_dir, "c")
-    log = json.loads((base_dir / "c" / "critic_pretrain.json").read_text())
+def test_critic_pretraining_lowers_value_loss(work):
+    run(work, "c")
+    log = json.loads((work / "c" / "critic_pretrain.json").read_text())
     assert len(log) >= 2
     assert log[-1]["loss/vf"] < log[0]["loss/vf_first"]
 
@@ -213,17 +200,17 @@ def test_bad_flag_exits_before_any_work(tmp_path):
 
 
 @pytest.mark.slow
-def test_rebuild_base_trains_stages_1_2_again_with_the_same_result(base_dir, capsys):
+def test_rebuild_base_trains_stages_1_2_again_with_the_same_result(work, capsys):
     """A second run of a seed reuses the cached base; --rebuild-base trains SFT and the reward model again (so a
     student can step into them), and, the seed being fixed, writes the same weights and logs."""
-    first = Path(run(base_dir, "rb1", "--steps", "1")["base"])
+    first = Path(run(work, "rb1", "--steps", "1")["base"])
     rm_log = (first / "rm_log.json").read_text()
     stamp = (first / "sft" / "model.safetensors").stat().st_mtime_ns
     capsys.readouterr()
-    run(base_dir, "rb2", "--steps", "1")
+    run(work, "rb2", "--steps", "1")
     assert "[base] reusing" in capsys.readouterr().out
     assert (first / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
-    again = Path(run(base_dir, "rb3", "--steps", "1", "--rebuild-base")["base"])
+    again = Path(run(work, "rb3", "--steps", "1", "--rebuild-base")["base"])
     assert "[base] reusing" not in capsys.readouterr().out
     assert again == first and (again / "DONE").exists()
     assert (again / "sft" / "model.safetensors").stat().st_mtime_ns != stamp
@@ -231,13 +218,13 @@ def test_rebuild_base_trains_stages_1_2_again_with_the_same_result(base_dir, cap
 
 
 @pytest.mark.slow
-def test_tensorboard_holds_every_metric_of_metrics_jsonl(base_dir):
+def test_tensorboard_holds_every_metric_of_metrics_jsonl(work):
     """--log-with tensorboard: every numeric key of metrics.jsonl is a scalar under the same name with the same value
     at each step (read back with TensorBoard's own reader), plus the SFT and reward-model stages' curves."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    run(base_dir, "tb", "--log-with", "tensorboard")
-    rows = [json.loads(l) for l in (base_dir / "tb" / "metrics.jsonl").read_text().splitlines()]
-    acc = EventAccumulator(str(base_dir / "tb" / "tensorboard"), size_guidance={"scalars": 0})
+    run(work, "tb", "--log-with", "tensorboard")
+    rows = [json.loads(l) for l in (work / "tb" / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(work / "tb" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for row in rows:
@@ -247,17 +234,17 @@ def test_tensorboard_holds_every_metric_of_metrics_jsonl(base_dir):
             (event,) = [e for e in acc.Scalars(key) if e.step == row["step"]]
             assert event.value == pytest.approx(float(value), rel=1e-6, abs=1e-6), key
     assert {"sft/loss", "rm/heldout_accuracy", "rm/bt"} <= tags
-    sft_losses = json.loads((run_base(base_dir, "tb") / "sft_log.json").read_text())["loss"]
+    sft_losses = json.loads((run_base(work, "tb") / "sft_log.json").read_text())["loss"]
     assert [e.value for e in acc.Scalars("sft/loss")] == pytest.approx(sft_losses)
 
 
-def run_base(base_dir, name) -> Path:
-    base = Path(json.loads((base_dir / name / "summary.json").read_text())["base"])
-    return base if base.is_absolute() else base_dir / base
+def run_base(work, name) -> Path:
+    base = Path(json.loads((work / name / "summary.json").read_text())["base"])
+    return base if base.is_absolute() else work / base
 
 
 @pytest.mark.slow
-def test_redirected_output_is_a_few_true_lines(base_dir):
+def test_redirected_output_is_a_few_true_lines(work):
     """Into a file or a pipe (no TTY): whole lines, no progress-bar redraws, no library loading bars or DeepSpeed
     warning, no line for a stage that is off (vanilla has no critic pre-training), and stage times only for stages
     that ran here (the base is cached by the first run)."""
@@ -265,7 +252,7 @@ def test_redirected_output_is_a_few_true_lines(base_dir):
     import sys
     cmd = [sys.executable, str(Path(train.__file__)), *TINY, "--preset", "vanilla", "--critic-pretrain-steps", "0"]
     for name in ("first", "second"):
-        proc = subprocess.run(cmd + ["--out", str(base_dir / f"quiet-{name}")], cwd=base_dir, capture_output=True,
+        proc = subprocess.run(cmd + ["--out", str(work / f"quiet-{name}")], cwd=work, capture_output=True,
                               text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout + proc.stderr

@@ -377,6 +377,25 @@ def test_masked_mean_empty_mask_is_zero_not_nan():
     torch.testing.assert_close(rows, expected, **EXACT)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregate_against_a_loop_with_empty_rows(mode):
+    """Each --loss-agg against python loops over rows and tokens, on a batch with rows of no real token (NaN on the
+    padding): seq-mean-token-mean averages over the rows that have a token (an empty row has no mean to count),
+    seq-mean-token-sum-norm divides by every row B × T_max (a constant), token-mean by the real tokens."""
+    g = torch.Generator().manual_seed(11)
+    lengths, T, T_max = [4, 0, 2, 0, 5], 5, 8
+    mask = ragged_mask(lengths, T)
+    x = torch.where(mask != 0, torch.randn(5, T, generator=g, dtype=D), torch.nan)
+    rows = [[x[b, t].item() for t in range(n)] for b, n in enumerate(lengths)]
+    want = {"token-mean": sum(map(sum, rows)) / sum(lengths),
+            "seq-mean-token-mean": sum(sum(r) / len(r) for r in rows if r) / sum(1 for r in rows if r),
+            "seq-mean-token-sum-norm": sum(map(sum, rows)) / (len(rows) * T_max)}[mode]
+    got = ppo_loss.aggregate(x, mask, mode, max_len=T_max)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=D), **EXACT)
+    empty = ppo_loss.aggregate(x, torch.zeros_like(mask), mode, max_len=T_max)  # no real token anywhere: 0, not NaN
+    assert empty.item() == 0.0
+
+
 def test_masked_mean_ignores_nan_and_inf_at_masked_positions():
     g = torch.Generator().manual_seed(14)
     x = torch.randn(3, 4, generator=g, dtype=D)

@@ -22,27 +22,13 @@ TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldo
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("resume")
-    old = os.getcwd()
-    os.chdir(d)
-    yield d
-    os.chdir(old)
-
-
-def metrics(path):
-    return [{k: v for k, v in json.loads(l).items() if not k.startswith("time/")}
-            for l in Path(path, "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(work):
+def uninterrupted(work, metrics):
     train.main(TINY + ["--steps", "9", "--out", "full"])
     return metrics(work / "full")
 
 
 @pytest.mark.slow
-def test_resume_after_stop_matches_uninterrupted(work, uninterrupted):
+def test_resume_after_stop_matches_uninterrupted(work, uninterrupted, metrics):
     train.main(TINY + ["--steps", "5", "--out", "part"])          # stops after step 5 (checkpoints at 3 and 5)
     train.main(["--resume", "part", "--steps", "9"])               # the run's own flags, extended to 9 steps
     assert metrics(work / "part") == uninterrupted
@@ -62,7 +48,7 @@ def test_resume_refuses_a_flag_that_contradicts_the_run(work, uninterrupted, cap
 
 
 @pytest.mark.slow
-def test_resume_after_sigterm_matches_uninterrupted(work, uninterrupted):
+def test_resume_after_sigterm_matches_uninterrupted(work, uninterrupted, metrics):
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "9", "--out", "term"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -103,7 +89,7 @@ def _nan_scores_from(call: int, until: int, monkeypatch):
 
 
 @pytest.mark.slow
-def test_nan_reward_skips_the_update(work, monkeypatch, capsys):
+def test_nan_reward_skips_the_update(work, monkeypatch, capsys, metrics):
     _nan_scores_from(3, 4, monkeypatch)  # critic pre-training off: call 3 is PPO step 2
     summary = train.main(TINY + ["--steps", "5", "--critic-pretrain-steps", "0", "--out", "nan1"])
     steps = [m["step"] for m in metrics(work / "nan1")]
@@ -116,7 +102,7 @@ def test_nan_reward_skips_the_update(work, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_consecutive_nans_stop_with_last_good_checkpoint(work, monkeypatch):
+def test_consecutive_nans_stop_with_last_good_checkpoint(work, monkeypatch, metrics):
     _nan_scores_from(5, 10**9, monkeypatch)  # from PPO step 4 on, every score is NaN
     with pytest.raises(SystemExit) as e:
         train.main(TINY + ["--steps", "9", "--critic-pretrain-steps", "0", "--max-bad-steps", "3", "--out", "nan2"])
@@ -127,7 +113,7 @@ def test_consecutive_nans_stop_with_last_good_checkpoint(work, monkeypatch):
 
 
 @pytest.mark.slow
-def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work):
+def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work, metrics):
     # KL to the reference is exactly 0 at step 0 (policy = reference) and > 0 after the first update, so with
     # --alarm-kl-max 0 every step from 1 on is bad: patience 2 fires at step 2, and 'stop' ends the run there.
     summary = train.main(TINY + ["--steps", "9", "--alarm-kl-max", "0", "--alarm-patience", "2",
@@ -143,7 +129,7 @@ def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work):
 
 
 @pytest.mark.slow
-def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupted, capsys):
+def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupted, capsys, metrics):
     """Truncate the newest checkpoint's weights (steps 3, 6, 9 saved): --resume says so in one line, continues from
     step 6, and the run ends with the same metrics.jsonl and samples.jsonl as the uninterrupted one (the rows the
     damaged run had written for steps 6-8 are replaced, not repeated)."""
