@@ -11,6 +11,9 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
   judge(d, margin, direction)    THE rule for one part (below, RULE)
   combine(answers)      a claim from its parts (below, COMBINE)
   verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the tally
+  show_notebook(name), holds(name)   a figure notebook's claims part by part, and one answer per claim
+  runs_for(variants, seeds)     a figure's runs: registry variants, trained or reused as --run does (PLOT_SEEDS)
+  heldout_curve(run)            a run's held-out gold curve − SFT's, as hgold_* read it (the figures draw it)
   record(...)           a run's record under notebooks/results/ (config key, seed, code version, commit, metrics)
 Run:
   python notebooks/claims.py --run [--claims ID,...]   train (or reuse) every run the registry plans, write records
@@ -76,6 +79,10 @@ MARGINS = {
 
 SEEDS = tuple(range(10))     # every comparison between variants: ten seeds (each its own world, SFT model and RM)
 SEEDS20 = tuple(range(20))   # where the pilot sds say ten cannot decide and twenty can (Claim.why says which)
+# the seeds whose curves the committed figures draw (runs_for in the notebooks). Any seeds would do: every verdict
+# reads the records of all its planned seeds, never the plotted runs. 6-9 are registry seeds, so the figures reuse
+# runs the registry has made rather than adding their own.
+PLOT_SEEDS = (6, 7, 8, 9)
 STEPS = 80                   # train.py's default budget of PPO steps
 KL_ONSET = 0.1               # nats/token: the drift threshold of the KL onset (5-step trailing mean)
 
@@ -796,6 +803,37 @@ def show(ids: list[str], recs: dict | None = None) -> None:
         print(f"  → {v['answer']}\n")
 
 
+def of_notebook(name: str) -> list[Claim]:
+    """The claims a figure notebook shows (Claim.notebook == name), in the registry's order."""
+    out = [c for c in CLAIMS if c.notebook == name]
+    if not out:
+        raise ValueError(f"no claim of the registry names the notebook {name!r}")
+    return out
+
+
+def show_notebook(name: str, recs: dict | None = None) -> None:
+    """show() for every claim of a figure notebook: its verdict cell."""
+    show([c.id for c in of_notebook(name)], recs)
+
+
+def holds(name: str, recs: dict | None = None) -> None:
+    """One line per claim of a figure notebook, its answer by COMBINE, then what would change it: the seeds that would
+    decide each undecided part, or the seeds still without a record (the notebook's "What holds here")."""
+    recs = records() if recs is None else recs
+    for c in of_notebook(name):
+        v = verdict(c, recs)
+        print(f"{c.id}: {c.sentence}\n  → {v['answer']}"
+              + (" (by construction)" if c.construction else ""))
+        missing = sorted({s for p in v["parts"] if p["answer"] == "not run" for s in p["missing"]})
+        if missing:
+            print(f"    seeds without a record yet: {missing}")
+        for p in v["parts"]:
+            if p["answer"] == "undecided":
+                need = p["seeds_to_decide"]
+                print(f"    undecided: {p['part'].what} ("
+                      + (f"~{need} seeds would decide it)" if need else "more than 10,000 seeds would not decide it)"))
+
+
 # =====================================================================================================================
 # Running the registry
 # =====================================================================================================================
@@ -928,6 +966,14 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, l
                 specs.append((v, VARIANTS[v], s, LONG.get(v) if runs.FULL else None))
     done = runs.run_many(specs)
     return {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
+
+
+def heldout_curve(run: dict) -> tuple[np.ndarray, np.ndarray]:
+    """A run of runs_for's held-out curve as METRICS' hgold_* read it: (steps, held-out gold − the SFT policy's), each
+    (points,); step 0 is the SFT policy (0 by construction), the last point the final evaluation."""
+    import runs
+    pts = np.array(_curve({"metrics": runs.metrics(run), "summary": run}))   # (points, 2): step, held-out gold
+    return pts[:, 0], pts[:, 1] - pts[0, 1]
 
 
 def run_operating_point() -> dict:

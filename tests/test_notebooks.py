@@ -67,3 +67,49 @@ def executed(request, kernel_dirs) -> dict:
 def test_notebook_runs_top_to_bottom(path, executed):
     if executed[path.stem] is not None:
         raise executed[path.stem]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The figure notebooks and the claims registry (notebooks/claims.py): fast checks, no notebook is executed
+# ---------------------------------------------------------------------------------------------------------------
+sys.path.insert(0, str(ROOT / "notebooks"))
+import claims  # noqa: E402
+
+
+def base_records(seeds, after20: float = 0.0) -> dict:
+    """Records of the bases of `seeds` whose metrics make rm.ipynb's claims known: fig3 and fig2 as the paper
+    (shares well above ½; accuracy flat after 20 % unless `after20`), sec4.3 undecided (the RM's slope − gold's:
+    +1 / −1 by seed)."""
+    return {(claims.BASE, s): {"metrics": {"rm_share20": 0.9 + 0.01 * (s % 2), "rm_after20": after20 + 0.001 * (s % 3),
+                                           "margin_pos": 0.8 + 0.01 * (s % 2), "rm_gold_agree": 0.7 + 0.01 * (s % 3),
+                                           "length_bias": 1.0 if s % 2 else -1.0}} for s in seeds}
+
+
+def test_holds_prints_every_claim_of_a_notebook_with_the_answer_its_records_give(capsys):
+    claims.holds("rm", base_records(claims.SEEDS))
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == ["fig3", "fig2", "sec4.3"]
+    answers = [line.strip() for line in out.splitlines() if line.strip().startswith("→")]
+    assert answers == ["→ as the paper", "→ as the paper", "→ undecided"]
+    assert "undecided: RM − gold score change per filler token" in out
+    # fig3's first part holds and its second does not (accuracy still rising after 20 %): the claim is against
+    claims.holds("rm", base_records(claims.SEEDS, after20=0.1))
+    assert capsys.readouterr().out.splitlines()[1].strip() == "→ against the paper"
+    claims.holds("rm", base_records(claims.SEEDS[:-1]))                  # the last planned seed has no record
+    out = capsys.readouterr().out
+    assert out.count("→ not run") == 3 and f"seeds without a record yet: [{claims.SEEDS[-1]}]" in out
+
+
+def test_heldout_curve_is_the_curve_the_registry_reads(tmp_path):
+    """claims.heldout_curve (what the figures draw) against claims.METRICS' hgold_* (what the verdicts read) on one
+    run: the held-out points, then the final evaluation, each minus the step-0 point."""
+    import json
+    gold = {0: 2.0, 8: 2.5, 16: 1.0}
+    rows = [{"step": s, **({"heldout/gold": gold[s]} if s in gold else {})} for s in range(20)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"steps": 20, "final": {"gold_reward": 0.5}, "dir": tmp_path}
+    steps, g = claims.heldout_curve(summary)
+    assert steps.tolist() == [0, 8, 16, 20] and g.tolist() == [0.0, 0.5, -1.0, -1.5]
+    run = {"metrics": rows, "summary": summary}
+    assert g[1:].mean() == pytest.approx(claims.METRICS["hgold_auc"](run))
+    assert g[-3:].mean() == pytest.approx(claims.METRICS["hgold_end"](run))
