@@ -75,6 +75,39 @@ def test_notebook_runs_top_to_bottom(path, executed):
 sys.path.insert(0, str(ROOT / "notebooks"))
 import claims  # noqa: E402
 
+FIGURE_NOTEBOOKS = sorted({c.notebook for c in claims.CLAIMS})
+OLD_RULE = ("runs.verdict", "runs.claim", "runs.tally", "runs.RULE", "runs.MARGINS")
+OWN_RUNS = ("runs.run(", "runs.run_seeds", "runs.run_many", "runs.evaluate_checkpoints")
+
+
+def cells(name: str) -> list:
+    return nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells
+
+
+@pytest.mark.parametrize("name", FIGURE_NOTEBOOKS)
+def test_figure_notebook_shows_its_claims_as_the_registry_computes_them(name):
+    """Every verdict a figure notebook prints comes from claims.py: its verdict cell shows every claim whose
+    Claim.notebook is this notebook, it ends with "What holds here" printing claims.holds, and no cell applies the
+    runner's older rule or trains a run that is not a registry variant (every run goes through claims.runs_for)."""
+    nb = cells(name)
+    code = "\n".join(c.source for c in nb if c.cell_type == "code")
+    assert f'claims.show_notebook("{name}")' in code
+    assert nb[-2].cell_type == "markdown" and nb[-2].source.startswith("## What holds here")
+    assert nb[-1].cell_type == "code" and nb[-1].source.strip() == f'claims.holds("{name}")'
+    assert "claims.runs_for(" in code
+    assert not [w for w in OLD_RULE + OWN_RUNS if w in code], f"{name}: {[w for w in OLD_RULE + OWN_RUNS if w in code]}"
+
+
+def test_no_notebook_or_notebook_module_keeps_a_results_placeholder():
+    placeholders = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        placeholders += [f"{path.name} cell {i}" for i, c in enumerate(cells(path.stem))
+                         if any(line.strip() == "RESULTS" for line in c.source.splitlines())]
+    for path in sorted((ROOT / "notebooks").glob("*.py")):
+        placeholders += [f"{path.name}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                         if line.strip().strip("#").strip() == "RESULTS"]
+    assert not placeholders
+
 
 def base_records(seeds, after20: float = 0.0) -> dict:
     """Records of the bases of `seeds` whose metrics make rm.ipynb's claims known: fig3 and fig2 as the paper
