@@ -13,6 +13,7 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
   verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the tally
   show_notebook(name), holds(name)   a figure notebook's claims part by part, and one answer per claim
   runs_for(variants, seeds)     a figure's runs: registry variants, trained or reused as --run does (PLOT_SEEDS)
+  twin(variant, seed)           the variant whose run stands for another of the same config (the name --run used)
   heldout_curve(run)            a run's held-out gold curve − SFT's, as hgold_* read it (the figures draw it)
   record(...)           a run's record under notebooks/results/ (config key, seed, code version, commit, metrics)
 Run:
@@ -951,10 +952,19 @@ def summary(recs: dict | None = None, seeds: tuple[int, ...] = SEEDS) -> str:
     return "\n".join(rows)
 
 
+def twin(variant: str, seed: int) -> str:
+    """The variant whose run stands for `variant` on `seed`: of the registry's variants with the same config (two
+    names, the same flags once the defaults apply), the first by name that has a cached run, else the first by name,
+    the one --run trains (run_registry keeps the first of a seed's planned variants, which are sorted by name)."""
+    import runs
+    same = sorted(v for v in VARIANTS if config_key(v, seed) == config_key(variant, seed))
+    return next((v for v in same if runs.cached(v, VARIANTS[v], seed, LONG.get(v)) is not None), same[0])
+
+
 def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict]]:
     """The runs of `variants` on `seeds` for a notebook's figures: {variant: [summary.json + "dir", one per seed]},
     each trained or reused through runs.run_many exactly as --run does (a variant whose flags give the same config
-    as another's reads that one's run). In the notebooks' small budget: seed 0 alone, on the small world."""
+    as another's reads that one's run: twin()). In the notebooks' small budget: seed 0 alone, on the small world."""
     import runs
     seeds = seeds if runs.FULL else runs.SMALL_SEEDS
     specs, rep = [], {}
@@ -963,7 +973,8 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, l
             key = config_key(v, s) if runs.FULL else (v, s)
             if key not in rep:
                 rep[key] = len(specs)
-                specs.append((v, VARIANTS[v], s, LONG.get(v) if runs.FULL else None))
+                name = twin(v, s) if runs.FULL else v
+                specs.append((name, VARIANTS[name], s, LONG.get(name) if runs.FULL else None))
     done = runs.run_many(specs)
     return {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
 
