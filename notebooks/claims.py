@@ -11,6 +11,10 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
   judge(d, margin, direction)    THE rule for one part (below, RULE)
   combine(answers)      a claim from its parts (below, COMBINE)
   verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the tally
+  show_notebook(name), holds(name)   a figure notebook's claims part by part, and one answer per claim
+  runs_for(variants, seeds)     a figure's runs: registry variants, trained or reused as --run does (PLOT_SEEDS)
+  twin(variant, seed)           the variant whose run stands for another of the same config (the name --run used)
+  heldout_curve(run)            a run's held-out gold curve − SFT's, as hgold_* read it (the figures draw it)
   record(...)           a run's record under notebooks/results/ (config key, seed, code version, commit, metrics)
 Run:
   python notebooks/claims.py --run [--claims ID,...]   train (or reuse) every run the registry plans, write records
@@ -78,6 +82,10 @@ MARGINS = {
 
 SEEDS = tuple(range(10))     # every comparison between variants: ten seeds (each its own world, SFT model and RM)
 SEEDS20 = tuple(range(20))   # where the pilot sds say ten cannot decide and twenty can (Claim.why says which)
+# the seeds whose curves the committed figures draw (runs_for in the notebooks). Any seeds would do: every verdict
+# reads the records of all its planned seeds, never the plotted runs. 6-9 are registry seeds, so the figures reuse
+# runs the registry has made rather than adding their own.
+PLOT_SEEDS = (6, 7, 8, 9)
 STEPS = 80                   # train.py's default budget of PPO steps
 KL_ONSET = 0.1               # nats/token: the drift threshold of the KL onset (5-step trailing mean)
 
@@ -853,6 +861,37 @@ def show(ids: list[str], recs: dict | None = None) -> None:
         print(f"  → {v['answer']}\n")
 
 
+def of_notebook(name: str) -> list[Claim]:
+    """The claims a figure notebook shows (Claim.notebook == name), in the registry's order."""
+    out = [c for c in CLAIMS if c.notebook == name]
+    if not out:
+        raise ValueError(f"no claim of the registry names the notebook {name!r}")
+    return out
+
+
+def show_notebook(name: str, recs: dict | None = None) -> None:
+    """show() for every claim of a figure notebook: its verdict cell."""
+    show([c.id for c in of_notebook(name)], recs)
+
+
+def holds(name: str, recs: dict | None = None) -> None:
+    """One line per claim of a figure notebook, its answer by COMBINE, then what would change it: the seeds that would
+    decide each undecided part, or the seeds still without a record (the notebook's "What holds here")."""
+    recs = records() if recs is None else recs
+    for c in of_notebook(name):
+        v = verdict(c, recs)
+        print(f"{c.id}: {c.sentence}\n  → {v['answer']}"
+              + (" (by construction)" if c.construction else ""))
+        missing = sorted({s for p in v["parts"] if p["answer"] == "not run" for s in p["missing"]})
+        if missing:
+            print(f"    seeds without a record yet: {missing}")
+        for p in v["parts"]:
+            if p["answer"] == "undecided":
+                need = p["seeds_to_decide"]
+                print(f"    undecided: {p['part'].what} ("
+                      + (f"~{need} seeds would decide it)" if need else "more than 10,000 seeds would not decide it)"))
+
+
 # =====================================================================================================================
 # Running the registry
 # =====================================================================================================================
@@ -1049,10 +1088,19 @@ def summary(recs: dict | None = None, seeds: tuple[int, ...] | None = None) -> s
     return "\n".join(rows)
 
 
+def twin(variant: str, seed: int) -> str:
+    """The variant whose run stands for `variant` on `seed`: of the registry's variants with the same config (two
+    names, the same flags once the defaults apply), the first by name that has a cached run, else the first by name,
+    the one --run trains (run_registry keeps the first of a seed's planned variants, which are sorted by name)."""
+    import runs
+    same = sorted(v for v in VARIANTS if config_key(v, seed) == config_key(variant, seed))
+    return next((v for v in same if runs.cached(v, VARIANTS[v], seed, LONG.get(v)) is not None), same[0])
+
+
 def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict]]:
     """The runs of `variants` on `seeds` for a notebook's figures: {variant: [summary.json + "dir", one per seed]},
     each trained or reused through runs.run_many exactly as --run does (a variant whose flags give the same config
-    as another's reads that one's run). In the notebooks' small budget: seed 0 alone, on the small world."""
+    as another's reads that one's run: twin()). In the notebooks' small budget: seed 0 alone, on the small world."""
     import runs
     seeds = seeds if runs.FULL else runs.SMALL_SEEDS
     specs, rep = [], {}
@@ -1061,9 +1109,18 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, l
             key = config_key(v, s) if runs.FULL else (v, s)
             if key not in rep:
                 rep[key] = len(specs)
-                specs.append((v, VARIANTS[v], s, LONG.get(v) if runs.FULL else None))
+                name = twin(v, s) if runs.FULL else v
+                specs.append((name, VARIANTS[name], s, LONG.get(name) if runs.FULL else None))
     done = runs.run_many(specs)
     return {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
+
+
+def heldout_curve(run: dict) -> tuple[np.ndarray, np.ndarray]:
+    """A run of runs_for's held-out curve as METRICS' hgold_* read it: (steps, held-out gold − the SFT policy's), each
+    (points,); step 0 is the SFT policy (0 by construction), the last point the final evaluation."""
+    import runs
+    pts = np.array(_curve({"metrics": runs.metrics(run), "summary": run}))   # (points, 2): step, held-out gold
+    return pts[:, 0], pts[:, 1] - pts[0, 1]
 
 
 def run_operating_point() -> dict:

@@ -67,3 +67,113 @@ def executed(request, kernel_dirs) -> dict:
 def test_notebook_runs_top_to_bottom(path, executed):
     if executed[path.stem] is not None:
         raise executed[path.stem]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The figure notebooks and the claims registry (notebooks/claims.py): fast checks, no notebook is executed
+# ---------------------------------------------------------------------------------------------------------------
+sys.path.insert(0, str(ROOT / "notebooks"))
+import claims  # noqa: E402
+
+FIGURE_NOTEBOOKS = sorted({c.notebook for c in claims.CLAIMS})
+OLD_RULE = ("runs.verdict", "runs.claim", "runs.tally", "runs.RULE", "runs.MARGINS")
+OWN_RUNS = ("runs.run(", "runs.run_seeds", "runs.run_many", "runs.evaluate_checkpoints")
+
+
+def cells(name: str) -> list:
+    return nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells
+
+
+@pytest.mark.parametrize("name", FIGURE_NOTEBOOKS)
+def test_figure_notebook_shows_its_claims_as_the_registry_computes_them(name):
+    """Every verdict a figure notebook prints comes from claims.py: its verdict cell shows every claim whose
+    Claim.notebook is this notebook, it ends with "What holds here" printing claims.holds, and no cell applies the
+    runner's older rule or trains a run that is not a registry variant (every run goes through claims.runs_for)."""
+    nb = cells(name)
+    code = "\n".join(c.source for c in nb if c.cell_type == "code")
+    assert f'claims.show_notebook("{name}")' in code
+    assert nb[-2].cell_type == "markdown" and nb[-2].source.startswith("## What holds here")
+    assert nb[-1].cell_type == "code" and nb[-1].source.strip() == f'claims.holds("{name}")'
+    assert "claims.runs_for(" in code
+    assert not [w for w in OLD_RULE + OWN_RUNS if w in code], f"{name}: {[w for w in OLD_RULE + OWN_RUNS if w in code]}"
+
+
+def test_no_notebook_or_notebook_module_keeps_a_results_placeholder():
+    placeholders = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        placeholders += [f"{path.name} cell {i}" for i, c in enumerate(cells(path.stem))
+                         if any(line.strip() == "RESULTS" for line in c.source.splitlines())]
+    for path in sorted((ROOT / "notebooks").glob("*.py")):
+        placeholders += [f"{path.name}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                         if line.strip().strip("#").strip() == "RESULTS"]
+    assert not placeholders
+
+
+def base_records(seeds, after20: float = 0.0) -> dict:
+    """Records of the bases of `seeds` whose metrics make rm.ipynb's claims known: fig3 and fig2 as the paper
+    (shares well above ½; accuracy flat after 20 % unless `after20`), sec4.3 undecided (the RM's slope − gold's:
+    +1 / −1 by seed)."""
+    return {(claims.BASE, s): {"metrics": {"rm_share20": 0.9 + 0.01 * (s % 2), "rm_after20": after20 + 0.001 * (s % 3),
+                                           "margin_pos": 0.8 + 0.01 * (s % 2), "rm_gold_agree": 0.7 + 0.01 * (s % 3),
+                                           "length_bias": 1.0 if s % 2 else -1.0}} for s in seeds}
+
+
+def test_holds_prints_every_claim_of_a_notebook_with_the_answer_its_records_give(capsys):
+    claims.holds("rm", base_records(claims.SEEDS))
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == ["fig3", "fig2", "sec4.3"]
+    answers = [line.strip() for line in out.splitlines() if line.strip().startswith("→")]
+    assert answers == ["→ as the paper", "→ as the paper", "→ undecided"]
+    assert "undecided: RM − gold score change per filler token" in out
+    # fig3's first part holds and its second does not (accuracy still rising after 20 %): the claim is against
+    claims.holds("rm", base_records(claims.SEEDS, after20=0.1))
+    assert capsys.readouterr().out.splitlines()[1].strip() == "→ against the paper"
+    claims.holds("rm", base_records(claims.SEEDS[:-1]))                  # the last planned seed has no record
+    out = capsys.readouterr().out
+    assert out.count("→ not run") == 3 and f"seeds without a record yet: [{claims.SEEDS[-1]}]" in out
+
+
+def test_heldout_curve_is_the_curve_the_registry_reads(tmp_path):
+    """claims.heldout_curve (what the figures draw) against claims.METRICS' hgold_* (what the verdicts read) on one
+    run: the held-out points, then the final evaluation, each minus the step-0 point."""
+    import json
+    gold = {0: 2.0, 8: 2.5, 16: 1.0}
+    rows = [{"step": s, **({"heldout/gold": gold[s]} if s in gold else {})} for s in range(20)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"steps": 20, "final": {"gold_reward": 0.5}, "dir": tmp_path}
+    steps, g = claims.heldout_curve(summary)
+    assert steps.tolist() == [0, 8, 16, 20] and g.tolist() == [0.0, 0.5, -1.0, -1.5]
+    run = {"metrics": rows, "summary": summary}
+    assert g[1:].mean() == pytest.approx(claims.METRICS["hgold_auc"](run))
+    assert g[-3:].mean() == pytest.approx(claims.METRICS["hgold_end"](run))
+
+
+@pytest.fixture
+def full_budget(monkeypatch):
+    """runs.FULL for one test; config_key, which depends on the budget, cached afresh before and after."""
+    import runs
+    claims.config_key.cache_clear()
+    monkeypatch.setattr(runs, "FULL", True)
+    yield runs
+    claims.config_key.cache_clear()
+
+
+def test_runs_for_reads_the_run_the_registry_trained_under_another_name_of_the_same_config(full_budget, monkeypatch):
+    """Two variants of one config share one run, trained by --run under the first name: a figure asking for the
+    other reads that run rather than training its own (the full notebooks only read what the campaign cached)."""
+    runs = full_budget
+    monkeypatch.setitem(claims.VARIANTS, "twin-b", ("--kl-coef", "0.07"))
+    monkeypatch.setitem(claims.VARIANTS, "twin-a", ("--kl-coef", "0.070"))   # the same config, the first name
+    assert claims.config_key("twin-a", 6) == claims.config_key("twin-b", 6) != claims.config_key("ppo-max", 6)
+    asked = []   # the names runs_for hands to run_many (which reads a cached run or trains it)
+    monkeypatch.setattr(runs, "run_many", lambda specs: [asked.append(s[0]) or {"name": s[0]} for s in specs])
+    cache = {"twin-a"}
+    monkeypatch.setattr(runs, "cached", lambda name, *_: {"name": name} if name in cache else None)
+    got = claims.runs_for(["twin-b", "ppo-max", "twin-a"], seeds=(6,))
+    assert asked == ["twin-a", "ppo-max"]
+    assert got["twin-b"] == got["twin-a"] == [{"name": "twin-a"}]
+    asked.clear()
+    cache = {"twin-b"}                        # a run cached under the second name is read, not trained again
+    monkeypatch.setattr(runs, "cached", lambda name, *_: {"name": name} if name in cache else None)
+    claims.runs_for(["twin-a"], seeds=(6,))
+    assert asked == ["twin-b"]
