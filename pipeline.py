@@ -294,19 +294,18 @@ def stage_records(records: dict[str, list[dict]], run, cfg: ppo_max.PPOConfig) -
         eval     what the final evaluation and the held-out curve sample: the held-out prompts
 
     ppo, critic and ptx are empty for --method dpo and best-of-n (no rollouts)."""
+    part = lambda name: records.get(name, [])  # noqa: E731  (a real --model given all its stages reads none)
     ppo = run.method == "ppo"
-    if cfg.ptx_data == "pretrain":
-        ptx = [{"prompt": "", "response": r["text"]} for r in records.get("pretrain", [])]
-    else:
-        ptx = records["sft"]
-    return {"heldout": records["pairs_heldout"] if run.data else records["prompts_heldout"],
-            "judge": records.get("pairs_judge", []),
-            "sft": records["sft"],
-            "rm": records["pairs_train"],
-            "critic": records["prompts_train"] if ppo and cfg.advantage == "gae" else [],
-            "ppo": records["prompts_train"] if ppo else [],
+    pretrain = [{"prompt": "", "response": r["text"]} for r in part("pretrain")]  # the world's text, no prompt
+    ptx = pretrain if cfg.ptx_data == "pretrain" else part("sft")
+    return {"heldout": part("pairs_heldout") if run.data else part("prompts_heldout"),
+            "judge": part("pairs_judge"),
+            "sft": part("sft"),
+            "rm": part("pairs_train"),
+            "critic": part("prompts_train") if ppo and cfg.advantage == "gae" else [],
+            "ppo": part("prompts_train") if ppo else [],
             "ptx": ptx if ppo and cfg.ptx_coef else [],
-            "eval": records["prompts_heldout"]}
+            "eval": part("prompts_heldout")}
 
 
 def write_stage_records(out: Path, rows: dict[str, list[dict]]) -> None:

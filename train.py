@@ -372,8 +372,9 @@ def given_flags(argv) -> set[str]:
 
 # --data: the same stages on real text. A small budget so that the whole run (PPO included) takes minutes on
 # 2 CPU cores; each value applies only when its flag is not given on the command line. Measured on
-# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared cores at load ~7: 4 min 56 s in all (data 3 s, SFT 47 s,
-# RM 52 s, judge 47 s, critic pre-training 19 s, PPO 98 s, eval 19 s); held-out RM accuracy 0.539 on 89 pairs.
+# harmless-base-test.dev.jsonl.gz --skip-bad --threads 1, 2 cores shared with another job: 5 min 30 s in all (data
+# 3 s, SFT 36 s, RM 39 s, judge 43 s, critic pre-training 18 s, PPO 145 s, eval 38 s); held-out RM accuracy 0.457 on
+# 94 pairs.
 REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4,
                           steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1,
                           ptx_data="sft")  # real text has no pretraining split: ptx reads --sft-data or --data

@@ -75,8 +75,8 @@ def copies(prompt: str) -> list[str]:
 
 
 def leak_files(d: Path) -> dict[str, Path]:
-    pairs = [{"chosen": p + c, "rejected": p + r} for p in conversations()
-             for c, r in ((" Sure, start slowly.", " No, go away."), (" Practise a little daily.", " Ask someone else."))]
+    answers = ((" Sure, start slowly.", " No, go away."), (" Practise a little daily.", " Ask someone else."))
+    pairs = [{"chosen": p + c, "rejected": p + r} for p in conversations() for c, r in answers]
     others = [f"{H} What is a good name for a cat?{A}", f"{H} Where is the moon?{A}"]
     prompts = [c for p in conversations() for c in copies(p)] + others
     sft = [{"prompt": c, "response": " A copy's answer."} for c in prompts]
@@ -115,13 +115,14 @@ def test_train_py_keeps_every_copy_of_an_evaluation_prompt_out_of_training(tmp_p
     # the files were read: copies of the proxy's prompts train, re-spaced as written (the key finds them)
     written = [c for p in conversations() for c in copies(p)]
     assert set(records["ppo"]) & set(written) and set(records["sft"]) & set(written)
-    assert (tmp_path / "run" / "records.json").stat().st_mtime_ns <= (tmp_path / "run" / "sft" / "DONE").stat().st_mtime_ns
+    written_at = lambda path: path.stat().st_mtime_ns  # noqa: E731
+    assert written_at(tmp_path / "run" / "records.json") <= written_at(tmp_path / "run" / "sft" / "DONE")
     assert summary["win_rate_vs_sft"]  # it ran to the end
     # the tiny --data path: records.json under --stages too, from the base it built; each kind counted in the report
     base = Path(train.main([*given, *BUDGET, "--stages", "sft", "--out", "tiny"])["sft"]).parent
     records = json.loads((tmp_path / "tiny" / "records.json").read_text())
     assert_no_leak(records)
-    assert (tmp_path / "tiny" / "records.json").stat().st_mtime_ns <= (base / "sft" / "config.json").stat().st_mtime_ns
+    assert written_at(tmp_path / "tiny" / "records.json") <= written_at(base / "sft" / "config.json")
     dropped = json.loads((base / "data_report.json").read_text())["dropped"]
     for kind in ("same_prompt_as", "prefix_of", "first_turn_of"):
         for part in ("heldout", "judge"):
