@@ -9,7 +9,8 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     split_hh_transcript x = shared prefix up to and including the last "\\n\\nAssistant:"  (HH-RLHF)
     load_prompts        the prompts x that PPO samples responses for                         (Eq. 3, 15)
     load_texts          SFT text and D_pretrain of PPO-ptx                                    (Eq. 17)
-    train_heldout_split the seeded split; with a key, every pair of one prompt on one side
+    train_heldout_split the seeded split; with a key, every pair of one group (a conversation's first
+                        human turn, first_turn_key) on one side
     fit_example         THE truncation rule for every text a model sees (SFT, reward model, judge,
                         ptx, PPO and evaluation prompts): the query ([BOS] or chat template + x)
                         keeps ≤ P tokens, latest turns first (fit_prompt); a response with its stop
@@ -17,8 +18,9 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     context_limits      P, T and the sampled length N lowered to fit a model's positions
     pair_records / text_records / prompt_records
                         fit_example applied once, kept as text records for the stages
-    text_key / prompt_keys / distinct_prompts
-                        what "the same prompt" means when training and evaluation are kept apart
+    text_key / first_turn_key / prompt_keys / Evaluation / distinct_prompts
+                        what "the same prompt" means when training and evaluation are kept apart: one
+                        key (whitespace and case), read on the text as written, before any cut
     token_ids / query_ids / response_ids / pad / lm_batch(_of_ids) / pair_batch(_of_ids)
                         the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
                         (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
@@ -56,9 +58,11 @@ github.com/anthropics/hh-rlhf); Zheng et al. 2023, "Secrets of RLHF in LLMs Part
 """
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import random
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -505,8 +509,9 @@ def load_texts(path, skip_bad: bool = False, report: DataReport | None = None,
 def train_heldout_split(items: list, heldout_frac: float = 0.1, seed: int = 0,
                         key: Callable | None = None) -> tuple[list, list]:
     """A seeded shuffle cut into (train, held-out), in the items' order; at least one held-out item when there are ≥ 2.
-    With `key`, items of one key (pairs of one prompt) form a group that goes to one side whole, so no prompt is on
-    both; the fraction then counts groups (items when every key is distinct, and the same cut as without it)."""
+    With `key`, items of one key (pairs of one prompt, or of prompts that open with one turn: first_turn_key) form a
+    group that goes to one side whole, so no group is on both; the fraction then counts groups (items when every key
+    is distinct, and the same cut as without it)."""
     groups: dict = {}
     for i, item in enumerate(items):
         groups.setdefault(key(item) if key else i, []).append(i)
@@ -660,59 +665,119 @@ def _fit_all(items: list, fit: Callable, skip_bad: bool, report: DataReport | No
 def pair_records(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
                  skip_bad: bool, report: DataReport, cut: bool = False) -> list[dict]:
     """Preference pairs through fit_example, as the text records {"prompt", "chosen", "rejected", "source"} the
-    reward model and the judge read (Eq. 1-2); over-long responses dropped and counted (cut, with cut)."""
+    reward model and the judge read (Eq. 1-2), with "uncut": the prompt as written; over-long responses dropped and
+    counted (cut, with cut)."""
     def fit(p: PreferencePair) -> dict | None:
         got = fit_example(p.prompt, (p.chosen, p.rejected), tokenizer, max_prompt_tokens, max_response_tokens, cut,
                           p.source, report)
         return None if got is None else {"prompt": got[0], "chosen": got[1][0], "rejected": got[1][1],
-                                         "source": p.source}
+                                         "source": p.source, "uncut": p.prompt}
     return _fit_all(pairs, fit, skip_bad, report)
 
 
 def text_records(rows: list[tuple[str, str, str]], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
                  skip_bad: bool, report: DataReport, cut: bool = False) -> list[dict]:
     """(prompt, response, source) rows (load_texts(..., with_source=True)) through fit_example, as the records
-    {"prompt", "response", "source"} of SFT and of the ptx term (Eq. 17)."""
+    {"prompt", "response", "source", "uncut"} of SFT and of the ptx term (Eq. 17); "uncut" is the prompt as
+    written."""
     def fit(row) -> dict | None:
         got = fit_example(row[0], (row[1],), tokenizer, max_prompt_tokens, max_response_tokens, cut, row[2], report)
-        return None if got is None else {"prompt": got[0], "response": got[1][0], "source": row[2]}
+        return None if got is None else {"prompt": got[0], "response": got[1][0], "source": row[2], "uncut": row[0]}
     return _fit_all(rows, fit, skip_bad, report)
 
 
 def prompt_records(prompts: list[tuple[str, str]], tokenizer, max_prompt_tokens: int, skip_bad: bool,
                    report: DataReport) -> list[dict]:
     """(prompt, source) rows (load_prompts(..., with_source=True)) through fit_example, as the records
-    {"prompt", "source"} of PPO's rollouts and of the evaluation."""
+    {"prompt", "source", "uncut"} of PPO's rollouts and of the evaluation; "uncut" is the prompt as written."""
     def fit(row) -> dict:
         return {"prompt": fit_example(row[0], (), tokenizer, max_prompt_tokens, 1, source=row[1],
-                                      report=report)[0], "source": row[1]}
+                                      report=report)[0], "source": row[1], "uncut": row[0]}
     return _fit_all(prompts, fit, skip_bad, report)
 
 
 def text_key(text: str) -> str:
-    """What "the same prompt" means when splits and files are kept apart: the text with its whitespace collapsed."""
-    return " ".join(text.split())
+    """What "the same text" means wherever training and evaluation are kept apart (the split's groups, distinct PPO
+    prompts, the rows of --sft-data and --prompts left out): the text with its whitespace collapsed and its case
+    folded, so that a copy re-spaced or re-cased is the same prompt."""
+    return " ".join(text.split()).casefold()
+
+
+HUMAN_KEY, ASSISTANT_KEY = text_key(HUMAN), text_key(ASSISTANT)  # "human:", "assistant:": the markers in a key
+FIRST_TURN = re.compile(rf"(?:^| ){HUMAN_KEY}(.*?)(?= {ASSISTANT_KEY}|$)")
+
+
+def first_turn_key(text: str) -> str:
+    """text_key of the turn a conversation opens with: what follows its first "Human:" up to the next "Assistant:"
+    (a "System: …" head before it set aside). Read on the key, so re-spaced or re-cased markers are still markers; a
+    text with no "Human:" turn (a plain prompt) or an empty first turn is one turn, all of it."""
+    key = text_key(text)
+    found = FIRST_TURN.search(key)
+    return found.group(1).strip() if found and found.group(1).strip() else key
 
 
 def prompt_keys(prompt: str, response: str = "") -> set[str]:
     """The prompts an example trains a response for, as text_key()s: its prompt; for a {"text"} row (prompt "", all of
-    it trained) every prefix of the text that ends with "\\n\\nAssistant:" (an HH transcript inside it)."""
+    it trained) every prefix of the text that ends with "Assistant:" (an HH transcript inside it, found on the key)."""
     if prompt:
         return {text_key(prompt)}
-    keys, i = set(), response.find(ASSISTANT)
+    key, keys = text_key(response), set()
+    i = key.find(ASSISTANT_KEY)
     while i >= 0:
-        keys.add(text_key(response[:i + len(ASSISTANT)]))
-        i = response.find(ASSISTANT, i + 1)
+        keys.add(key[:i + len(ASSISTANT_KEY)])
+        i = key.find(ASSISTANT_KEY, i + 1)
     return keys
 
 
+def uncut_prompt(record: dict) -> str:
+    """The prompt a record was made from, as written in its file (its "uncut" field; the synthetic world's prompts are
+    never cut); a {"text"} row (prompt "") stands as its whole text, every token of which it trains."""
+    return record.get("uncut", record["prompt"]) or record.get("response", "")
+
+
+def trained_texts(record: dict) -> list[str]:
+    """What the keep-out rule (Evaluation.overlap) compares of a record: its prompt as written and as cut (a cut can
+    make two prompts one); for a {"text"} row, its text and every transcript prefix inside it (prompt_keys)."""
+    if not record["prompt"]:
+        return [record["response"], *prompt_keys("", record["response"])]
+    return list(dict.fromkeys((record.get("uncut", record["prompt"]), record["prompt"])))
+
+
+@dataclass
+class Evaluation:
+    """Prompts that no training set may hold (the held-out or the judge's part, as written and as cut), read the way
+    the keep-out rule reads them: their text_keys (sorted, for the prefix test) and their first turns."""
+    keys: list[str]
+    turns: set[str]
+
+    @classmethod
+    def of(cls, prompts) -> "Evaluation":
+        return cls(sorted({text_key(p) for p in prompts}), {first_turn_key(p) for p in prompts})
+
+    def overlap(self, texts: list[str]) -> str | None:
+        """How a row whose trained texts (trained_texts) are `texts` meets these prompts, checked in this order:
+        "same_prompt" (one key), "prefix" (a text is the start of one of these prompts, a cut-off copy), "first_turn"
+        (it opens with the first human turn of one: the same conversation, continued or shortened); else None."""
+        keys = [k for k in (text_key(t) for t in texts) if k]
+        at = [bisect.bisect_left(self.keys, k) for k in keys]  # the first key ≥ k: equal to k, or starting with it
+        if any(i < len(self.keys) and self.keys[i] == k for k, i in zip(keys, at)):
+            return "same_prompt"
+        if any(i < len(self.keys) and self.keys[i].startswith(k) for k, i in zip(keys, at)):
+            return "prefix"
+        if any(first_turn_key(k) in self.turns for k in keys):
+            return "first_turn"
+        return None
+
+
 def distinct_prompts(records: list[dict]) -> list[dict]:
-    """{"prompt", "source"} of each distinct prompt of `records` (text_key), in order of first appearance."""
+    """{"prompt", "source"} (and "uncut") of each distinct prompt of `records` (text_key), in order of first
+    appearance."""
     seen, out = set(), []
     for r in records:
         if text_key(r["prompt"]) not in seen:
             seen.add(text_key(r["prompt"]))
-            out.append({"prompt": r["prompt"], "source": r.get("source", "")})
+            out.append({"prompt": r["prompt"], "source": r.get("source", ""),
+                        **({"uncut": r["uncut"]} if "uncut" in r else {})})
     return out
 
 

@@ -5,9 +5,12 @@ ppo_max.py):
     build_base(run, sft_cfg, rm_cfg, world_cfg)  → stages 1-2 of the tiny world or --data, cached once under
                                                    runs/_base/<name>-<hash>/ (checkpoint.build_once)
     split_pairs / encode_splits                  → --data's pairs: held out, the proxy reward model's, the judge's,
-                                                   split by prompt: the one split of the run
-    run_records                                  → every stage's records from that split, each taking its part by
-                                                   name; --sft-data / --prompts rows on evaluation prompts left out
+                                                   split by a conversation's first human turn: the one split of the run
+    run_records / keep_out                       → every stage's records from that split, each taking its part by
+                                                   name; --sft-data / --prompts rows that meet an evaluation prompt
+                                                   (data.Evaluation: one key, the text as written) left out, counted
+    stage_records / write_stage_records          → what each consumer reads (SFT, RM, critic, PPO, ptx, evaluation),
+                                                   and <out>/records.json, written before the first stage
     resolve_real_models / fit_context            → a real --model: the directories given, and the limits lowered to
                                                    fit the models' positions
     real_model_records / real_model_stages       → its records, and stages 1-2 trained into --out/sft/,
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +65,8 @@ def base_key(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
         return f"seed{run.seed}-{checkpoint.config_hash(key)}", key
     limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
               "note": "ids = query_ids(prompt) ([BOS] + prompt, latest turns kept) ≤ P + response + [EOS] ≤ T"}
-    key = {"data": data.fingerprint(data_source(run, run.data)), "split": "by prompt",
+    key = {"data": data.fingerprint(data_source(run, run.data)), "split": "by first human turn",
+           "keep_out": "text as written, one key (whitespace, case): same prompt, prefix, first turn",
            "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
            "judge_frac": run.judge_frac,
            "seed": run.seed, "sft": dataclasses.asdict(sft_cfg), "rm": rm}
@@ -76,12 +81,13 @@ def base_dir(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
 
 
 def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-               rebuild: bool = False) -> tuple[Path, bool]:
+               rebuild: bool = False, cfg: ppo_max.PPOConfig | None = None) -> tuple[Path, bool]:
     """(the base, whether this process built it): stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the
     tokenizer, sft/ and reward_model/ (Hugging Face directories), sft_log.json, rm_log.json (Fig. 3),
     rm_heldout_scores.json (Fig. 2), timings.json, config.json; in the synthetic world also rm_length_bias.json, with
     --data data_report.json and data_limits.json (also in reward_model/, for `eval.py score`). Reused when built
-    before, unless `rebuild`."""
+    before, unless `rebuild`. With `cfg` (the run's PPO config), --out/records.json too (write_stage_records): before
+    stage 1 when built here, else from the base's records."""
     name, key = base_key(run, sft_cfg, rm_cfg, world_cfg)
 
     def build(tmp: Path) -> None:
@@ -92,6 +98,8 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
             records["pairs_train"] = records["pairs_train"][:rm_cfg.rm_pairs]
             toy_world.write_dataset({"pairs_train": records["pairs_train"]}, tmp / "data")
         timings["data" if run.data else "world"] = time.time() - t0
+        if cfg is not None:
+            write_stage_records(Path(run.out), stage_records(records, run, cfg))
         rm = sft_and_reward_model(tmp, tokenizer, records, sft_cfg, rm_cfg, run.seed, timings, max_positions)
         if run.data and records["pairs_judge"]:  # the judge: the same recipe on pairs the proxy never saw
             t0 = time.time()
@@ -115,7 +123,14 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
     path, built = checkpoint.build_once(Path("runs/_base") / name, build, what, rebuild=rebuild)
     if not built and (problem := checkpoint.unreadable(path)):  # a cached base damaged since it was built
         fail(f"{problem}; --rebuild-base trains stages 1-2 again")
+    if not built and cfg is not None:
+        write_stage_records(Path(run.out), stage_records(base_records(path), run, cfg))
     return path, built
+
+
+def base_records(base: Path) -> dict[str, list[dict]]:
+    """Every record a base holds (its data/*.jsonl, by file name: prompts_train, sft, pairs_heldout, ...)."""
+    return {f.name.removesuffix(".jsonl"): data.read_records(f) for f in sorted((base / "data").glob("*.jsonl"))}
 
 
 def world_data(tmp: Path, world_cfg: toy_world.WorldConfig):
@@ -135,10 +150,12 @@ def data_source(run, path: str):
 def split_pairs(run, report: data.DataReport) -> dict[str, list]:
     """--data's pairs in three disjoint parts, the ONE split of the run: held out (RM accuracy, evaluation prompts),
     the proxy reward model's training pairs (and with them SFT, PPO's prompts and the ptx text), and (--judge-frac
-    > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022). Pairs of one prompt go to one part
-    together, so no prompt is both trained on and evaluated."""
+    > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022). The groups are conversations that
+    open with the same human turn (data.first_turn_key, on the text as written): all pairs of one prompt, and of
+    prompts that continue one conversation, go to one part together, so no prompt is both trained on and evaluated
+    and no evaluation prompt begins with a training one."""
     pairs = data.load_pairs(data_source(run, run.data), skip_bad=run.skip_bad, report=report)  # DataError: exit 2
-    key = lambda p: data.text_key(p.prompt)  # noqa: E731
+    key = lambda p: data.first_turn_key(p.prompt)  # noqa: E731
     train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed, key)
     proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1, key) if run.judge_frac else (
         train_pairs, [])
@@ -147,17 +164,14 @@ def split_pairs(run, report: data.DataReport) -> dict[str, list]:
 
 def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataReport) -> dict[str, list]:
     """The limits applied once to every split (data.pair_records), and a clear error when one is left empty. A pair
-    whose prompt, once cut to the limits, reads like a prompt of a later part (held out, then the judge's) leaves its
-    part too, counted as same_prompt_as_heldout / same_prompt_as_judge: cut prompts keep only their latest turns,
-    so two different prompts can become one."""
+    that meets a prompt of a later part (held out, then the judge's) as written or once cut (evaluation_parts,
+    keep_out) leaves its part too, counted by kind (same_prompt_as_heldout, prefix_of_judge, ...): cut prompts keep
+    only their latest turns, so two different prompts can become one."""
     lim = (run.max_prompt_tokens, run.max_response_tokens)
     out = {name: data.pair_records(pairs, tokenizer, *lim, run.skip_bad, report) for name, pairs in splits.items()}
-    raw = {name: {data.text_key(p.prompt) for p in pairs} for name, pairs in splits.items()}
-    held = raw["pairs_heldout"] | {data.text_key(r["prompt"]) for r in out["pairs_heldout"]}
-    out["pairs_judge"] = keep_apart(out["pairs_judge"], held, "same_prompt_as_heldout", report)
-    judge = raw["pairs_judge"] | {data.text_key(r["prompt"]) for r in out["pairs_judge"]}
-    out["pairs_train"] = keep_apart(keep_apart(out["pairs_train"], held, "same_prompt_as_heldout", report), judge,
-                                    "same_prompt_as_judge", report)
+    held = evaluation_parts(splits, out, ("pairs_heldout",))
+    out["pairs_judge"] = keep_out(out["pairs_judge"], held, report)[0]
+    out["pairs_train"] = keep_out(out["pairs_train"], evaluation_parts(splits, out), report)[0]
     print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
           f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
     for name, what in (("pairs_train", "training"), ("pairs_heldout", "held-out"), ("pairs_judge", "judge")):
@@ -167,16 +181,42 @@ def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataRepo
     return out
 
 
-def keep_apart(records: list[dict], forbidden: set[str], reason: str, report: data.DataReport) -> list[dict]:
-    """The records that train on none of the `forbidden` prompts (data.text_key of held-out or judge prompts): each
-    one left out is counted in report.dropped[reason] with its file and line."""
-    kept = []
+EVALUATION_PARTS = {"pairs_heldout": "heldout", "pairs_judge": "judge"}
+KINDS = {"same_prompt": "same_prompt_as", "prefix": "prefix_of", "first_turn": "first_turn_of"}  # a DataReport reason
+
+
+def evaluation_parts(splits: dict[str, list], records: dict[str, list[dict]],
+                     parts=("pairs_heldout", "pairs_judge")) -> dict[str, data.Evaluation]:
+    """"heldout" and "judge": the prompts of those parts of --data's split as written (`splits`) and as cut
+    (`records`), for keep_out."""
+    return {EVALUATION_PARTS[p]: data.Evaluation.of([x.prompt for x in splits[p]] + [r["prompt"] for r in records[p]])
+            for p in parts}
+
+
+def keep_out(records: list[dict], evaluation: dict[str, data.Evaluation], report: data.DataReport
+             ) -> tuple[list[dict], Counter]:
+    """(the records that meet no evaluation prompt, what was left out by reason). A record meets one when a text it
+    trains on (data.trained_texts: its prompt as written and as cut, a {"text"} row's transcripts) has the key of one,
+    is the start of one, or opens with its first human turn (data.Evaluation.overlap); each one left out is counted
+    in report.dropped as <kind>_<part> (same_prompt_as_heldout, prefix_of_judge, first_turn_of_heldout, ...) with its
+    file and line."""
+    kept, dropped = [], Counter()
     for r in records:
-        if data.prompt_keys(r["prompt"], r.get("response", "")) & forbidden:
+        texts = data.trained_texts(r)
+        kinds = ((part, ev.overlap(texts)) for part, ev in evaluation.items())
+        reason = next((f"{KINDS[kind]}_{part}" for part, kind in kinds if kind), None)  # held-out first, then judge
+        if reason:
             report.drop(reason, r.get("source", "?"))
+            dropped[reason] += 1
         else:
             kept.append(r)
-    return kept
+    return kept, dropped
+
+
+def left_out(dropped: Counter) -> str:
+    """keep_out's counts as a phrase of a [data] line: "3 left out (same_prompt_as_heldout 2, prefix_of_judge 1)"."""
+    return f"{sum(dropped.values())} left out" + (
+        f" ({', '.join(f'{k} {n}' for k, n in sorted(dropped.items()))})" if dropped else "")
 
 
 def run_records(run, tokenizer, report: data.DataReport | None = None, splits: dict | None = None) -> dict:
@@ -188,52 +228,91 @@ def run_records(run, tokenizer, report: data.DataReport | None = None, splits: d
         sft             SFT and the ptx term (Eq. 17)           prompts_train   PPO's rollouts
 
     sft: --sft-data when given, else the chosen responses of pairs_train. prompts_train: --prompts when given, else
-    the prompts of pairs_train. Rows of --sft-data or --prompts that train on a held-out or judge prompt are left out
-    and counted (printed). The evaluation prompts are --data's held-out prompts; with --prompts and no --data,
-    --prompts itself is split (--heldout-frac) into rollout and evaluation prompts."""
+    the prompts of pairs_train. Rows of --sft-data or --prompts that meet a held-out or judge prompt (keep_out: on
+    the text as written, and as cut) are left out and counted by kind (printed, and in the report). The evaluation
+    prompts are --data's held-out prompts; with --prompts and no --data, --prompts itself is split (--heldout-frac,
+    grouped by first human turn) into rollout and evaluation prompts. Every record keeps its prompt as written in
+    "uncut" (records.json lists those)."""
     report = report if report is not None else data.DataReport()
     P, T = run.max_prompt_tokens, run.max_response_tokens
     out = {"pairs_train": [], "pairs_judge": [], "pairs_heldout": [], "prompts_heldout": []}
-    forbidden = set()  # the prompts of the evaluation and of the judge, as written and as cut (data.text_key)
+    evaluation = {}  # "heldout", "judge" → their prompts as written and as cut (data.Evaluation)
     if run.data:
         splits = splits or split_pairs(run, report)
         out.update(encode_splits(run, splits, tokenizer, report))
         out["prompts_heldout"] = data.distinct_prompts(out["pairs_heldout"])
-        forbidden |= {data.text_key(p.prompt) for p in splits["pairs_heldout"] + splits["pairs_judge"]}
-        forbidden |= {data.text_key(r["prompt"]) for r in out["pairs_heldout"] + out["pairs_judge"]}
+        evaluation = evaluation_parts(splits, out)
     if run.prompts:
         rows = data.load_prompts(data_source(run, run.prompts), skip_bad=run.skip_bad, with_source=True)
         rows = data.prompt_records(rows, tokenizer, P, run.skip_bad, report)
-        if run.data:
-            prompts = keep_apart(rows, forbidden, "prompt_heldout_or_judge", report)
-        else:
-            prompts, held = data.train_heldout_split(data.distinct_prompts(rows), run.heldout_frac, run.seed,
-                                                     lambda r: data.text_key(r["prompt"]))
+        if not run.data:  # --prompts is its own evaluation: its held-out part, whole conversations on one side
+            rows, held = data.train_heldout_split(data.distinct_prompts(rows), run.heldout_frac, run.seed,
+                                                  lambda r: data.first_turn_key(r["uncut"]))
             out["prompts_heldout"] = held
-            forbidden |= {data.text_key(r["prompt"]) for r in held}
+            evaluation = {"heldout": data.Evaluation.of([r["uncut"] for r in held] + [r["prompt"] for r in held])}
+        prompts, dropped = keep_out(rows, evaluation, report)
         out["prompts_train"] = data.distinct_prompts(prompts)
         if not out["prompts_train"] or not out["prompts_heldout"]:
             raise data.DataError(run.prompts, None, None, "all_skipped", (
                 "every prompt is a held-out or judge prompt of --data" if run.data else
                 "fewer than 2 distinct prompts: some are held out for the evaluation") + f" ({report.summary()})")
-        print(f"[data] --prompts {run.prompts}: {len(out['prompts_train'])} rollout prompts"
-              + (f", {len(rows) - len(prompts)} left out (a held-out or judge prompt of --data)" if run.data else
-                 f", {len(out['prompts_heldout'])} held out for the evaluation"))
+        print(f"[data] --prompts {run.prompts}: {len(out['prompts_train'])} rollout prompts, {left_out(dropped)} (they "
+              f"meet a held-out or judge prompt)" + ("" if run.data else
+                                                     f", {len(out['prompts_heldout'])} held out for the evaluation"))
     else:
         out["prompts_train"] = data.distinct_prompts(out["pairs_train"])
     if run.sft_data:
         rows = data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad, with_source=True)
         fitted = data.text_records(rows, tokenizer, P, T, run.skip_bad, report)
-        out["sft"] = keep_apart(fitted, forbidden, "prompt_heldout_or_judge", report)
-        print(f"[data] --sft-data {run.sft_data}: {len(out['sft'])} SFT / ptx rows; {len(fitted) - len(out['sft'])} "
-              f"left out (they train on a held-out or judge prompt); {len(rows) - len(fitted)} beyond the limits")
+        out["sft"], dropped = keep_out(fitted, evaluation, report)
+        print(f"[data] --sft-data {run.sft_data}: {len(out['sft'])} SFT / ptx rows; {left_out(dropped)} (they train "
+              f"on a held-out or judge prompt); {len(rows) - len(fitted)} beyond the limits")
         if not out["sft"]:
             raise data.DataError(run.sft_data, None, None, "all_skipped", f"no SFT row left within the limits, apart "
                                                                           f"from the evaluation ({report.summary()})")
     else:
-        out["sft"] = [{"prompt": r["prompt"], "response": r["chosen"], "source": r["source"]}
+        out["sft"] = [{"prompt": r["prompt"], "response": r["chosen"], "source": r["source"], "uncut": r["uncut"]}
                       for r in out["pairs_train"]]  # SFT on y_w
     return out
+
+
+CONSUMERS = ("heldout", "judge", "sft", "rm", "critic", "ppo", "ptx", "eval")  # the keys of records.json
+
+
+def stage_records(records: dict[str, list[dict]], run, cfg: ppo_max.PPOConfig) -> dict[str, list[dict]]:
+    """What each consumer of the run reads, by name: the one place where each stage takes its part of the run's
+    records (run_records, or the synthetic world's), so that records.json (write_stage_records) says what trained.
+
+        heldout  the held-out part of the split: --data's held-out pairs (RM accuracy, Fig. 3), else the held-out
+                 prompts (the world's, or --prompts' own)
+        judge    the judge's pairs (--data; none in the synthetic world, whose judge is gold)
+        sft      stage 1's rows                  rm      stage 2's pairs (and DPO's, --method dpo)
+        ppo      the rollouts' prompts           critic  the same rollouts, when --advantage has a critic (stage 3 and
+                                                         the value loss)
+        ptx      the rows of the ptx term (Eq. 17): the SFT rows, or the world's pretraining text (--ptx-data pretrain),
+                 {"prompt": "", "response": text}; none when λ_ptx = 0
+        eval     what the final evaluation and the held-out curve sample: the held-out prompts
+
+    ppo, critic and ptx are empty for --method dpo and best-of-n (no rollouts)."""
+    part = lambda name: records.get(name, [])  # noqa: E731  (a real --model given all its stages reads none)
+    ppo = run.method == "ppo"
+    pretrain = [{"prompt": "", "response": r["text"]} for r in part("pretrain")]  # the world's text, no prompt
+    ptx = pretrain if cfg.ptx_data == "pretrain" else part("sft")
+    return {"heldout": part("pairs_heldout") if run.data else part("prompts_heldout"),
+            "judge": part("pairs_judge"),
+            "sft": part("sft"),
+            "rm": part("pairs_train"),
+            "critic": part("prompts_train") if ppo and cfg.advantage == "gae" else [],
+            "ppo": part("prompts_train") if ppo else [],
+            "ptx": ptx if ppo and cfg.ptx_coef else [],
+            "eval": part("prompts_heldout")}
+
+
+def write_stage_records(out: Path, rows: dict[str, list[dict]]) -> None:
+    """<out>/records.json, written atomically before the first stage: for each consumer (CONSUMERS) the distinct
+    prompts it reads, as written (data.uncut_prompt: before any cut; a {"text"} row as its whole text)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "records.json", {k: list(dict.fromkeys(data.uncut_prompt(r) for r in rows[k])) for k in CONSUMERS})
 
 
 def real_data(tmp: Path, run, limits: dict):
@@ -570,6 +649,7 @@ class Inputs:
     base: Path | None = None     # runs/_base/<...> when stages 1-2 ran here (None for a real --model)
     timings: dict = dataclasses.field(default_factory=dict)
     judge: Path | str | None = None  # real data: the second reward model that judges the win rate
+    rows: dict = dataclasses.field(default_factory=dict)  # stage_records(data): what PPO, ptx and the evaluation read
 
 
 def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
@@ -582,15 +662,16 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
     from transformers import AutoTokenizer
     if dirs:
         tokenizer = data.load_tokenizer(dirs["sft"])  # no pad token (LLaMA, GPT-2): pad = EOS; the mask knows padding
-        records = {k: records.get(k, []) for k in ("prompts_train", "prompts_heldout", "sft",
-                                                   "pairs_train", "pairs_heldout")}  # the pairs: --method dpo
+        records = {k: records.get(k, []) for k in ("prompts_train", "prompts_heldout", "sft", "pairs_train",
+                                                   "pairs_heldout", "pairs_judge")}  # the pairs: --method dpo
         if main_rank:  # read by nobody during the run: no other rank waits for it
             toy_world.write_dataset({"prompts_heldout": records["prompts_heldout"]}, Path(run.out) / "data")
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
-                      judge=dirs.get("judge"))
+                      judge=dirs.get("judge"), rows=stage_records(records, run, cfg))
     if not main_rank:
         engine.barrier()
-    base, built = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank)
+    base, built = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank,
+                             cfg=cfg if main_rank else None)  # rank 0 writes records.json
     policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
     if main_rank:
         engine.barrier()
@@ -598,33 +679,30 @@ def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig
         bias = json.loads((base / "rm_length_bias.json").read_text())
         print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
               f"(filler tokens added to a correct answer)")
-    records = {k: data.read_records(base / "data" / f"{k}.jsonl") for k in ["prompts_train", "prompts_heldout", "sft"]}
-    if cfg.ptx_data == "pretrain":  # Eq. 17 on the world's pretraining text (prompt-less responses) instead of SFT rows
-        records["sft"] = [{"prompt": "", "response": r["text"]}
-                          for r in data.read_records(base / "data" / "pretrain.jsonl")]
+    records = base_records(base)  # ptx on the world's pretraining text (prompt-less responses): stage_records
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),
                   records, base, json.loads((base / "timings.json").read_text()) if built else {},  # stages that ran
-                  judge=base / "judge_model" if (base / "judge_model" / "value_head.safetensors").exists() else None)
+                  judge=base / "judge_model" if (base / "judge_model" / "value_head.safetensors").exists() else None,
+                  rows=stage_records(records, run, cfg))
 
 
 def preference_pairs(run, inp: Inputs, dirs: dict | None) -> tuple[list[dict], list[dict]]:
-    """The pairs stage 2 trained the reward model on and the held-out ones, as {"prompt", "chosen", "rejected"} rows:
-    the cached base's data/pairs_train.jsonl and pairs_heldout.jsonl (the synthetic world, --data), or a real
-    --model's --data split as real_model_stages made it. DPO trains on exactly these."""
-    if dirs is None:
-        return tuple(data.read_records(inp.base / "data" / f"{k}.jsonl") for k in ("pairs_train", "pairs_heldout"))
-    if not run.data:
+    """The pairs stage 2 trained the reward model on (stage_records' "rm") and the held-out ones, as {"prompt",
+    "chosen", "rejected"} rows: the cached base's data/pairs_train.jsonl and pairs_heldout.jsonl (the synthetic world,
+    --data), or a real --model's --data split as real_model_stages made it. DPO trains on exactly these."""
+    if dirs is not None and not run.data:
         fail(f"--method dpo with --model {run.model}: DPO trains on preference pairs; pass --data PAIRS")
-    return inp.data["pairs_train"], inp.data["pairs_heldout"]  # run_records' split, as stage 2 trained on it
+    return inp.rows["rm"], inp.data["pairs_heldout"]  # run_records' split, as stage 2 trained on it
 
 
 def stop_after_stages(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-                      dirs: dict | None, rank: int) -> dict:
-    """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base)."""
+                      dirs: dict | None, rank: int, cfg: ppo_max.PPOConfig) -> dict:
+    """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base, and
+    --out/records.json from it)."""
     if dirs is None:
         if rank == 0:
-            build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base)
+            build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base, cfg=cfg)
         engine.barrier()
         base = base_dir(run, sft_cfg, rm_cfg, world_cfg)
         dirs = {"sft": str(base / "sft"), "reward": str(base / "reward_model")}

@@ -68,8 +68,8 @@ import scale
 import toy_world
 from cli import arg, fail
 from pipeline import (STAGES, Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
-                      real_model_records, real_model_stages, resolve_real_models, stage_ds, stop_after_stages, use_bf16,
-                      write_json)
+                      real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
+                      stop_after_stages, use_bf16, write_json, write_stage_records)
 from reward_model import RMConfig, ScalarHeadModel
 from sft import SFTConfig, tiny_llama_config
 
@@ -373,8 +373,9 @@ def given_flags(argv) -> set[str]:
 
 # --data: the same stages on real text. A small budget so that the whole run (PPO included) takes minutes on
 # 2 CPU cores; each value applies only when its flag is not given on the command line. Measured on
-# harmless-base-test.dev.jsonl.gz --skip-bad, 2 shared cores at load ~7: 4 min 56 s in all (data 3 s, SFT 47 s,
-# RM 52 s, judge 47 s, critic pre-training 19 s, PPO 98 s, eval 19 s); held-out RM accuracy 0.539 on 89 pairs.
+# harmless-base-test.dev.jsonl.gz --skip-bad --threads 1, 2 cores shared with another job: 5 min 30 s in all (data
+# 3 s, SFT 36 s, RM 39 s, judge 43 s, critic pre-training 18 s, PPO 145 s, eval 38 s); held-out RM accuracy 0.457 on
+# 94 pairs.
 REAL_DATA_DEFAULTS = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4,
                           steps=10, rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1,
                           ptx_data="sft")  # real text has no pretraining split: ptx reads --sft-data or --data
@@ -939,7 +940,7 @@ def heldout_points(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfi
     final evaluation samples (top-p 0.9, temperature 0.8; --heldout-samples each, from a seed of the step's own),
     judged like it: the judge's mean (heldout/gold or heldout/judge), the proxy's (heldout/score), KL to the
     reference per token (heldout/kl) and the response length (heldout/length)."""
-    prompts = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    prompts = [r["prompt"] for r in inp.rows["eval"]]
     proxy = evaluation.rm_judge(m.reward_model)
     key = {"reward/gold": "heldout/gold", "reward/judge": "heldout/judge"}[judge.key] if judge else None
 
@@ -961,11 +962,11 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: ppo_max.PPOConfig, his
     """The held-out comparison of the final policy with the SFT model, sampled as the paper evaluates, judged by
     gold in the synthetic world; on real data by the held-out judge and, side by side, by the proxy reward model
     PPO optimised (optimistic by construction); the summary's numbers. Only the held-out part of the run's one
-    split is sampled (inp.data["prompts_heldout"]), and every judge scores the sampled ids with the masks of
-    training, as in step (2) of the loop."""
+    split is sampled (inp.rows["eval"], pipeline.stage_records), and every judge scores the sampled ids with the
+    masks of training, as in step (2) of the loop."""
     from transformers import AutoModelForCausalLM
     sft_model = AutoModelForCausalLM.from_pretrained(inp.base / "sft").to(device).eval() if inp.base else m.ref
-    heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    heldout = [r["prompt"] for r in inp.rows["eval"]]
     proxy = evaluation.rm_judge(m.reward_model)
     report = evaluation.compare(engine.unwrap(m.policy).eval(), sft_model, m.ref, m.reward_model, inp.tokenizer,
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
@@ -1085,7 +1086,7 @@ def other_method(run: RunConfig, cfg: ppo_max.PPOConfig, dpo_cfg: dpo.DPOConfig,
     sft = lm.disable_dropout(lm.causal_lm_class(inp.ref).from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
     sft = sft.to(device).eval().requires_grad_(False)
     judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run))
-    heldout = [r["prompt"] for r in inp.data["prompts_heldout"]]
+    heldout = [r["prompt"] for r in inp.rows["eval"]]
     t0 = time.time()
     if run.method == "dpo":
         pairs, heldout_pairs = preference_pairs(run, inp, dirs)
@@ -1169,24 +1170,26 @@ def main(argv=None) -> dict | None:
 
     # 1-2. SFT and reward model (cached), or the given models
     stage_timings, records = {}, None
-    if dirs:  # one split of --data for every stage (pipeline.run_records)
+    if dirs:  # one split of --data for every stage (pipeline.run_records); the tiny model's: in the cached base
         records = real_model_records(run, dirs)
+        if rank == 0:  # records.json: what each stage reads (pipeline.stage_records), before the first one runs
+            write_stage_records(out, stage_records(records, run, cfg))
         dirs = real_model_stages(run, cfg, sft_cfg, rm_cfg, dirs, rank, world, device, stage_timings, records)
     if last_stage(run) in ("sft", "rm"):
-        return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank)
+        return stop_after_stages(run, sft_cfg, rm_cfg, world_cfg, dirs, rank, cfg)
     inp = ppo_inputs(run, cfg, sft_cfg, rm_cfg, world_cfg, dirs, rank == 0, records)
     inp.timings.update(stage_timings)
     if run.method != "ppo":  # DPO or best-of-n in the place of stages 3-4, evaluated as PPO is
         return other_method(run, cfg, dpo_cfg, inp, dirs, rank, world, device, t_start)
-    if cfg.ptx_coef and not inp.data["sft"]:
+    if cfg.ptx_coef and not inp.rows["ptx"]:
         print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
         cfg = dataclasses.replace(cfg, ptx_coef=0.0)
     checkpoint.seed_everything(run.seed + rank)  # rank r samples its own stream; rank 0's is the single-process one
     ds = deepspeed_config(run, cfg, world, device)
     m = load_models(inp, run, cfg, device, ds)
     judge = make_judge(inp, not (run.data or dirs), m.bf16, device, lora.quantization(run))  # gold: the synthetic human
-    batches = data.RolloutBatches([r["prompt"] for r in inp.data["prompts_train"]],
-                                  [(r["prompt"], r["response"]) for r in inp.data["sft"]], inp.tokenizer,
+    batches = data.RolloutBatches([r["prompt"] for r in inp.rows["ppo"]],  # as records.json lists them
+                                  [(r["prompt"], r["response"]) for r in inp.rows["ptx"]], inp.tokenizer,
                                   seed=run.seed, rank=rank, world=world, device=device)
     state = LoopState.new(run, cfg)
     ckpts = run_checkpoints(m, out, batches, run, rank)

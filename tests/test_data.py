@@ -287,7 +287,8 @@ def test_fit_example_truncated_prompt_and_responses_intact():
     assert got == (f"{H} new?{A}", [" yes", " no"]) and report.truncated == 1
     (rec,) = data.pair_records([PreferencePair(prompt, " yes", " no", "f.jsonl:4")], CharTok(), len(f"{H} new?{A}"), 5,
                                False, DataReport())
-    assert rec == {"prompt": f"{H} new?{A}", "chosen": " yes", "rejected": " no", "source": "f.jsonl:4"}
+    assert rec == {"prompt": f"{H} new?{A}", "chosen": " yes", "rejected": " no", "source": "f.jsonl:4",
+                   "uncut": prompt}  # the prompt as written: what keeps evaluation prompts out of training
     assert data.response_ids(rec["chosen"], CharTok()) == CharTok().encode(" yes") + [2]  # EOS ends every response
 
 
@@ -332,6 +333,53 @@ def test_prompt_keys_find_a_transcript_inside_a_text_row():
     text = f"{H} a{A} b.{H} c{A} d."
     assert data.prompt_keys("", text) == {data.text_key(f"{H} a{A}"), data.text_key(f"{H} a{A} b.{H} c{A}")}
     assert data.prompt_keys(f"{H}  a {A}") == {data.text_key(f"{H} a{A}")}  # whitespace does not make it new
+    respaced = text.replace("\n\n", "\n \n\t").upper()  # markers re-spaced and re-cased are still markers
+    assert data.prompt_keys("", respaced) == data.prompt_keys("", text)
+
+
+def test_text_key_one_key_for_spacing_and_case():
+    prompt = f"{H} How do I bake Bread?{A}"
+    for copy in (prompt.lower(), prompt.upper(), prompt.replace(" ", "   "), "  " + prompt.replace("\n\n", "\n") + " ",
+                 prompt.replace("Bread", "BREAD").replace(" ", "\t")):
+        assert data.text_key(copy) == data.text_key(prompt), copy
+    assert data.text_key(prompt.replace("Bread", "Bead")) != data.text_key(prompt)
+
+
+def test_first_turn_key_is_the_human_turn_a_conversation_opens_with():
+    two = f"{H} Hi there.{A} Hello!{H} How do I bake bread?{A}"
+    assert data.first_turn_key(two) == "hi there."
+    assert data.first_turn_key(f"{H} Hi there.{A}") == data.first_turn_key(two.upper().replace("\n\n", " "))
+    assert data.first_turn_key(f"System: be brief{H} Hi there.{A} Yes?") == "hi there."  # the system head aside
+    assert data.first_turn_key("How do I bake bread?") == "how do i bake bread?"  # a plain prompt: one turn
+    assert data.first_turn_key(f"{H}{A} Hello!") == data.text_key(f"{H}{A} Hello!")  # an empty turn: all of it
+    # the split's groups: every prompt of one opening on one side
+    items = [f"{H} Hi there.{A} Hello!{H} Q{i}?{A}" for i in range(6)] + [f"{H} Q{i}?{A}" for i in range(6)]
+    train, held = data.train_heldout_split(items, 0.3, 0, key=data.first_turn_key)
+    assert {data.first_turn_key(x) for x in train}.isdisjoint({data.first_turn_key(x) for x in held})
+
+
+@pytest.mark.parametrize("row, kind, as_text", [  # as_text: the row + " An answer." as a {"text"} row
+    (f"{H} How do I bake bread?{A}", "same_prompt", "same_prompt"),
+    (f"\n\nhuman:   how do i BAKE bread?\n\nASSISTANT:", "same_prompt", "same_prompt"),   # re-spaced and re-cased
+    (f"{H} How do I bake", "prefix", None),                                            # cut off at its end
+    (f"{H} Hi there.{A} Hello!", "prefix", "prefix"),                                  # the opening of a longer one
+    (f"{H} How do I bake bread?{A} Knead it.{H} And then?{A}", "first_turn", "same_prompt"),  # continued
+    (f"{H} hi there.{A} Sure.{H} Something else?{A}", "first_turn", "prefix"),         # ... or taken elsewhere
+    ("How do I bake bread?", "first_turn", None),                                      # its first turn, no markers
+    (f"{H} How do I bake a cake?{A}", None, None),
+    (f"{H} Bake bread?{A}", None, None)])
+def test_evaluation_overlap_same_prompt_prefix_first_turn(row, kind, as_text):
+    ev = data.Evaluation.of([f"{H} How do I bake bread?{A}", f"{H} Hi there.{A} Hello!{H} Where is the moon?{A}"])
+    assert ev.overlap(data.trained_texts({"prompt": row, "uncut": row})) == kind
+    assert ev.overlap(data.trained_texts({"prompt": "", "response": row + " An answer."})) == as_text
+
+
+def test_trained_texts_compare_the_prompt_as_written_and_as_cut():
+    rec = {"prompt": f"{H} Where is the moon?{A}", "uncut": f"{H} Hi.{A} Hello!{H} Where is the moon?{A}"}
+    assert data.trained_texts(rec) == [rec["uncut"], rec["prompt"]]
+    assert data.Evaluation.of([rec["prompt"]]).overlap(data.trained_texts(rec)) == "same_prompt"  # as cut
+    assert data.Evaluation.of([f"{H} Hi.{A}"]).overlap(data.trained_texts(rec)) == "first_turn"     # as written
+    assert data.uncut_prompt(rec) == rec["uncut"] and data.uncut_prompt({"prompt": "", "response": "T."}) == "T."
 
 
 # ------------------------------------------------------------------------- tokenizers

@@ -37,8 +37,8 @@ def hh_pairs(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         topic = rng.choice(TOPICS)
         prompt = f"\n\nHuman: How do I {topic}?\n\nAssistant:"
-        if i % 3 == 0:  # some multi-turn prompts
-            prompt = f"\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?{prompt}"
+        if i % 3 == 0:  # some multi-turn prompts, opening with a turn of their own (the split groups by it)
+            prompt = f"\n\nHuman: Hi there, {topic}.\n\nAssistant: Hello! How can I help?{prompt}"
         chosen = f" Sure, to {topic} start slowly and practise {rng.choice(['daily', 'often', 'a little each day'])}."
         rejected = f" I do not want to talk about how to {topic}, {rng.choice(['go away', 'ask someone else', 'no'])}."
         rows.append({"chosen": prompt + chosen, "rejected": prompt + rejected})

@@ -257,7 +257,8 @@ HH_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "hh-rlhf" / "harmless
 def test_the_ptx_batch_of_the_hh_sample_fits_a_128_position_table(tmp_path, capsys):
     """GPT-2's learned position table is a hard limit (an id past it is `IndexError: index out of range`). With the
     README's limits (P 128, T 64) on a 128-position model the limits are lowered to fit, and every ptx row of the HH
-    sample (the longest ~2,000 tokens as written) runs through the policy as ppo_update runs it."""
+    sample (the longest 2,772 tokens as written with this 300-token tokenizer) runs through the policy as ppo_update
+    runs it."""
     import lm
     import pipeline
     import ppo_loss
