@@ -153,10 +153,14 @@ def test_method_best_of_n_samples_only_the_heldout_prompts(tiny, tmp_path, monke
     monkeypatch.setattr(evaluation, "sample", lambda model, tok, prompts, *a, **k: sampled.append(list(prompts))
                         or original(model, tok, prompts, *a, **k))
     train_prompts, heldout = PROMPTS[:2], PROMPTS[2:]
-    inp = Inputs(sft, sft, rm_dir, rm_dir, tokenizer, {"prompts_train": [{"prompt": p} for p in train_prompts],
-                                                       "prompts_heldout": [{"prompt": p} for p in heldout]})
+    from pipeline import stage_records
+    records = {"prompts_train": [{"prompt": p} for p in train_prompts],
+               "prompts_heldout": [{"prompt": p} for p in heldout]}
     run = train.RunConfig(method="best-of-n", bon_n=2, eval_samples=1, out=str(tmp_path))
-    summary = train.other_method(run, ppo_max.PPOConfig(max_new_tokens=4), dpo.DPOConfig(), inp, {"sft": str(sft)},
-                                 0, 1, torch.device("cpu"), time.time())
+    cfg = ppo_max.PPOConfig(max_new_tokens=4)
+    # what each consumer reads, taken as train.py takes it (pipeline.stage_records)
+    inp = Inputs(sft, sft, rm_dir, rm_dir, tokenizer, records, rows=stage_records(records, run, cfg))
+    summary = train.other_method(run, cfg, dpo.DPOConfig(), inp, {"sft": str(sft)}, 0, 1, torch.device("cpu"),
+                                 time.time())
     assert summary["method"] == "best-of-n" and summary["frontier"]["kl_seq"] == best_of_n.bon_kl(2)
     assert len(sampled) == 3 and all(sorted(set(p)) == sorted(heldout) for p in sampled), sampled
