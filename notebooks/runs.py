@@ -10,7 +10,6 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   series(runs_, key)             one metrics.jsonl key of several runs as an array (S, steps)
   samples(run_)                  samples.jsonl of a run: per step the RM scores, gold rewards and 4 examples
   base_dir(seed)                 the default SFT + reward-model directory of a seed (rm_log.json, ... for Fig. 2-3)
-  evaluate_checkpoints(run_)     win / tie / lose vs SFT under the gold judge of every saved checkpoint (Fig. 4)
   current_alarm(dir)             the collapse alarm under monitor.py's current thresholds (replayed, not retrained)
   run_many(specs)                every run of [(name, flags, seed, steps)] that is not cached yet, trained side by
                                  side in a pool of PPO_MAX_JOBS worker processes (default: one per core), each on
@@ -19,9 +18,9 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   slot()                         file locks (runs/.slot-<i>.lock): at most PPO_MAX_JOBS trainings and evaluations
                                  of all processes at once, each on one core; a run directory and a new base are
                                  built by one process only (runs/.locks/)
-  verdict(a, b, margin)          THE rule every notebook's verdict uses (RULE): the per-seed difference a − b, its mean
-                                 with a 95 % t-interval, and "higher" / "lower" / "alike" / "inconclusive"
-  claim(...), tally(...)         a claim's answer from verdicts: yes / no / inconclusive, and partly for mixed parts
+  verdict(a, b, margin)          the interval rule of methods.ipynb and overoptimization.ipynb (RULE): the per-seed
+                                 difference a − b, its mean with a 95 % t-interval, and "higher" / "lower" / "alike" /
+                                 "inconclusive"; the figure claims are judged by notebooks/claims.py's rule instead
   dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
   interval(values), verdict_words(…)  the 95 % t-interval over seeds; the rule in own words: above / below 0 / inconclusive
@@ -330,53 +329,6 @@ def base_dir(seed: int) -> Path:
     return base
 
 
-def evaluate_checkpoints(run_: dict, samples_per_prompt: int | None = None) -> list[dict]:
-    """Each saved checkpoint's policy against the SFT model on the held-out prompts, judged by gold (eval.compare,
-    sampled as the paper evaluates: top-p 0.9, temperature 0.8). Cached in <dir>/checkpoint_eval.json.
-
-    Returns [{"step", "win", "tie", "lose", "gold_reward", "sft_gold_reward", "kl", "perplexity", "length"}], with
-    step 0 = the SFT model itself (its win rate against itself is all ties)."""
-    cache = run_["dir"] / "checkpoint_eval.json"
-    ckpts = sorted(p for p in (run_["dir"] / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
-    n = samples_per_prompt or (4 if FULL else 1)
-    fresh = lambda: (cache.exists() and (rows := json.loads(cache.read_text())) and rows[0].get("n") == n
-                     and [r["step"] for r in rows[1:]] == [int(p.name[5:]) for p in ckpts])
-    if fresh():
-        return json.loads(cache.read_text())
-    with _lock(run_["dir"] / ".eval.lock"), slot():
-        return json.loads(cache.read_text()) if fresh() else _evaluate_checkpoints(run_, ckpts, n, cache)
-
-
-def _evaluate_checkpoints(run_: dict, ckpts: list[Path], n: int, cache: Path) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    import eval as evaluation
-    from reward_model import ScalarHeadModel
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(1)
-    base = ROOT / run_["base"]
-    tokenizer = AutoTokenizer.from_pretrained(base / "tokenizer")
-    sft = AutoModelForCausalLM.from_pretrained(base / "sft").eval()
-    rm = ScalarHeadModel.from_pretrained(base / "reward_model").eval()
-    prompts = [r["prompt"] for r in read_jsonl(base / "data" / "prompts_heldout.jsonl")]
-    max_new = run_["config"]["max_new_tokens"]
-    rows = []
-    for step, model_dir in [(0, base / "sft")] + [(int(p.name[5:]), p / "policy") for p in ckpts]:
-        policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        rep = evaluation.compare(policy, sft, sft, rm, tokenizer, prompts, n, seed=run_["seed"], max_new_tokens=max_new)
-        rows.append({"step": step, "n": n, **rep["win_rate"], "gold_reward": rep["policy"]["gold_reward"],
-                     "sft_gold_reward": rep["sft"]["gold_reward"], "kl": rep["policy"]["kl"],
-                     "perplexity": rep["policy"]["perplexity"], "length": rep["policy"]["response_length"],
-                     "reward": rep["policy"]["reward"]})
-    cache.write_text(json.dumps(rows, indent=1))
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Methods beyond PPO and the over-optimisation curve (methods.ipynb, overoptimization.ipynb)
-# ---------------------------------------------------------------------------------------------------------
 def interval(values) -> tuple[float, float, float]:
     """(mean, low, high): the two-sided 95 % t-interval of the mean over seeds (RULE's, below); (mean, nan, nan)
     with one seed."""
@@ -548,24 +500,6 @@ def verdict(a, b=None, margin: float = 0.0, what: str = "") -> dict:
     text = (f"{what + ': ' if what else ''}{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] (n = {n}, {int((d > 0).sum())}/{n} "
             f"seeds > 0{f', margin ±{margin:g}' if margin else ''}) → {v}")
     return {"effect": mean, "lo": lo, "hi": hi, "n": n, "above": int((d > 0).sum()), "verdict": v, "text": text}
-
-
-def claim(v: dict, expect: str) -> str:
-    """A claim's answer from one verdict: "yes" when it is the expected one ("higher", "lower" or "alike"),
-    "inconclusive" when the verdict is, "no" otherwise."""
-    return "yes" if v["verdict"] == expect else "inconclusive" if v["verdict"] == "inconclusive" else "no"
-
-
-def tally(*answers: str) -> str:
-    """A claim made of parts: yes / no when every part says so, partly when some parts hold and others do not,
-    inconclusive when no part fails and some cannot be told."""
-    if all(a == "yes" for a in answers):
-        return "yes"
-    if all(a == "no" for a in answers):
-        return "no"
-    if "yes" in answers and "no" in answers:
-        return "partly"
-    return "inconclusive" if "no" not in answers else "no"
 
 
 def held_out(rs: list[dict], key: str = "win-lose") -> np.ndarray:

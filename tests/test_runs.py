@@ -34,15 +34,6 @@ def test_verdict_interval_by_hand():
     assert runs.verdict([5.0])["verdict"] == "inconclusive"                      # one seed tells nothing
 
 
-def test_claim_and_tally():
-    higher, unclear = runs.verdict([1.0, 1.1, 0.9]), runs.verdict([1.0, -1.0, 0.5])
-    assert runs.claim(higher, "higher") == "yes" and runs.claim(higher, "lower") == "no"
-    assert runs.claim(unclear, "higher") == "inconclusive"
-    assert runs.tally("yes", "yes") == "yes" and runs.tally("no", "no") == "no"
-    assert runs.tally("yes", "no") == "partly" and runs.tally("yes", "no", "inconclusive") == "partly"
-    assert runs.tally("yes", "inconclusive") == "inconclusive" and runs.tally("no", "inconclusive") == "no"
-
-
 def test_interval_and_verdict_words_follow_the_one_rule():
     """The methods notebooks' interval and worded verdict are RULE's: t(0.975, n − 1), not another table's."""
     m, lo, hi = runs.interval([1.0, 2.0, 3.0, 4.0, 5.0])         # mean 3, sd √2.5, t(0.975, 4) = 2.776
