@@ -2,11 +2,18 @@
 through: each checks the method file against an independent computation (a python loop, autograd,
 torch.distributions, an exhaustive enumeration)."""
 import itertools
+import math
+import statistics
+import threading
 
 import pytest
 import torch
+from torch.testing import assert_close
 
+import critic_free
 import gae
+
+F64 = torch.float64
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -35,3 +42,69 @@ def test_gae_mask_check_rejects_every_gapped_mask_and_accepts_every_right_padded
         else:
             with pytest.raises(ValueError, match="contiguous"):
                 getattr(gae, fn)(rewards, values, mask, *args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# critic_free.py
+# ---------------------------------------------------------------------------------------------------------------
+def ragged_rewards(seed: int, B: int = 6, T: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random float64 per-token rewards (NaN on padding) and a right-padded mask with lengths 1 … T."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [T, 1] + torch.randint(1, T + 1, (B - 2,), generator=g).tolist()
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths], dtype=F64)
+    rewards = torch.where(mask != 0, torch.randn(B, T, generator=g, dtype=F64), math.nan)
+    return rewards, mask
+
+
+def loop_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> list[list[float]]:
+    """G_t = Σ_{s≥t} γ^{s−t} r_s over each row's real tokens, by a python loop."""
+    out = []
+    for r, m in zip(rewards.tolist(), mask.tolist()):
+        n = int(sum(m))
+        out.append([sum(gamma ** (s - t) * r[s] for s in range(t, n)) for t in range(n)])
+    return out
+
+
+def on_two_ranks(fn, halves: list[tuple]) -> list:
+    """fn(*halves[rank], all_sum) on two threads that play two ranks: all_sum adds the other rank's tensor (an
+    all-reduce). Returns [rank 0's result, rank 1's]."""
+    barrier, box, out = threading.Barrier(2, timeout=60), [None, None], [None, None]
+
+    def rank(r: int) -> None:
+        def all_sum(t: torch.Tensor) -> torch.Tensor:
+            box[r] = t.clone()
+            barrier.wait()
+            total = box[0] + box[1]
+            barrier.wait()
+            return total
+        out[r] = fn(*halves[r], all_sum)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_reinforce_pp_default_gamma_is_one():
+    rewards, mask = ragged_rewards(20)
+    _, returns = critic_free.reinforce_pp(rewards, mask)
+    for i, row in enumerate(loop_returns(rewards, mask, 1.0)):
+        assert returns[i, :len(row)].tolist() == pytest.approx(row, abs=1e-12)
+
+
+def test_reinforce_pp_whitens_over_every_ranks_tokens():
+    """Two ranks holding halves of a batch: each one's advantages are its returns whitened with the mean and variance
+    of ALL the batch's real tokens (python statistics over both halves), not of its own half."""
+    rewards, mask = ragged_rewards(21, B=6)
+    rewards[3:] += 5.0  # the halves differ in mean: whitening per rank would be visibly wrong
+    returns = loop_returns(rewards, mask, 0.9)
+    tokens = [g for row in returns for g in row]
+    mu, var = statistics.fmean(tokens), statistics.pvariance(tokens)
+    out = on_two_ranks(lambda r, m, all_sum: critic_free.reinforce_pp(r, m, 0.9, all_sum),
+                       [(rewards[:3], mask[:3]), (rewards[3:], mask[3:])])
+    adv = torch.cat([out[0][0], out[1][0]])
+    for i, row in enumerate(returns):
+        assert adv[i, :len(row)].tolist() == pytest.approx([(g - mu) / math.sqrt(var + 1e-8) for g in row], abs=1e-12)
+        assert not adv[i, len(row):].any()
