@@ -108,3 +108,23 @@ def test_reinforce_pp_whitens_over_every_ranks_tokens():
     for i, row in enumerate(returns):
         assert adv[i, :len(row)].tolist() == pytest.approx([(g - mu) / math.sqrt(var + 1e-8) for g in row], abs=1e-12)
         assert not adv[i, len(row):].any()
+
+
+def test_group_estimators_with_one_response_per_prompt_give_zero_advantages():
+    """G = 1: each response is its own group, so nothing to compare with: A = 0 (also with Bessel's std, whose 0/0 a
+    group of one would otherwise turn into NaN)."""
+    scores = torch.tensor([1.0, -2.0, 3.5], dtype=F64)
+    for unbiased in (False, True):
+        assert critic_free.grpo(scores, 1, unbiased=unbiased).tolist() == [0.0, 0.0, 0.0]
+    assert critic_free.dr_grpo(scores, 1).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_critic_free_rejects_bad_shapes_and_names_with_a_message():
+    with pytest.raises(ValueError, match=r"scores must be \(B,\) with B a multiple of the group size G = 2"):
+        critic_free.grpo(torch.zeros(4, 1, dtype=F64), 2)  # (B, 1): a column, not a vector of scores
+    with pytest.raises(ValueError, match=r"must be \(B, T\) with the same shape; got \(2, 3\), \(2, 4\)"):
+        critic_free.discounted_returns(torch.zeros(2, 3), torch.ones(2, 4), 1.0)
+    with pytest.raises(ValueError, match=r"same shape; got \(3,\), \(3,\)"):
+        critic_free.discounted_returns(torch.zeros(3), torch.ones(3), 1.0)
+    with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
+        critic_free.advantages("ppo", torch.zeros(2, 3), torch.ones(2, 3), 2)
