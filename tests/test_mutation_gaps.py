@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+import best_of_n
 import critic_free
 import gae
 
@@ -128,3 +129,74 @@ def test_critic_free_rejects_bad_shapes_and_names_with_a_message():
         critic_free.discounted_returns(torch.zeros(3), torch.ones(3), 1.0)
     with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
         critic_free.advantages("ppo", torch.zeros(2, 3), torch.ones(2, 3), 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# best_of_n.py
+# ---------------------------------------------------------------------------------------------------------------
+def test_best_of_n_bad_inputs_are_value_errors_that_name_them():
+    with pytest.raises(ValueError, match="n must be ≥ 1, got 0"):
+        best_of_n.bon_kl(0)
+    with pytest.raises(ValueError, match=r"scores must be \(N, n\), got \(4,\)"):
+        best_of_n.select_best(torch.zeros(4))
+
+
+class LengthProxy(torch.nn.Module):
+    """A proxy reward model: r = (Σ ids over the real tokens) mod 11, a deterministic function of the sampled ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))  # rm_judge asks for the device of a parameter
+
+    def score(self, ids, mask):
+        return ((ids * mask).sum(1) % 11).float()
+
+
+def text_judge(prompts, texts, finished, ids=None, mask=None) -> list[float]:
+    """A judge that is not the proxy: (Σ code points of the response text) mod 13."""
+    return [float(sum(map(ord, t)) % 13) for t in texts]
+
+
+def test_best_of_n_evaluate_compares_the_proxys_best_of_n_with_sft_samples(tmp_path):
+    """evaluate against its parts: the SFT row is eval.measure of the SFT model's own samples (seed); the best-of-n
+    row is measured on the candidate each group of n (drawn with seed + 1, the given sampling) scores highest by the
+    proxy, picked here by a python loop; its kl is None and kl_seq = log n − (n − 1)/n; the win rate is counted by
+    hand from the judge's scores."""
+    import data
+    import eval as evaluation
+    import tiny_model
+    from transformers import AutoModelForCausalLM
+    prompts, n, per_prompt, seed, T = ["how do I cook rice ?", "how do I boil it ?"], 3, 2, 6, 4
+    sampling = dict(top_p=1.0, temperature=1.3, repetition_penalty=1.0)  # not EVAL_SAMPLING: it must be passed on
+    model_dir = tiny_model.build_model("llama", ["how do I cook rice ? rinse it , then boil it ."] * 20,
+                                       tmp_path / "m", hidden=16, layers=1, heads=2, vocab_size=300)
+    sft, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), data.load_tokenizer(model_dir)
+    proxy = LengthProxy()
+    out = best_of_n.evaluate(sft, proxy, tok, prompts, n, per_prompt, seed, T, text_judge, sampling)
+
+    s_sft = evaluation.sample(sft, tok, prompts, per_prompt, seed, T, sampling=sampling)
+    assert out["sft"] == evaluation.measure(sft, sft, proxy, s_sft, text_judge)[0]
+    cand = evaluation.sample(sft, tok, prompts, per_prompt * n, seed + 1, T, sampling=sampling)
+    ids = [torch.cat([q, r], 1) for q, r in zip(cand["query"], cand["response"])]
+    masks = [torch.cat([qm, m], 1) for qm, m in zip(cand["query_mask"], cand["mask"])]
+    scores = [proxy.score(i[None], m[None]).item() for I, M in zip(ids, masks) for i, m in zip(I, M)]
+    chosen = []
+    for g in range(len(prompts) * per_prompt):  # the best of each n consecutive candidates, the first of equal ones
+        best = g * n
+        for j in range(g * n, g * n + n):
+            best = j if scores[j] > scores[best] else best
+        chosen.append(best)
+    assert out["policy"]["kl"] is None and out["policy"]["kl_seq"] == pytest.approx(math.log(n) - (n - 1) / n)
+    assert out["policy"]["reward"] == pytest.approx(statistics.fmean(scores[j] for j in chosen), abs=1e-6)
+    bon_gold = text_judge(None, [cand["texts"][j] for j in chosen], None)
+    sft_gold = text_judge(None, s_sft["texts"], None)
+    assert out["policy"]["gold_reward"] == pytest.approx(statistics.fmean(bon_gold))
+    assert out["policy"]["response_length"] == pytest.approx(statistics.fmean(
+        cand["mask"][0][j].sum().item() for j in chosen))
+    bon = best_of_n.sample(sft, proxy, tok, prompts, n, per_prompt, seed + 1, T, sampling)
+    want = evaluation.measure(sft, sft, proxy, bon, text_judge)[0]["perplexity"]
+    assert out["policy"]["perplexity"] == pytest.approx(want)
+    assert out["win_rate"] == {"win": statistics.fmean(a > b for a, b in zip(bon_gold, sft_gold)),
+                               "tie": statistics.fmean(a == b for a, b in zip(bon_gold, sft_gold)),
+                               "lose": statistics.fmean(a < b for a, b in zip(bon_gold, sft_gold))}
+    assert out["win_rate"]["win"] != out["win_rate"]["lose"]  # so that swapping the two sides shows
