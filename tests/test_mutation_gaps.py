@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 import best_of_n
 import critic_free
+import dpo
 import gae
 
 F64 = torch.float64
@@ -200,3 +201,47 @@ def test_best_of_n_evaluate_compares_the_proxys_best_of_n_with_sft_samples(tmp_p
                                "tie": statistics.fmean(a == b for a, b in zip(bon_gold, sft_gold)),
                                "lose": statistics.fmean(a < b for a, b in zip(bon_gold, sft_gold))}
     assert out["win_rate"]["win"] != out["win_rate"]["lose"]  # so that swapping the two sides shows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dpo.py
+# ---------------------------------------------------------------------------------------------------------------
+def test_dpo_loss_stats_against_a_loop_with_ties_and_a_margin_of_one():
+    """accuracy counts r̂_w > r̂_l as 1 and a tie as ½ (as reward_model.accuracy); margin, chosen_reward and
+    rejected_reward are the means of β·logratio, each computed by a loop. The margins are 1, −1, 0, 0 and 2.5."""
+    beta = 0.5
+    pw = torch.tensor([-1.0, -3.0, -2.0, -4.0, -1.0], dtype=F64)
+    pl = torch.tensor([-3.0, -1.0, -2.0, -4.0, -6.0], dtype=F64)
+    rw, rl = torch.zeros(5, dtype=F64), torch.zeros(5, dtype=F64)
+    _, stats = dpo.dpo_loss(pw, pl, rw, rl, beta)
+    chosen = [beta * (a - c) for a, c in zip(pw.tolist(), rw.tolist())]
+    rejected = [beta * (b - d) for b, d in zip(pl.tolist(), rl.tolist())]
+    margins = [w - l for w, l in zip(chosen, rejected)]
+    assert margins == [1.0, -1.0, 0.0, 0.0, 2.5]
+    assert stats == pytest.approx({"accuracy": statistics.fmean(1.0 if m > 0 else 0.5 if m == 0 else 0.0
+                                                                for m in margins),
+                                   "margin": statistics.fmean(margins), "chosen_reward": statistics.fmean(chosen),
+                                   "rejected_reward": statistics.fmean(rejected)}, abs=1e-12)
+
+
+def test_dpo_loss_rejects_anything_but_four_vectors_of_one_shape():
+    x = torch.zeros(3, dtype=F64)
+    with pytest.raises(ValueError, match=r"expected four \(B,\) tensors of one shape, got \[\(3, 1\)\]"):
+        dpo.dpo_loss(x[:, None], x[:, None], x[:, None], x[:, None], 0.1)
+    with pytest.raises(ValueError, match=r"one shape, got \[\(2,\), \(3,\)\]"):
+        dpo.dpo_loss(x, x[:2], x, x, 0.1)
+
+
+def test_response_logprob_sum_of_bf16_logits_is_computed_in_float32():
+    """Half-precision logits (a GPU run) are log-softmaxed in float32: the sum equals the float64 loop over the same
+    bf16 values to float32 rounding, not to bf16's 3 digits."""
+    g = torch.Generator().manual_seed(4)
+    logits = (4 * torch.randn(2, 7, 50, generator=g)).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 7), generator=g)
+    resp = torch.tensor([[0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0]], dtype=F64)
+    got = dpo.response_logprob_sum(logits, ids, resp)
+    assert got.dtype == torch.float32
+    for b in range(2):
+        want = sum(torch.log_softmax(logits[b, t - 1].double(), -1)[ids[b, t]].item()
+                   for t in range(1, 7) if resp[b, t])
+        assert got[b].item() == pytest.approx(want, abs=1e-4)
