@@ -14,6 +14,7 @@ import best_of_n
 import critic_free
 import dpo
 import gae
+import ppo_loss
 
 F64 = torch.float64
 
@@ -245,3 +246,120 @@ def test_response_logprob_sum_of_bf16_logits_is_computed_in_float32():
         want = sum(torch.log_softmax(logits[b, t - 1].double(), -1)[ids[b, t]].item()
                    for t in range(1, 7) if resp[b, t])
         assert got[b].item() == pytest.approx(want, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ppo_loss.py
+# ---------------------------------------------------------------------------------------------------------------
+def bt(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+SHAPE_CHECKS = {  # function: (its arguments of shape (2, 3) or (2, 3, V), the keyword-free extras)
+    "masked_mean": (["x", "mask"], ()),
+    "policy_loss": (["logprobs", "old_logprobs", "advantages", "mask"], (0.2,)),
+    "value_loss": (["values", "old_values", "returns", "mask"], ()),
+    "aggregate": (["loss_mat", "mask"], ()),
+    "kl_sampled": (["logprobs", "ref_logprobs"], ()),
+    "kl_full": (["logits", "ref_logits"], ()),
+    "entropy_bonus_loss": (["logits", "mask"], (0.01,)),
+    "ptx_loss": (["logits", "input_ids", "loss_mask"], ()),
+}
+
+
+@pytest.mark.parametrize("fn,wrong", [(fn, a) for fn, (args, _) in SHAPE_CHECKS.items() for a in args[1:]])
+def test_ppo_loss_shape_errors_name_the_function_and_both_arguments(fn, wrong):
+    """Every argument of the wrong shape is a ValueError naming ppo_loss.<fn>, the argument, and the one whose shape
+    it must have (never a silent broadcast: a (2, 1) mask would broadcast)."""
+    args, extra = SHAPE_CHECKS[fn]
+    vocab = {"logits", "ref_logits"}
+    ok = {a: (bt(2, 3, 5) if a in vocab else torch.ones(2, 3, dtype=torch.long) if a == "input_ids"
+              else torch.ones(2, 3, dtype=F64)) for a in args}
+    bad = dict(ok, **{wrong: ok[wrong][:, :1]})  # (2, 1) or (2, 1, V): broadcastable, so only the check catches it
+    ref = {"entropy_bonus_loss": r"logits\[\.\.\., 0\]", "ptx_loss": "input_ids"}.get(fn, args[0])
+    if fn == "ptx_loss" and wrong == "input_ids":  # checked against loss_mask first, then against the logits
+        bad["loss_mask"] = bad["loss_mask"][:, :1]
+        match = r"ppo_loss\.ptx_loss: `logits` has shape \(2, 3, 5\), expected \(2, 1\) \+ \(V,\)"
+    else:
+        v = r", 5" if wrong in vocab else ""
+        match = rf"ppo_loss\.{fn}: `{wrong}` has shape \(2, 1{v}\), expected \(2, 3{v}\) \(the shape of `{ref}`\)"
+    with pytest.raises(ValueError, match=match):
+        getattr(ppo_loss, fn)(*[bad[a] for a in args], *extra)
+
+
+def test_masked_var_unbiased_needs_two_real_entries():
+    x = torch.tensor([1.0, 3.0, 7.0], dtype=F64)
+    assert ppo_loss.masked_var(x, torch.tensor([1.0, 1.0, 0.0], dtype=F64), unbiased=True).item() == 2.0  # 2·1²/1
+    with pytest.raises(ValueError, match="unbiased=True needs at least 2 real entries, the mask has 1"):
+        ppo_loss.masked_var(x, torch.tensor([0.0, 1.0, 0.0], dtype=F64), unbiased=True)
+
+
+def test_policy_loss_clip_eps_zero_clips_the_ratio_to_one():
+    """ε = 0 is allowed (clip_eps >= 0): the clipped term is Â itself, so the objective is min(ρÂ, Â) (a loop)."""
+    ratio, adv = [0.5, 1.5, 0.8, 1.2], [1.0, 1.0, -1.0, -1.0]
+    logp = torch.log(torch.tensor([ratio], dtype=F64))
+    loss, _ = ppo_loss.policy_loss(logp, torch.zeros_like(logp), torch.tensor([adv], dtype=F64),
+                                   torch.ones_like(logp), 0.0)
+    assert loss.item() == pytest.approx(-statistics.fmean(min(r * a, a) for r, a in zip(ratio, adv)), abs=1e-12)
+
+
+def test_policy_loss_dual_clipfrac_against_a_loop():
+    """dual_clipfrac: the fraction of real tokens where c·Â binds, i.e. Â < 0 and c·Â > min(ρÂ, clip(ρ)Â). Tokens
+    with 0 < Â < 1 and Â > 1 are never counted, whatever ρ."""
+    c, eps = 3.0, 0.2
+    ratio = [0.5, 1.0, 4.0, 5.0, 1.0, 0.3, 2.0, 6.0]
+    adv = [0.5, 0.5, -1.0, -0.4, -2.0, 2.0, 0.9, -0.1]
+    logp = torch.log(torch.tensor([ratio], dtype=F64))
+    loss, stats = ppo_loss.policy_loss(logp, torch.zeros_like(logp), torch.tensor([adv], dtype=F64),
+                                       torch.ones_like(logp), eps, dual_clip=c)
+    objective, binds = [], []
+    for r, a in zip(ratio, adv):
+        o = min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+        binds.append(a < 0 and c * a > o)
+        objective.append(max(o, c * a) if a < 0 else o)
+    assert stats["dual_clipfrac"] == statistics.fmean(binds) and 0 < statistics.fmean(binds) < 0.5
+    assert loss.item() == pytest.approx(-statistics.fmean(objective), abs=1e-12)
+
+
+def test_aggregate_defaults_and_seq_mean_over_the_rows_with_a_real_token():
+    """seq-mean-token-mean averages the per-row means of the rows that have a real token (a loop); an empty row counts
+    for nothing, also when it is the only other row; the default mode is token-mean; seq-mean-token-sum-norm needs a
+    max_len ≥ 1 (1 is allowed)."""
+    x = bt(3, 4, seed=5)
+    for rows in ([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], [[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]):
+        mask = torch.tensor(rows, dtype=F64)
+        want = statistics.fmean(statistics.fmean(x[i, t].item() for t in range(4) if rows[i][t])
+                                for i in range(3) if any(rows[i]))
+        assert ppo_loss.aggregate(x, mask, "seq-mean-token-mean").item() == pytest.approx(want, abs=1e-12)
+        assert ppo_loss.aggregate(x, mask).item() == ppo_loss.masked_mean(x, mask).item()
+    mask = torch.ones(3, 4, dtype=F64)
+    assert ppo_loss.aggregate(x, mask, "seq-mean-token-sum-norm", 1).item() == pytest.approx(x.sum().item() / 3)
+    for max_len in (None, 0, -1):
+        with pytest.raises(ValueError, match="seq-mean-token-sum-norm needs max_len, the response length cap"):
+            ppo_loss.aggregate(x, mask, "seq-mean-token-sum-norm", max_len)
+    with pytest.raises(ValueError, match="unknown mode 'sum'"):
+        ppo_loss.aggregate(x, mask, "sum")
+
+
+def test_kl_sampled_default_is_k1():
+    lp, ref = bt(2, 3, seed=6), bt(2, 3, seed=7)
+    assert torch.equal(ppo_loss.kl_sampled(lp, ref), lp - ref)
+
+
+def test_entropy_bonus_is_off_at_exactly_the_clip():
+    """At H̄ = δ the hinge max(0, δ − H̄) is 0: the bonus is not active (uniform logits: H̄ = log V exactly)."""
+    logits = torch.zeros(1, 2, 4, dtype=F64)
+    h = ppo_loss.entropy(logits)[0, 0].item()
+    assert h == math.log(4)
+    loss, stats = ppo_loss.entropy_bonus_loss(logits, torch.ones(1, 2, dtype=F64), 0.01, clip=h)
+    assert loss.item() == 0.0 and stats == {"entropy": h, "entropy_bonus_active": 0.0}
+
+
+def test_ptx_loss_stats_keys_and_values_against_a_loop():
+    logits, ids = bt(2, 4, 6, seed=8), torch.tensor([[1, 2, 3, 4], [5, 0, 1, 2]])
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]], dtype=F64)
+    nll = [-torch.log_softmax(logits[b, t - 1], -1)[ids[b, t]].item()
+           for b in range(2) for t in range(1, 4) if mask[b, t]]
+    _, stats = ppo_loss.ptx_loss(logits, ids, mask)
+    assert stats == pytest.approx({"ptx_loss": statistics.fmean(nll), "ptx_ppl": math.exp(statistics.fmean(nll)),
+                                   "ptx_tokens": 5.0}, abs=1e-12)
