@@ -73,8 +73,8 @@ def workspace(module: str, work: Path) -> Path:
 
 
 def run(module: str, work: Path, children: int, only: list[str] = ()) -> dict:
-    """mutmut run for one module (only the mutants named in `only`, if any); its counts by status, and the wall time
-    in seconds."""
+    """mutmut run for one module (only the mutants named in `only`, if any); its counts by status (of those named,
+    if any), and the wall time in seconds."""
     ws = workspace(module, work)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     mutmut = shutil.which("mutmut") or str(Path(sys.executable).parent / "mutmut")
@@ -82,7 +82,9 @@ def run(module: str, work: Path, children: int, only: list[str] = ()) -> dict:
     subprocess.run([mutmut, "run", "--max-children", str(children), *only], cwd=ws, env=env, check=False)
     counts: dict[str, int] = {}
     for meta in (ws / "mutants").glob(f"{module}.py.meta"):
-        for code in json.loads(meta.read_text())["exit_code_by_key"].values():
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if only and name not in only:  # mutmut resets the other verdicts when the test selection changes
+                continue
             status = "not checked" if code is None else STATUS.get(code, "suspicious")
             counts[status] = counts.get(status, 0) + 1
     counts["wall_s"] = round(time.time() - start)
