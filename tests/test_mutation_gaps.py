@@ -169,7 +169,7 @@ def test_best_of_n_evaluate_compares_the_proxys_best_of_n_with_sft_samples(tmp_p
     import tiny_model
     from transformers import AutoModelForCausalLM
     prompts, n, per_prompt, seed, T = ["how do I cook rice ?", "how do I boil it ?"], 3, 2, 6, 4
-    sampling = dict(top_p=1.0, temperature=1.3, repetition_penalty=1.0)  # not EVAL_SAMPLING: it must be passed on
+    sampling = dict(top_p=0.3, temperature=1.0, repetition_penalty=1.0)  # not EVAL_SAMPLING: it must be passed on
     model_dir = tiny_model.build_model("llama", ["how do I cook rice ? rinse it , then boil it ."] * 20,
                                        tmp_path / "m", hidden=16, layers=1, heads=2, vocab_size=300)
     sft, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), data.load_tokenizer(model_dir)
@@ -179,6 +179,8 @@ def test_best_of_n_evaluate_compares_the_proxys_best_of_n_with_sft_samples(tmp_p
     s_sft = evaluation.sample(sft, tok, prompts, per_prompt, seed, T, sampling=sampling)
     assert out["sft"] == evaluation.measure(sft, sft, proxy, s_sft, text_judge)[0]
     cand = evaluation.sample(sft, tok, prompts, per_prompt * n, seed + 1, T, sampling=sampling)
+    # the draws depend on the sampling (on this near-uniform tiny model, a milder change of temperature does not)
+    assert cand["texts"] != evaluation.sample(sft, tok, prompts, per_prompt * n, seed + 1, T)["texts"]
     ids = [torch.cat([q, r], 1) for q, r in zip(cand["query"], cand["response"])]
     masks = [torch.cat([qm, m], 1) for qm, m in zip(cand["query_mask"], cand["mask"])]
     scores = [proxy.score(i[None], m[None]).item() for I, M in zip(ids, masks) for i, m in zip(I, M)]
