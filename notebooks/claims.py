@@ -941,6 +941,11 @@ def check_code(seed: int) -> bool:
     records' (code-equivalence.json), so --run reuses their records. Returns whether they were all equal."""
     import runs
     runs.configure(full=True)
+    missing = [v for v in CHECK if not record_path(v, seed).exists()]
+    if missing:
+        print(f"error: --check-code {seed}: no committed record of {', '.join(missing)} on seed {seed}",
+              file=sys.stderr)
+        raise SystemExit(2)
     recs = {v: json.loads(record_path(v, seed).read_text()) for v in CHECK}
     old = {r["code"] for r in recs.values()}
     if len(old) != 1:

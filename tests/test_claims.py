@@ -184,3 +184,11 @@ def test_readme_summary_is_what_the_committed_records_give():
     start, end = claims.SUMMARY_MARKS
     assert start in text and end in text, "README.md has lost the marks of its generated summary"
     assert text.split(start, 1)[1].split(end, 1)[0].strip() == claims.summary().strip()
+
+
+def test_check_code_of_a_seed_without_records_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        claims.check_code(77)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--check-code 77" in err
