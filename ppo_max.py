@@ -56,8 +56,8 @@ class RunningMoments:
     spread of the scores seen, not an estimate of a wider population, and it is what the merge formula keeps
     exactly. Before any update: count 0, mean 0.0, var 1.0 (so std 1.0), which makes Eq. 18 and reward scaling
     the identity (up to the clip) until the first batch arrives. A history with no spread yet (one score, or
-    scores all equal: std 0 up to rounding) says nothing about the scale either, so Eq. 18 and scaling keep the scale at 1 then
-    (they centre, they do not divide by ~0), until a batch brings a spread.
+    scores all equal: std 0 up to rounding) says nothing about the scale either, so Eq. 18 and scaling keep the
+    scale at 1 then (they centre, they do not divide by ~0), until a batch brings a spread.
 
     Under data parallelism every rank must call `update` with the same values (gather the scores of all ranks
     first), or the ranks' moments drift apart.

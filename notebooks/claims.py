@@ -901,6 +901,12 @@ def planned(claims: list[Claim] | None = None) -> list[tuple[str, int]]:
     return sorted(want, key=lambda vs: (vs[0] == BASE, vs[1], vs[0]))
 
 
+def base_name(seed: int) -> str:
+    """The name of a seed's base under runs/_base/ (what runs.base_dir builds when it is missing), built or not."""
+    import runs
+    return runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"]
+
+
 def recorded(variant: str, seed: int) -> bool:
     """Whether a committed record already stands for this run: written by this code (runs.code_version) for this
     config. A budget can then span sittings on different machines: --run trains only what no record covers."""
@@ -909,8 +915,7 @@ def recorded(variant: str, seed: int) -> bool:
     if not path.exists():
         return False
     rec = json.loads(path.read_text())
-    key = runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"] if variant == BASE else \
-        config_key(variant, seed)
+    key = base_name(seed) if variant == BASE else config_key(variant, seed)
     return same_code(rec.get("code"), runs.code_version()) and rec.get("config") == key
 
 
@@ -952,7 +957,7 @@ def check_code(seed: int) -> bool:
         raise SystemExit(f"error: the records of seed {seed} come from several code versions {sorted(old)}")
     now = runs.code_version()
     import shutil
-    base = ROOT / "runs" / "_base" / runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"]
+    base = ROOT / "runs" / "_base" / base_name(seed)
     if base.exists():   # a cached base may come from other code: this code builds it again
         print(f"removing the cached {base.relative_to(ROOT)} so that this code builds it again")
         shutil.rmtree(base)
