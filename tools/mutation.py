@@ -40,7 +40,8 @@ TESTS = {
     "best_of_n": ["tests/test_best_of_n.py"],
     "dpo": ["tests/test_dpo.py"],
     "ppo_loss": ["tests/test_ppo_loss.py", "tests/test_kl_direction.py", "tests/test_conventions.py"],
-    "ppo_max": ["tests/test_ppo_max_scores.py", "tests/test_kl_direction.py", "tests/test_conventions.py"],
+    "ppo_max": ["tests/test_ppo_max_scores.py", "tests/test_ppo_max_update.py", "tests/test_kl_direction.py",
+                "tests/test_conventions.py"],
     "reward_model": ["tests/test_reward_model.py", "tests/test_conventions.py"],
 }
 GAPS = "tests/test_mutation_gaps.py"
