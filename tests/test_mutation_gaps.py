@@ -17,6 +17,15 @@ import dpo
 import gae
 import ppo_loss
 
+# The stage tests' libraries, imported here rather than inside the tests: mutmut's fork server collects this file once,
+# so every mutant's run starts with them loaded (the model classes alone take seconds to import).
+import data
+import engine
+import lora
+import reward_model
+import tiny_model
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM  # noqa: F401 (loaded)
+
 F64 = torch.float64
 
 
