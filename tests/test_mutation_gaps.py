@@ -815,3 +815,29 @@ def test_head_width_measures_what_the_lm_head_reads_and_leaves_the_model_as_it_w
     lm.model.decoder.forward = refuse
     assert reward_model.measured_width(lm) is None and reward_model.head_width(lm) == 32
     assert lm.training and not [m for m in lm.modules() if m._forward_hooks]
+
+
+class TupleBackbone(torch.nn.Module):
+    """A backbone that hands back a plain tuple (hidden states,), 24 wide, as transformers' return_dict=False did."""
+    def forward(self, input_ids, **kwargs):
+        return (torch.zeros(*input_ids.shape, 24),)
+
+
+class BareLM(torch.nn.Module):
+    """The least a causal LM needs for measured_width: a device, a forward, and a base model (or none)."""
+    device = torch.device("cpu")
+
+    def __init__(self, base_model):
+        super().__init__()
+        self.base_model = base_model
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        return self.base_model(input_ids) if self.base_model is not None else input_ids
+
+
+def test_measured_width_reads_a_tuple_backbone_and_is_none_without_a_backbone():
+    """A backbone's output that is a plain tuple is measured by its first element; an LM with no backbone to hook
+    measures None (head_width then takes the config's width), with no hook left behind."""
+    lm = BareLM(TupleBackbone())
+    assert reward_model.measured_width(lm) == 24 and not lm.base_model._forward_hooks
+    assert reward_model.measured_width(BareLM(None)) is None
