@@ -7,6 +7,7 @@ import statistics
 import threading
 
 import pytest
+import safetensors.torch
 import torch
 from torch.testing import assert_close
 
@@ -15,6 +16,15 @@ import critic_free
 import dpo
 import gae
 import ppo_loss
+
+# The stage tests' libraries, imported here rather than inside the tests: mutmut's fork server collects this file once,
+# so every mutant's run starts with them loaded (the model classes alone take seconds to import).
+import data
+import engine
+import lora
+import reward_model
+import tiny_model
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM  # noqa: F401 (loaded)
 
 F64 = torch.float64
 
@@ -250,6 +260,213 @@ def test_response_logprob_sum_of_bf16_logits_is_computed_in_float32():
         assert got[b].item() == pytest.approx(want, abs=1e-4)
 
 
+# dpo.py's stage, on a tiny GPT-2 (dropout 0.1 by default, learned absolute positions), in float64
+DPO_ROWS = [("Human: how do I bake bread?\n\nAssistant:", " Mix flour, water and yeast.", " No."),
+            ("Human: what is a good name for a cat?\n\nAssistant:", " Maybe Tom.", " I do not know."),
+            ("Human: tell me a joke\n\nAssistant:", " A horse walks into a bar.", " No."),
+            ("Human: is the sea salty?\n\nAssistant:", " Yes, quite.", " Who cares."),
+            ("Human: how far is the moon?\n\nAssistant:", " About 384,000 km.", " Far."),
+            ("Human: can I eat raw rice?\n\nAssistant:", " Better not: cook it first.", " Sure."),
+            ("Human: why is the sky blue?\n\nAssistant:", " Blue light scatters more.", " It is not."),
+            ("Human: how do I tie a knot?\n\nAssistant:", " Cross, loop and pull.", " Ask someone.")]
+DPO_PAIRS = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in DPO_ROWS]
+DPO_TRAIN, DPO_HELDOUT = DPO_PAIRS[:5], DPO_PAIRS[5:]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    """A random-init GPT-2 (one layer, H = 32) and its tokenizer, trained on the pairs' texts."""
+    import data
+    import tiny_model
+    path = tmp_path_factory.mktemp("gpt2")
+    tiny_model.build_model("gpt2", [p + y for p, c, r in DPO_ROWS for y in (c, r)] * 4, path, hidden=32, layers=1,
+                           heads=4, vocab_size=300)
+    return path, data.load_tokenizer(path)
+
+
+def gpt2_model(path):
+    """A fresh float64 copy of the tiny GPT-2, in train mode (as a stage hands it over)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=F64).train()
+
+
+def logprob_by_loop(model, query: list[int], response: list[int]) -> torch.Tensor:
+    """log π(y|x) of one unpadded sequence: Σ over the response tokens y_t of log softmax(logits at t − 1)[y_t]."""
+    ids = torch.tensor([query + response])
+    logits = model(input_ids=ids).logits[0]                                   # (L, V)
+    return sum(torch.log_softmax(logits[t - 1], -1)[ids[0, t]] for t in range(len(query), ids.shape[1]))
+
+
+def dpo_by_hand(model, tokenizer, pairs, heldout, cfg, seed, rank=0, world=1):
+    """train_dpo written out on copies of `model` in eval mode (no dropout): π_ref a frozen copy, every log-prob a
+    loop over one unpadded pair at a time, Eq. 7 written out and differentiated by autograd, torch's AdamW
+    (no weight decay) at α·½(1 + cos(π·step/steps)) after a gradient clip to norm 1, rank r of W taking positions
+    r, r + W, … of data.shuffled_batches' minibatches. Returns the log train_dpo should return, the trained copy and
+    the gradient norms before clipping."""
+    import copy
+
+    import data
+    ref, pol = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
+    train, held = data.encode_pairs(pairs, tokenizer), data.encode_pairs(heldout, tokenizer)
+
+    def logps(m, rows):  # (N,) each; float32 as pair_logprobs hands them back where no gradient is needed
+        return (torch.stack([logprob_by_loop(m, q, w) for q, w, _ in rows]),
+                torch.stack([logprob_by_loop(m, q, l) for q, _, l in rows]))
+
+    def eq7(pw, pl, rw, rl):  # −mean log σ(β[(log π_w − log π_ref,w) − (log π_l − log π_ref,l)]) and its stats
+        chosen, rejected = cfg.dpo_beta * (pw - rw), cfg.dpo_beta * (pl - rl)
+        z = chosen - rejected
+        acc = statistics.fmean(1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in z.tolist())
+        return -torch.log(torch.sigmoid(z)).mean(), {"accuracy": acc, "margin": z.mean().item(),
+                                                     "chosen_reward": chosen.mean().item(),
+                                                     "rejected_reward": rejected.mean().item()}
+
+    with torch.no_grad():
+        ref_w, ref_l = (x.float().double() for x in logps(ref, train))
+        held_w, held_l = (x.float().double() for x in logps(ref, held))
+    opt = torch.optim.AdamW(pol.parameters(), lr=cfg.dpo_lr, weight_decay=0.0)
+    steps = max(1, int(cfg.dpo_epochs * len(pairs) / cfg.dpo_batch))
+    order = data.shuffled_batches(len(pairs), cfg.dpo_batch, steps, seed)
+    log, norms = [], []
+    for step in range(steps + 1):
+        if step % cfg.dpo_eval_every == 0 or step == steps:
+            with torch.no_grad():
+                pw, pl = (x.float().double() for x in logps(pol, held))
+            loss, stats = eq7(pw, pl, held_w, held_l)
+            log.append({"step": step, "heldout_accuracy": stats["accuracy"], "heldout_loss": loss.item()})
+        if step == steps:
+            break
+        idx = next(order)[rank::world]
+        pw, pl = logps(pol, [train[i] for i in idx])
+        loss, stats = eq7(pw, pl, ref_w[idx], ref_l[idx])
+        for group in opt.param_groups:
+            group["lr"] = cfg.dpo_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        opt.zero_grad()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(pol.parameters(), 1.0).item())
+        opt.step()
+        log[-1].setdefault("train", []).append({"loss": loss.item(), **stats})
+    return log, pol, norms
+
+
+def assert_same_log(got: list[dict], want: list[dict]) -> None:
+    assert [(r["step"], len(r.get("train", []))) for r in got] == [(r["step"], len(r.get("train", []))) for r in want]
+    for g, w in zip(got, want):
+        assert g["heldout_accuracy"] == w["heldout_accuracy"]
+        assert g["heldout_loss"] == pytest.approx(w["heldout_loss"], abs=1e-6)  # float32 log-probs
+        for gs, ws in zip(g.get("train", []), w.get("train", [])):
+            assert gs == pytest.approx(ws, abs=1e-9), (g["step"], gs, ws)
+        assert set(g) == set(w)
+
+
+def assert_same_weights(got, want) -> None:
+    for (name, p), q in zip(got.named_parameters(), want.parameters()):
+        assert_close(p, q, rtol=0, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+def test_train_dpo_against_a_hand_written_loop(tiny_gpt2, tmp_path):
+    """train_dpo on a tiny GPT-2 against dpo_by_hand: the same log (held-out loss and accuracy at steps 0, 3 and 4
+    with eval_every 3; the stats of every step), the same weights after four AdamW steps at β = 0.5, the minibatches
+    of seed 3 (crossing an epoch: 5 pairs, 2 a step), the gradient clip acting; training forward passes in train mode
+    (where --lora-dropout acts) yet free of GPT-2's dropout 0.1, evaluations in eval mode, the model left in eval
+    mode and saved with its tokenizer; the bar spans steps 0..4."""
+    from transformers import AutoModelForCausalLM
+
+    import data
+    path, tok = tiny_gpt2
+    model = gpt2_model(path)
+    cfg = dpo.DPOConfig(dpo_beta=0.5, dpo_lr=3e-3, dpo_epochs=1.6, dpo_batch=2, dpo_eval_every=3)
+    want, by_hand, norms = dpo_by_hand(model, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=3)
+    assert max(norms) > 1.0, norms  # the clip acts
+    modes, bars = [], []
+    model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+    log = dpo.train_dpo(model, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=3, out_dir=tmp_path / "dpo",
+                        progress=lambda r, desc: bars.append((list(r), desc)) or r)
+    assert_same_log(log, want)
+    assert [r["step"] for r in log] == [0, 3, 4] and log[0]["heldout_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert_same_weights(model, by_hand)
+    assert bars == [([0, 1, 2, 3, 4], "DPO")]
+    #           π_ref of the pairs, of the held-out pairs; eval at 0; steps 0-2; eval at 3; step 3; eval at 4
+    assert modes == [False, False, False, True, True, True, False, True, False] and not model.training
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "dpo", dtype=F64)
+    assert_same_weights(saved, by_hand)
+    assert data.load_tokenizer(tmp_path / "dpo").get_vocab() == tok.get_vocab()
+
+
+def test_train_dpo_on_rank_1_of_2_trains_on_its_slice_and_saves_nothing(tiny_gpt2, tmp_path, monkeypatch):
+    """Rank 1 of a two-rank DeepSpeed run (engine's rank and world size set, its wrap and all_mean recorded): the
+    DeepSpeed config and the learning rate reach engine.wrap, the rank trains on positions 1 and 3 of every minibatch
+    of 4 (dpo_by_hand with rank 1 of 2), its batches and stats go to the model's device, and only rank 0 saves."""
+    import data
+    import engine
+    path, tok = tiny_gpt2
+    model = gpt2_model(path)
+    cfg = dpo.DPOConfig(dpo_beta=0.5, dpo_lr=3e-3, dpo_epochs=2.0, dpo_batch=4, dpo_eval_every=1)
+    want, by_hand, _ = dpo_by_hand(model, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=1, rank=1, world=2)
+    ds, wrapped, devices, minibatches = {"zero_optimization": {"stage": 2}}, [], [], data.minibatches
+    monkeypatch.setattr(engine, "rank", lambda: 1)
+    monkeypatch.setattr(engine, "world_size", lambda: 2)
+    monkeypatch.setattr(engine, "wrap", lambda m, opt, config, lr: wrapped.append((m, config, lr)) or (m, opt))
+    monkeypatch.setattr(engine, "all_mean", lambda stats, device="cpu": devices.append(device) or stats)
+    monkeypatch.setattr(data, "minibatches", lambda *args: devices.append(args[6]) or minibatches(*args))
+    log = dpo.train_dpo(model, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=1, ds=ds, out_dir=tmp_path / "dpo")
+    assert_same_log(log, want)
+    assert_same_weights(model, by_hand)
+    assert len(wrapped) == 1 and wrapped[0][0] is model and wrapped[0][1:] == (ds, cfg.dpo_lr)
+    assert devices == [torch.device("cpu")] * 3  # the minibatches, then the stats of steps 0 and 1
+    assert not (tmp_path / "dpo").exists()
+
+
+def test_train_dpo_keeps_lora_dropout_and_takes_at_least_one_step(tiny_gpt2):
+    """Under LoRA with --lora-dropout the adapters' dropout stays (the rest of GPT-2's is switched off), only the
+    adapters train, and fewer pairs than one minibatch (5 < 8) still make one step."""
+    from types import SimpleNamespace
+
+    import lora
+    path, tok = tiny_gpt2
+    run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.5, lora_targets="auto", lora_bits=16)
+    model = lora.add_adapters(gpt2_model(path), run, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    log = dpo.train_dpo(model, tok, DPO_TRAIN, DPO_HELDOUT, dpo.DPOConfig(dpo_lr=1e-2, dpo_batch=8), seed=0)
+    assert [(r["step"], len(r.get("train", []))) for r in log] == [(0, 1), (1, 0)]
+    p = {n: m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert {q for n, q in p.items() if "lora_dropout" in n} == {0.5} and {q for n, q in p.items()
+                                                                         if "lora_dropout" not in n} == {0.0}
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+
+
+def test_train_dpo_skips_a_step_whose_loss_is_not_finite(tiny_gpt2):
+    """A NaN in the weights makes every log-prob NaN: each step is skipped (the weights stay as they were) and the
+    stage runs to its end, logging the NaN losses."""
+    path, tok = tiny_gpt2
+    model = gpt2_model(path)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")                  # the logit of token 0, everywhere
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    log = dpo.train_dpo(model, tok, DPO_TRAIN, DPO_HELDOUT, dpo.DPOConfig(dpo_batch=2, dpo_epochs=0.8), seed=0)
+    assert [(r["step"], len(r.get("train", []))) for r in log] == [(0, 2), (2, 0)]
+    assert all(math.isnan(s["loss"]) for s in log[0]["train"])
+    for n, p in model.named_parameters():  # (GPT-2's LM head is its token embedding)
+        assert_close(p, before[n], rtol=0, atol=0, equal_nan=True, msg=n)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sequence_logprobs_of_padded_rows_against_a_token_loop(tiny_gpt2, side):
+    """log π(y|x) of padded rows equals the loop over each sequence alone, left padding included (GPT-2's positions
+    are absolute, so they must come from the mask, and the padding must be masked)."""
+    import data
+    path, tok = tiny_gpt2
+    model = gpt2_model(path).eval()
+    rows = [(q, y) for q, w, l in data.encode_pairs(DPO_PAIRS[:3], tok) for y in (w, l)]
+    ids, attn = data.pad([q + y for q, y in rows], 0, side)
+    resp, _ = data.pad([[0] * len(q) + [1] * len(y) for q, y in rows], 0, side)
+    with torch.no_grad():
+        got = dpo.sequence_logprobs(model, ids, attn, resp)
+        want = torch.stack([logprob_by_loop(model, q, y) for q, y in rows])
+    assert_close(got, want, rtol=0, atol=1e-10)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ppo_loss.py
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,3 +582,262 @@ def test_ptx_loss_stats_keys_and_values_against_a_loop():
     _, stats = ppo_loss.ptx_loss(logits, ids, mask)
     assert stats == pytest.approx({"ptx_loss": statistics.fmean(nll), "ptx_ppl": math.exp(statistics.fmean(nll)),
                                    "ptx_tokens": 5.0}, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward_model.py's stage, on the tiny GPT-2 of dpo.py's tests with a scalar head
+# ---------------------------------------------------------------------------------------------------------------
+def score_by_loop(rm, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """r(x, y) of one unpadded sequence: the head on the last hidden state (after the final norm) at the last
+    position whose id is not rm.score_pad_id (any id when None); and the LM logits (L, V) of the same pass."""
+    out = rm.lm(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    t = max(i for i, x in enumerate(seq) if x != rm.score_pad_id)
+    return out.hidden_states[-1][0, t] @ rm.head.weight[0] + rm.head.bias[0], out.logits[0]
+
+
+def rm_by_hand(rm, tokenizer, pairs, heldout, cfg, seed, rank=0, world=1):
+    """train_reward_model written out on a copy of `rm` in eval mode (no dropout): each score and each token's NLL by
+    a loop over one unpadded sequence, Eq. 2 written out (−mean log σ(r_w − r_l) + β_rm·the chosen responses' NLL
+    per token) and differentiated by autograd, torch's AdamW (no weight decay) at α·½(1 + cos(π·step/steps)) after
+    a gradient clip to norm 1, rank r of W taking positions r, r + W, … of data.shuffled_batches' minibatches; the
+    held-out accuracy counts a tie ½, on float32 scores. Returns the expected log and the trained copy."""
+    import copy
+
+    import data
+    pol = copy.deepcopy(rm).eval()
+    train, held = data.encode_pairs(pairs, tokenizer), data.encode_pairs(heldout, tokenizer)
+
+    def heldout_accuracy():
+        with torch.no_grad():
+            margins = [(score_by_loop(pol, q + w)[0].float() - score_by_loop(pol, q + l)[0].float()).item()
+                       for q, w, l in held]
+        return statistics.fmean(1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins)
+
+    opt = torch.optim.AdamW(pol.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
+    steps = max(1, int(cfg.rm_epochs * len(pairs) / cfg.rm_batch))
+    order = data.shuffled_batches(len(pairs), cfg.rm_batch, steps, seed)
+    log = []
+    for step in range(steps + 1):
+        if step % cfg.rm_eval_every == 0 or step == steps:
+            log.append({"step": step, "heldout_accuracy": heldout_accuracy()})
+        if step == steps:
+            break
+        rows = [train[i] for i in next(order)[rank::world]]
+        r_w, r_l, nll = [], [], []
+        for q, w, l in rows:
+            score, logits = score_by_loop(pol, q + w)
+            r_w.append(score)
+            r_l.append(score_by_loop(pol, q + l)[0])
+            seq = q + w
+            nll += [-torch.log_softmax(logits[t - 1], -1)[seq[t]] for t in range(len(q), len(seq))]
+        r_w, r_l = torch.stack(r_w), torch.stack(r_l)
+        bt, lm = -torch.log(torch.sigmoid(r_w - r_l)).mean(), torch.stack(nll).mean()
+        loss = 1.0 * bt + cfg.rm_lm_coef * lm                                        # Eq. 2
+        margins = (r_w - r_l).tolist()
+        for group in opt.param_groups:
+            group["lr"] = cfg.rm_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(pol.parameters(), 1.0)
+        opt.step()
+        log[-1].setdefault("train", []).append({
+            "bt": bt.item(), "lm": lm.item(), "margin": statistics.fmean(margins),
+            "accuracy": statistics.fmean(1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins)})
+    return log, pol
+
+
+def scalar_head_gpt2(path, tokenizer, score_pad_id=None):
+    import reward_model
+    return reward_model.ScalarHeadModel(gpt2_model(path), seed=0, score_pad_id=score_pad_id).train()
+
+
+class Bar:
+    """What monitor.progress returns, recorded: the steps it spans and every postfix set on it."""
+    def __init__(self, iterable, desc, **kwargs):
+        self.iterable, self.desc, self.kwargs, self.postfix = list(iterable), desc, kwargs, []
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def set_postfix(self, **kwargs):
+        self.postfix.append(kwargs)
+
+
+def test_train_reward_model_against_a_hand_written_loop(tiny_gpt2, tmp_path, monkeypatch):
+    """train_reward_model on a tiny GPT-2 with a scalar head that reads before the final EOS (score_pad_id, as a
+    sequence-classification reward model) against rm_by_hand: the same log (held-out accuracy at steps 0, 3 and 4,
+    the stats of every step), the same weights after four AdamW steps on Eq. 2 with β_rm = 0.5; training forward
+    passes in train mode yet free of GPT-2's dropout, evaluations in eval mode, the model left in eval mode and
+    saved (head, where it reads, tokenizer); the bar spans steps 0..4 and shows each held-out accuracy."""
+    import data
+    import reward_model
+    path, tok = tiny_gpt2
+    rm = scalar_head_gpt2(path, tok, score_pad_id=tok.eos_token_id)
+    cfg = reward_model.RMConfig(rm_epochs=1.6, rm_lr=3e-3, rm_batch=2, rm_lm_coef=0.5, rm_eval_every=3)
+    want, by_hand = rm_by_hand(rm, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=3)
+    bars, modes = [], []
+    monkeypatch.setattr(reward_model, "progress", lambda *args, **kwargs: bars.append(Bar(*args, **kwargs)) or bars[-1])
+    rm.lm.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+    log = reward_model.train_reward_model(rm, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=3, out_dir=tmp_path / "rm")
+    assert [(r["step"], len(r.get("train", []))) for r in log] == [(0, 3), (3, 1), (4, 0)]
+    for g, w in zip(log, want):
+        assert g["heldout_accuracy"] == w["heldout_accuracy"] and set(g) == set(w)
+        for gs, ws in zip(g.get("train", []), w.get("train", [])):
+            assert gs == pytest.approx(ws, abs=1e-9), (g["step"], gs, ws)
+    assert_same_weights(rm, by_hand)
+    assert modes == [False, True, True, True, False, True, False] and not rm.training
+    assert [(b.iterable, b.desc, b.kwargs) for b in bars] == [([0, 1, 2, 3, 4], "2. reward model",
+                                                               {"leave": False, "disable": False})]
+    assert bars[0].postfix == [{"acc": f"{r['heldout_accuracy']:.3f}", "refresh": False} for r in log]
+    saved = reward_model.ScalarHeadModel.from_pretrained(tmp_path / "rm", torch_dtype=F64)
+    assert saved.score_pad_id == tok.eos_token_id
+    assert_same_weights(saved.lm, by_hand.lm)
+    head = safetensors.torch.load_file(str(tmp_path / "rm" / reward_model.VALUE_HEAD_WEIGHTS))  # (from_pretrained
+    assert_close(head, by_hand.head.state_dict(), rtol=0, atol=1e-9)  # reads a head through float32)
+    assert data.load_tokenizer(tmp_path / "rm").get_vocab() == tok.get_vocab()
+
+
+def test_train_reward_model_on_rank_1_of_2_trains_on_its_slice_and_saves_nothing(tiny_gpt2, tmp_path, monkeypatch):
+    """Rank 1 of a two-rank DeepSpeed run (engine's rank and world size set, its wrap and all_mean recorded): the
+    config and the learning rate reach engine.wrap, the rank trains on positions 1 and 3 of every minibatch of 4
+    (rm_by_hand with rank 1 of 2), its batches and stats go to the model's device, its bar is off, it saves nothing."""
+    import data
+    import engine
+    import reward_model
+    path, tok = tiny_gpt2
+    rm = scalar_head_gpt2(path, tok)
+    cfg = reward_model.RMConfig(rm_epochs=2.0, rm_lr=3e-3, rm_batch=4, rm_lm_coef=1.0, rm_eval_every=1)
+    want, by_hand = rm_by_hand(rm, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=1, rank=1, world=2)
+    ds, wrapped, devices, bars, minibatches = {"zero_optimization": {"stage": 2}}, [], [], [], data.minibatches
+    monkeypatch.setattr(engine, "rank", lambda: 1)
+    monkeypatch.setattr(engine, "world_size", lambda: 2)
+    monkeypatch.setattr(engine, "wrap", lambda m, opt, config, lr: wrapped.append((m, config, lr)) or (m, opt))
+    monkeypatch.setattr(engine, "all_mean", lambda stats, device="cpu": devices.append(device) or stats)
+    monkeypatch.setattr(data, "minibatches", lambda *args: devices.append(args[6]) or minibatches(*args))
+    monkeypatch.setattr(reward_model, "progress", lambda *args, **kwargs: bars.append(Bar(*args, **kwargs)) or bars[-1])
+    log = reward_model.train_reward_model(rm, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=1, ds=ds, out_dir=tmp_path / "rm")
+    assert [(r["step"], len(r.get("train", []))) for r in log] == [(0, 1), (1, 1), (2, 0)]
+    for g, w in zip(log, want):
+        assert g["heldout_accuracy"] == w["heldout_accuracy"]
+        for gs, ws in zip(g.get("train", []), w.get("train", [])):
+            assert gs == pytest.approx(ws, abs=1e-9), (g["step"], gs, ws)
+    assert_same_weights(rm, by_hand)
+    assert len(wrapped) == 1 and wrapped[0][0] is rm and wrapped[0][1:] == (ds, cfg.rm_lr)
+    assert devices == [torch.device("cpu")] * 3  # the minibatches, then the stats of steps 0 and 1
+    assert bars[0].kwargs["disable"] is True and not (tmp_path / "rm").exists()
+
+
+def test_train_reward_model_keeps_lora_dropout_and_takes_at_least_one_step(tiny_gpt2):
+    """Under LoRA with --lora-dropout the adapters' dropout stays (the rest of GPT-2's is switched off), only the
+    adapters and the head train, and fewer pairs than one minibatch (5 < 8) still make one step."""
+    from types import SimpleNamespace
+
+    import lora
+    import reward_model
+    path, tok = tiny_gpt2
+    run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.5, lora_targets="auto", lora_bits=16)
+    rm = lora.add_adapters(scalar_head_gpt2(path, tok), run, seed=0)
+    before = {n: p.detach().clone() for n, p in rm.named_parameters()}
+    log = reward_model.train_reward_model(rm, tok, DPO_TRAIN, DPO_HELDOUT, reward_model.RMConfig(rm_batch=8), seed=0)
+    assert [(r["step"], len(r.get("train", []))) for r in log] == [(0, 1), (1, 0)]
+    p = {n: m.p for n, m in rm.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert {q for n, q in p.items() if "lora_dropout" in n} == {0.5} and {q for n, q in p.items()
+                                                                         if "lora_dropout" not in n} == {0.0}
+    changed = {n for n, p in rm.named_parameters() if not torch.equal(p, before[n])}
+    assert "head.weight" in changed and all("lora_" in n or n.startswith("head.") for n in changed)
+
+
+def test_train_reward_model_skips_a_step_whose_loss_is_not_finite(tiny_gpt2):
+    """A NaN in the head's weight makes every score NaN: each step is skipped (the weights stay as they were) and
+    the stage runs to its end."""
+    import reward_model
+    path, tok = tiny_gpt2
+    rm = scalar_head_gpt2(path, tok)
+    with torch.no_grad():
+        rm.head.weight[0, 0] = float("nan")
+    before = {n: p.detach().clone() for n, p in rm.named_parameters()}
+    cfg = reward_model.RMConfig(rm_batch=2, rm_epochs=0.8)
+    log = reward_model.train_reward_model(rm, tok, DPO_TRAIN, DPO_HELDOUT, cfg, seed=0)
+    assert [(r["step"], len(r.get("train", []))) for r in log] == [(0, 2), (2, 0)]
+    assert all(math.isnan(s["bt"]) for s in log[0]["train"])
+    for n, p in rm.named_parameters():
+        assert_close(p, before[n], rtol=0, atol=0, equal_nan=True, msg=n)
+
+
+def test_score_pairs_scores_each_sequence_alone(tiny_gpt2):
+    """score_pairs of {"prompt", "chosen", "rejected"} rows: r(x, y_w) and r(x, y_l) of each pair, as the loop scores
+    the sequence alone, in batches of any size."""
+    import data
+    import reward_model
+    path, tok = tiny_gpt2
+    rm = scalar_head_gpt2(path, tok).eval()
+    with torch.no_grad():
+        want = [torch.stack([score_by_loop(rm, q + y)[0] for q, w, l in data.encode_pairs(DPO_PAIRS, tok)
+                             for y in [(w, l)[k]]]).float() for k in (0, 1)]
+        for batch in (1, 3, 256):
+            got = reward_model.score_pairs(rm, tok, DPO_PAIRS, batch=batch)
+            assert_close(got, tuple(want), rtol=0, atol=1e-6)
+        assert_close(reward_model.score_pairs(rm, tok, DPO_PAIRS), tuple(want), rtol=0, atol=1e-6)
+
+
+def tiny_opt():
+    """An OPT whose backbone projects its 32-wide states to 16 before the LM head (as OPT-350m: 1024 → 512)."""
+    import transformers
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=50, hidden_size=32, word_embed_proj_dim=16, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=64))
+
+
+def test_head_width_measures_what_the_lm_head_reads_and_leaves_the_model_as_it_was():
+    """OPT's LM head reads 16-wide states, not config.hidden_size 32: head_width measures it on one token, leaving
+    torch's RNG, the model's mode and its hooks as they were; the scalar head then reads the very state the LM head
+    reads. A backbone that cannot run one token alone measures None (the config's width then), leaving the same."""
+    import reward_model
+    torch.manual_seed(0)
+    lm = tiny_opt().train()
+    rng = torch.get_rng_state()
+    assert reward_model.head_width(lm) == 16 == lm.lm_head.in_features != lm.config.hidden_size
+    assert torch.equal(torch.get_rng_state(), rng) and lm.training
+    assert not [m for m in lm.modules() if m._forward_hooks]
+    assert reward_model.measured_width(lm.eval()) == 16 and not lm.training
+    rm = reward_model.ScalarHeadModel(lm, seed=0).double().eval()
+    read = []
+    rm.lm.lm_head.register_forward_pre_hook(lambda m, args: read.append(args[0]))
+    ids, mask = torch.tensor([[5, 9, 11, 3, 0], [8, 2, 4, 0, 0]]), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        values, logits = rm(ids, mask, return_logits=True)
+    assert_close(values, read[0] @ rm.head.weight[0] + rm.head.bias[0], rtol=0, atol=1e-12)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("needs more than one token")
+
+    lm = tiny_opt().train()
+    lm.model.decoder.forward = refuse
+    assert reward_model.measured_width(lm) is None and reward_model.head_width(lm) == 32
+    assert lm.training and not [m for m in lm.modules() if m._forward_hooks]
+
+
+class TupleBackbone(torch.nn.Module):
+    """A backbone that hands back a plain tuple (hidden states,), 24 wide, as transformers' return_dict=False did."""
+    def forward(self, input_ids, **kwargs):
+        return (torch.zeros(*input_ids.shape, 24),)
+
+
+class BareLM(torch.nn.Module):
+    """The least a causal LM needs for measured_width: a device, a forward, and a base model (or none)."""
+    device = torch.device("cpu")
+
+    def __init__(self, base_model):
+        super().__init__()
+        self.base_model = base_model
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        return self.base_model(input_ids) if self.base_model is not None else input_ids
+
+
+def test_measured_width_reads_a_tuple_backbone_and_is_none_without_a_backbone():
+    """A backbone's output that is a plain tuple is measured by its first element; an LM with no backbone to hook
+    measures None (head_width then takes the config's width), with no hook left behind."""
+    lm = BareLM(TupleBackbone())
+    assert reward_model.measured_width(lm) == 24 and not lm.base_model._forward_hooks
+    assert reward_model.measured_width(BareLM(None)) is None

@@ -6,7 +6,7 @@ Implements (no equation: this file measures the tests of the files that implemen
     run(module, work, children)  → `mutmut run` there; returns its counts (killed, survived, no tests, timeout, ...)
     main(argv)                   → one module after another, then the table docs/testing.md shows
 
-Run: python tools/mutation.py [gae critic_free ...] [--work runs/mutation] [--max-children 2] [--keep [--only NAME ...]]
+Run: python tools/mutation.py [gae critic_free ...] [--work runs/mutation] [--max-children 2] [--keep] [--only NAME ...]
      (the developer tool is not a requirement of the project: `pip install mutmut==3.8.1` first; not run in CI)
      cd runs/mutation/gae && mutmut results         (the survivors' names; `mutmut show NAME` prints one's diff)
 
@@ -20,6 +20,7 @@ the sources), and each run starts from an empty one unless --keep.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -74,8 +75,8 @@ def workspace(module: str, work: Path) -> Path:
 
 
 def run(module: str, work: Path, children: int, only: list[str] = ()) -> dict:
-    """mutmut run for one module (only the mutants named in `only`, if any); its counts by status (of those named,
-    if any), and the wall time in seconds."""
+    """mutmut run for one module (only the mutants that `only`'s names or shell patterns match, if any); its counts
+    by status (of those, if any), and the wall time in seconds."""
     ws = workspace(module, work)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     mutmut = shutil.which("mutmut") or str(Path(sys.executable).parent / "mutmut")
@@ -84,7 +85,8 @@ def run(module: str, work: Path, children: int, only: list[str] = ()) -> dict:
     counts: dict[str, int] = {}
     for meta in (ws / "mutants").glob(f"{module}.py.meta"):
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-            if only and name not in only:  # mutmut resets the other verdicts when the test selection changes
+            # mutmut resets the other verdicts when the test selection changes: count only the mutants asked for
+            if only and not any(fnmatch.fnmatchcase(name, pattern) for pattern in only):
                 continue
             status = "not checked" if code is None else STATUS.get(code, "suspicious")
             counts[status] = counts.get(status, 0) + 1
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-children", type=int, default=2, help="mutants checked at once (one per free core)")
     ap.add_argument("--keep", action="store_true", help="reuse a workspace's earlier results instead of a new run")
     ap.add_argument("--only", nargs="+", default=[], metavar="NAME",
-                    help="check again only these mutants (with --keep), e.g. gae.x__check_inputs__mutmut_21")
+                    help="check only these mutants (again, with --keep), e.g. gae.x__check_inputs__mutmut_21, or "
+                         "shell patterns as mutmut takes them, e.g. 'reward_model.x_score_pairs__mutmut_*'")
     args = ap.parse_args(argv)
     unknown = [m for m in args.modules if m not in TESTS]
     if unknown:
