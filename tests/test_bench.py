@@ -50,7 +50,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     model, so the script a lent GPU runs has run before."""
     import gpu_check
     monkeypatch.chdir(tmp_path)
-    results = gpu_check.main(["--tiny", "--out", str(tmp_path / "check"), "--steps", "2"])
+    results = gpu_check.main(["--tiny", "--out", str(tmp_path / "check"), "--steps", "2", "--threads", "1"])
     assert [(r["variant"], r["stage"]) for r in results] == [(v, s) for v in ("full", "lora")
                                                              for s in ("sft", "rm", "critic+ppo")]
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)

@@ -93,11 +93,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default="runs/gpu_check", help="working directory of the check")
     p.add_argument("--tiny", action="store_true", help="a 0.1 M model: checks the script itself, on a CPU too")
     p.add_argument("--steps", type=int, default=4, help="PPO iterations")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads of every stage (0 = torch's default); "
+                                                           "the CPU dry run of the tests uses 1")
     p.add_argument("--variants", default="full,lora", help="full (every weight trains), lora (--lora-r 16 adapters "
                                                            "on every linear layer), or both")
     a = p.parse_args(argv)
     if a.steps < 1:
         cli.fail(f"--steps {a.steps}: must be ≥ 1")
+    if a.threads < 0:
+        cli.fail(f"--threads {a.threads}: must be ≥ 0")
     if not a.variants or any(v not in ("full", "lora") for v in a.variants.split(",")):
         cli.fail(f"--variants {a.variants}: expected full, lora or full,lora")
     out = Path(a.out)
@@ -109,7 +113,7 @@ def main(argv=None) -> list[dict]:
         tiny_model.build_model("llama", texts, model, **size)
     P, T = (48, 32) if a.tiny else (256, 128)
     common = ["--model", str(model), "--data", str(HH), "--skip-bad", "--deepspeed",
-              "--grad-ckpt", "--max-prompt-tokens", str(P), "--max-response-tokens", str(T), "--threads", "0",
+              "--grad-ckpt", "--max-prompt-tokens", str(P), "--max-response-tokens", str(T), "--threads", str(a.threads),
               "--sft-epochs", "0.05", "--sft-batch", "16", "--rm-epochs", "0.05", "--rm-batch", "8",
               "--rm-eval-every", "1000", "--steps", str(a.steps), "--rollout-batch", "32", "--minibatch", "8",
               "--ptx-batch", "8", "--max-new-tokens", str(T), "--critic-pretrain-steps", "2", "--eval-samples", "1",
