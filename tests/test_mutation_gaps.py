@@ -2,9 +2,11 @@
 through: each checks the method file against an independent computation (a python loop, autograd,
 torch.distributions, an exhaustive enumeration)."""
 import itertools
+import json
 import math
 import statistics
 import threading
+import types
 
 import pytest
 import safetensors.torch
@@ -16,6 +18,7 @@ import critic_free
 import dpo
 import gae
 import ppo_loss
+import ppo_max
 
 # The stage tests' libraries, imported here rather than inside the tests: mutmut's fork server collects this file once,
 # so every mutant's run starts with them loaded (the model classes alone take seconds to import).
@@ -25,6 +28,7 @@ import lora
 import reward_model
 import tiny_model
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM  # noqa: F401 (loaded)
+from test_ppo_max_update import B as PB, FixedScores, T as PT, batch, reseeded_prompts, tiny_models
 
 F64 = torch.float64
 
@@ -841,3 +845,288 @@ def test_measured_width_reads_a_tuple_backbone_and_is_none_without_a_backbone():
     lm = BareLM(TupleBackbone())
     assert reward_model.measured_width(lm) == 24 and not lm.base_model._forward_hooks
     assert reward_model.measured_width(BareLM(None)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ppo_max.py
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_running_std_at_the_floor_counts_as_no_spread():
+    """The docstrings' rule, std ≤ eps: the scale stays 1 (Eq. 18 and scaling); just above the floor it divides."""
+    scores = torch.tensor([2.0, -1.0], dtype=F64)
+    at = types.SimpleNamespace(mean=0.5, std=1e-8)
+    assert ppo_max.scale_rewards(scores, at).tolist() == [2.0, -1.0]
+    assert ppo_max.normalize_and_clip_rewards(scores, at, None).tolist() == [1.5, -1.5]
+    above = types.SimpleNamespace(mean=0.5, std=2e-8)
+    assert ppo_max.scale_rewards(scores, above).tolist() == pytest.approx([1e8, -5e7])
+    assert ppo_max.normalize_and_clip_rewards(scores, above, None).tolist() == pytest.approx([7.5e7, -7.5e7])
+
+
+def test_shape_rewards_checks_a_given_kl_and_takes_scores_of_another_dtype():
+    """shape_rewards itself refuses a per-token KL of the wrong shape, and a bf16 score (a bf16 reward model) lands
+    on the last real token of float32 rewards, rounded only by bf16 itself."""
+    lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -1.5, 0.0]])
+    ref = torch.tensor([[-1.2, -0.5, -1.0], [-0.4, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    with pytest.raises(ValueError, match=r"kl must be \(B, T\) = \(2, 3\); got \(2, 2\)"):
+        ppo_max.shape_rewards(torch.zeros(2), lp, ref, mask, 0.1, kl=torch.zeros(2, 2))
+    scores = torch.tensor([1.5, -0.25], dtype=torch.bfloat16)
+    got = ppo_max.shape_rewards(scores, lp, ref, mask, 0.1)
+    want = [[-0.1 * (lp[b, t] - ref[b, t]).item() * mask[b, t].item() for t in range(3)] for b in range(2)]
+    want[0][2] += 1.5
+    want[1][1] += -0.25
+    assert got.dtype == torch.float32
+    assert_close(got, torch.tensor(want), rtol=0, atol=1e-6)
+
+
+class Recording(torch.nn.Module):
+    """A model that records the keyword arguments of every forward call, then runs the wrapped one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.calls = model, []
+
+    def forward(self, **kwargs):
+        self.calls.append(kwargs)
+        return self.model(**kwargs)
+
+
+def test_policy_logits_hands_the_model_the_mask_of_prompt_and_response():
+    """Padding is known by the mask: the model gets the left-padded prompt's and the right-padded response's mask,
+    and positions counted from it. (transformers' own LLaMA and GPT-2 give the same logits without the mask when
+    positions restart at each padded token, by their packed-sequence detection, so only the call itself tells; an
+    architecture without that detection would attend to the padding.)"""
+    policy, _, _ = tiny_models()
+    query, query_mask, response, mask = batch(4)
+    model = Recording(policy)
+    with torch.no_grad():
+        ppo_max.policy_logits(model, query, query_mask, response, mask)
+    (call,) = model.calls
+    attn = torch.cat([query_mask, mask], 1)
+    assert torch.equal(call["attention_mask"], attn) and torch.equal(call["input_ids"], torch.cat([query, response], 1))
+    assert torch.equal(call["position_ids"], (attn.long().cumsum(1) - 1).clamp(min=0))
+
+
+def pretrain_inputs():
+    policy, ref, critic = tiny_models()
+    query, query_mask, _, _ = batch(3)
+    cfg = ppo_max.PPOConfig(critic_pretrain_steps=3, rollout_batch=PB, minibatch=3, ppo_epochs=1, max_new_tokens=PT)
+    return policy, ref, critic, query, query_mask, cfg
+
+
+def test_pretrain_critic_rolls_out_with_the_prompts_mask_and_skips_a_non_finite_round(monkeypatch):
+    """Critic pre-training samples with the prompt batch's own mask, and a round whose experience is not finite is
+    skipped (no step, no log line) while the rounds after it still run."""
+    policy, ref, critic, query, query_mask, cfg = pretrain_inputs()
+    masks, calls = [], {"n": 0}
+    rollout, make_experience = ppo_max.rollout, ppo_max.make_experience
+
+    def recorded_rollout(policy, query, query_mask, *args):
+        masks.append(query_mask)
+        return rollout(policy, query, query_mask, *args)
+
+    def first_round_nonfinite(*args):
+        exp = make_experience(*args)
+        calls["n"] += 1
+        return {**exp, "nonfinite": "reward/score"} if calls["n"] == 1 else exp
+
+    monkeypatch.setattr(ppo_max, "rollout", recorded_rollout)
+    monkeypatch.setattr(ppo_max, "make_experience", first_round_nonfinite)
+    log = ppo_max.pretrain_critic(policy, ref, FixedScores(torch.ones(PB), [1.0, 2.0, 3.0]), critic,
+                                  torch.optim.AdamW(critic.parameters(), lr=1e-2), ppo_max.RunningMoments(),
+                                  reseeded_prompts(query, query_mask), cfg, eos_id=2, pad_id=0, kl_coef=0.1)
+    assert len(masks) == 3 and all(m is query_mask for m in masks)
+    assert [r["round"] for r in log] == [1, 2]
+
+
+def test_pretrain_critic_skips_a_non_finite_value_loss_and_goes_on(monkeypatch):
+    """A NaN value loss in pre-training skips that optimizer step (the critic keeps its weights) instead of failing;
+    the next minibatch steps as usual."""
+    policy, ref, critic, query, query_mask, cfg = pretrain_inputs()
+    cfg.critic_pretrain_steps = 1
+    value_loss, calls, weights = ppo_max.value_loss, {"n": 0}, []
+
+    def nan_first(values, *args):
+        loss, stats = value_loss(values, *args)
+        calls["n"] += 1
+        weights.append(critic.head.weight.detach().clone())
+        return (loss * float("nan"), stats) if calls["n"] == 1 else (loss, stats)
+
+    monkeypatch.setattr(ppo_max, "value_loss", nan_first)
+    log = ppo_max.pretrain_critic(policy, ref, FixedScores(torch.ones(PB), [1.0]), critic,
+                                  torch.optim.AdamW(critic.parameters(), lr=1e-2), ppo_max.RunningMoments(),
+                                  reseeded_prompts(query, query_mask), cfg, eos_id=2, pad_id=0, kl_coef=0.1)
+    assert calls["n"] == 2 and len(log) == 1 and math.isnan(log[0]["loss/vf_first"])
+    assert torch.equal(weights[0], weights[1])                                  # the NaN step was not taken
+    assert not torch.equal(weights[1], critic.head.weight.detach())             # the finite one was
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward_model.py: the model half (ScalarHeadModel, its files, the read positions)
+# ---------------------------------------------------------------------------------------------------------------
+def tiny_llama(seed: int = 0, cls=LlamaForCausalLM, **extra):
+    from transformers import LlamaConfig
+    torch.manual_seed(seed)
+    return cls(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                           eos_token_id=2, pad_token_id=0, **extra)).eval()
+
+
+def test_last_token_index_names_the_rows_without_a_real_token():
+    mask = torch.tensor([[1, 1, 0, 0, 0], [0] * 5, [0, 1, 1, 1, 0], [0] * 5])
+    with pytest.raises(ValueError, match=r"^last_token_index: rows \[1, 3\] of attention_mask have no real token"):
+        reward_model.last_token_index(mask)
+
+
+def test_a_fresh_head_is_seeded_and_scaled_as_documented():
+    """N(0, 1/(H + 1)) weights drawn from a generator seeded with `seed` (0 by default, also in from_pretrained),
+    or from torch's global RNG with seed=None; zero bias."""
+    lm = tiny_llama()
+    for seed in (0, 3):
+        want = torch.randn((1, 16), generator=torch.Generator().manual_seed(seed)) / math.sqrt(17)
+        rm = reward_model.ScalarHeadModel(lm) if seed == 0 else reward_model.ScalarHeadModel(lm, seed=seed)
+        assert_close(rm.head.weight, want, rtol=0, atol=0)
+        assert rm.head.bias.item() == 0.0
+    torch.manual_seed(5)
+    torch.nn.Linear(16, 1)  # the head's own default init draws first
+    want = torch.randn((1, 16)) / math.sqrt(17)
+    torch.manual_seed(5)
+    assert_close(reward_model.ScalarHeadModel(lm, seed=None).head.weight, want, rtol=0, atol=0)
+
+
+def test_forward_asks_the_lm_for_one_row_of_logits_and_no_cache_and_returns_them_when_asked():
+    """Without return_logits the (B, L, V) logits are skipped (logits_to_keep = 1) and no KV cache is built; with it
+    the full logits come back, the LM's own."""
+    rm = reward_model.ScalarHeadModel(tiny_llama())
+    calls = []
+    rm.lm.register_forward_pre_hook(lambda m, args, kwargs: calls.append(dict(kwargs)), with_kwargs=True)
+    ids, mask = torch.tensor([[5, 9, 11, 3], [0, 8, 2, 4]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    with torch.no_grad():
+        rm(ids, mask)
+        values, logits = rm(ids, mask, return_logits=True)
+        want = rm.lm(input_ids=ids, attention_mask=mask, position_ids=data.position_ids_from_mask(mask)).logits
+    assert calls[0]["logits_to_keep"] == 1 and calls[0]["use_cache"] is False
+    assert "logits_to_keep" not in calls[1] and calls[1]["use_cache"] is False
+    assert logits.shape == (2, 4, 32)
+    assert_close(logits, want, rtol=0, atol=1e-6)
+
+
+class Bypass(LlamaForCausalLM):
+    """A causal LM that runs its named backbone without calling it as a module (no forward hook sees it)."""
+    seen: list = []
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None,
+                output_hidden_states=None, logits_to_keep=0, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        self.seen.append((output_hidden_states, logits_to_keep))
+        out = self.model.forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=use_cache, output_hidden_states=output_hidden_states)
+        h = out.last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(h[:, -logits_to_keep:]), hidden_states=out.hidden_states)
+
+
+def test_forward_falls_back_to_the_last_hidden_state_when_the_named_backbone_is_not_called():
+    """No hook caught the backbone: a second call with output_hidden_states, whose last entry (after the final
+    norm) is what the LM head reads; the values are the head on it."""
+    lm = tiny_llama(cls=Bypass)
+    rm = reward_model.ScalarHeadModel(lm)
+    ids, mask = torch.tensor([[5, 9, 11, 3], [0, 8, 2, 4]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    Bypass.seen = []
+    with torch.no_grad():
+        values = rm(ids, mask)
+        pos = data.position_ids_from_mask(mask)
+        h = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    assert Bypass.seen == [(False, 1), (True, 1)]
+    assert_close(values, (h @ rm.head.weight[0]) + rm.head.bias[0], rtol=0, atol=1e-6)
+
+
+def test_forward_names_a_hidden_state_of_another_width_than_the_head():
+    rm = reward_model.ScalarHeadModel(tiny_llama(), head=torch.nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=r"^ScalarHeadModel: LlamaForCausalLM's last hidden state is \(1, 3, 16\), "
+                                         r"not \(B, L, H\) = \(1, 3, 8\)$"):
+        rm(torch.tensor([[4, 5, 6]]), torch.tensor([[1, 1, 1]]))
+
+
+def test_value_head_json_says_what_the_head_reads(tmp_path):
+    lm = tiny_llama()
+    for pad_id, reads in ((None, "score(): the last position where attention_mask == 1"),
+                          (7, "score(): the last position where attention_mask == 1 and the id is not 7 "
+                              "(transformers' sequence-classification pooling)")):
+        reward_model.ScalarHeadModel(lm, score_pad_id=pad_id).double().save_head(tmp_path)
+        assert json.loads((tmp_path / "value_head.json").read_text()) == {
+            "hidden_size": 16, "dtype": "float64", "reads": reads + "; forward(): every position",
+            "score_pad_id": pad_id, "weights": "value_head.safetensors"}
+        assert reward_model.reward_model_kind(tmp_path) == "scalar-head"
+
+
+def test_from_pretrained_checks_the_head_file_loads_without_its_json_and_takes_a_dtype(tmp_path):
+    """A head file with another key or shape is a ValueError naming the file and what it holds; a head file without
+    value_head.json loads (reading the last real token); a plain LM is refused as a reward model, naming the directory,
+    and gets the default seed's head as a critic; torch_dtype reaches the LM and the head."""
+    d = tmp_path / "rm"
+    tiny_llama().save_pretrained(d)
+    assert reward_model.reward_model_kind(d) is None
+    with pytest.raises(ValueError, match=rf"^{d}: not a reward model"):
+        reward_model.ScalarHeadModel.from_pretrained(d, require_head=True)
+    fresh = reward_model.ScalarHeadModel.from_pretrained(d)
+    assert_close(fresh.head.weight, reward_model.ScalarHeadModel(tiny_llama()).head.weight, rtol=0, atol=0)
+    wide = reward_model.ScalarHeadModel.from_pretrained(d, torch_dtype=F64)
+    assert wide.lm.dtype == F64 and wide.head.weight.dtype == F64
+    for state in ({"weight": torch.zeros(1, 16), "bias": torch.zeros(1), "scale": torch.ones(1)},
+                  {"weight": torch.zeros(1, 8), "bias": torch.zeros(1)}):
+        safetensors.torch.save_file(state, str(d / "value_head.safetensors"))
+        shapes = {k: tuple(state[k].shape) for k in sorted(state)}  # as the file lists them
+        with pytest.raises(ValueError, match=r"^ScalarHeadModel\.from_pretrained: '.*value_head\.safetensors' holds "
+                                             + __import__("re").escape(str(shapes)) + r"; expected weight \(1, 16\)"):
+            reward_model.ScalarHeadModel.from_pretrained(d)
+    safetensors.torch.save_file({"weight": torch.full((1, 16), 0.5), "bias": torch.ones(1)},
+                                str(d / "value_head.safetensors"))
+    rm = reward_model.ScalarHeadModel.from_pretrained(d, require_head=True)
+    assert rm.score_pad_id is None and rm.head.weight.eq(0.5).all() and rm.head.bias.item() == 1.0
+
+
+def test_reward_models_and_critics_are_loaded_without_remote_code(tmp_path, monkeypatch):
+    """Every from_pretrained of a reward model or critic passes trust_remote_code=False (and the dtype asked for)."""
+    import transformers
+    seen = []
+
+    def recorded(original):
+        def load(path, *args, **kwargs):
+            seen.append(kwargs)
+            return original(path, *args, **kwargs)
+        return load
+
+    causal, seqcls = tmp_path / "causal", tmp_path / "seqcls"
+    tiny_llama().save_pretrained(causal)
+    tiny_llama(cls=transformers.LlamaForSequenceClassification, num_labels=1).save_pretrained(seqcls)
+    monkeypatch.setattr(reward_model, "causal_lm_class", lambda path: types.SimpleNamespace(
+        from_pretrained=recorded(LlamaForCausalLM.from_pretrained)))
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained",
+                        recorded(transformers.AutoModelForSequenceClassification.from_pretrained))
+    for path in (causal, seqcls):
+        rm = reward_model.ScalarHeadModel.from_pretrained(path, torch_dtype=F64)
+        assert seen[-1] == {"trust_remote_code": False, "dtype": F64} and rm.lm.dtype == F64
+
+
+def test_a_sequence_classification_rm_keeps_its_dtype_and_needs_one_label(tmp_path):
+    """Saved in bf16 and loaded without a dtype, its backbone stays bf16 (the causal LM built around it too) and the
+    head is its score's; num_labels = 2 is refused, naming the count."""
+    import transformers
+    seq = tiny_llama(cls=transformers.LlamaForSequenceClassification, num_labels=1).to(torch.bfloat16)
+    seq.save_pretrained(tmp_path / "bf16")
+    rm = reward_model.ScalarHeadModel.from_pretrained(tmp_path / "bf16")
+    assert rm.lm.dtype == torch.bfloat16 == rm.head.weight.dtype and rm.score_pad_id == 0
+    assert torch.equal(rm.head.weight, seq.score.weight)
+    tiny_llama(cls=transformers.LlamaForSequenceClassification, num_labels=2).save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match=r"a sequence-classification model with num_labels = 2; a reward model has "
+                                         r"one output"):
+        reward_model.ScalarHeadModel.from_pretrained(tmp_path / "two")
+
+
+def test_head_width_of_an_lm_whose_output_embeddings_are_not_a_linear_is_the_configs():
+    """No Linear LM head to read a width from (get_output_embeddings None, or a module without in_features): the
+    text config's hidden size."""
+    lm = tiny_llama()
+    lm.get_output_embeddings = lambda: None
+    assert reward_model.head_width(lm) == 16
+    lm.get_output_embeddings = lambda: torch.nn.Identity()
+    assert reward_model.head_width(lm) == 16
