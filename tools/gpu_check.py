@@ -113,7 +113,8 @@ def main(argv=None) -> list[dict]:
         tiny_model.build_model("llama", texts, model, **size)
     P, T = (48, 32) if a.tiny else (256, 128)
     common = ["--model", str(model), "--data", str(HH), "--skip-bad", "--deepspeed",
-              "--grad-ckpt", "--max-prompt-tokens", str(P), "--max-response-tokens", str(T), "--threads", str(a.threads),
+              "--grad-ckpt", "--max-prompt-tokens", str(P), "--max-response-tokens", str(T),
+              "--threads", str(a.threads),
               "--sft-epochs", "0.05", "--sft-batch", "16", "--rm-epochs", "0.05", "--rm-batch", "8",
               "--rm-eval-every", "1000", "--steps", str(a.steps), "--rollout-batch", "32", "--minibatch", "8",
               "--ptx-batch", "8", "--max-new-tokens", str(T), "--critic-pretrain-steps", "2", "--eval-samples", "1",
