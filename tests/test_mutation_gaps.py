@@ -28,7 +28,7 @@ import lora
 import reward_model
 import tiny_model
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM  # noqa: F401 (loaded)
-from test_ppo_max_update import B as PB, FixedScores, T as PT, batch, reseeded_prompts, tiny_models
+from test_ppo_max_update import B as PB, FixedScores, T as PT, batch, reseeded_prompts, tiny_lm, tiny_models
 
 F64 = torch.float64
 
@@ -963,12 +963,9 @@ def test_pretrain_critic_skips_a_non_finite_value_loss_and_goes_on(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # reward_model.py: the model half (ScalarHeadModel, its files, the read positions)
 # ---------------------------------------------------------------------------------------------------------------
-def tiny_llama(seed: int = 0, cls=LlamaForCausalLM, **extra):
-    from transformers import LlamaConfig
-    torch.manual_seed(seed)
-    return cls(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
-                           eos_token_id=2, pad_token_id=0, **extra)).eval()
+def tiny_llama(seed: int = 0, cls=LlamaForCausalLM, **config_extra):
+    """test_ppo_max_update's tiny LLaMA (hidden 16, vocabulary 32) as `cls`, in eval mode."""
+    return tiny_lm(seed, cls, **config_extra).eval()
 
 
 def test_last_token_index_names_the_rows_without_a_real_token():

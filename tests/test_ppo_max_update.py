@@ -22,15 +22,17 @@ MAX_NEW = 7               # --max-new-tokens: the cap T_max, larger than this ba
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 
 
-def tiny_lm(seed: int):
+def tiny_lm(seed: int, cls=None, **config_extra):
+    """The tiny LLaMA (hidden 16, 2 layers, vocabulary V), as `cls` (LlamaForCausalLM by default; e.g. a
+    LlamaForSequenceClassification with num_labels in config_extra)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lm
     config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
+                         eos_token_id=2, pad_token_id=0, **config_extra)
     torch.manual_seed(seed)
-    return lm.disable_dropout(LlamaForCausalLM(config))
+    return lm.disable_dropout((cls or LlamaForCausalLM)(config))
 
 
 def tiny_models():
