@@ -985,37 +985,54 @@ def check_code(seed: int) -> bool:
 
 def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -> None:
     """Train (or reuse) every planned run of the claims `only` (all by default; on `seeds` only, if given) that no
-    committed record stands for (recorded()) through runs.run_many, one run per distinct configuration (two variants
-    that are the same flags once the defaults apply share it), and write each (variant, seed)'s record; then print
-    the runs per hour."""
+    committed record stands for (recorded()) through runs.run_each, one run per distinct configuration (two variants
+    that are the same flags once the defaults apply share it), and write each seed's records as soon as its last run
+    is done; then print the runs per hour.
+
+    All seeds go to the pool at once, so that no worker waits while another finishes a seed: the long runs first, so
+    that none is left alone at the end, then round robin over the seeds (each seed's first run before any seed's
+    second), so that a seed without a base has it built by one worker while the others train on other seeds."""
     import runs
     runs.configure(full=True)
     todo = [(v, s) for v, s in planned([c for c in CLAIMS if not only or c.id in only])
             if (seeds is None or s in seeds) and not recorded(v, s)]
     RESULTS.mkdir(exist_ok=True)
+    by_config: dict[str, tuple[str, int]] = {}
+    for v, s in todo:
+        if v != BASE:
+            by_config.setdefault(config_key(v, s), (v, s))
+    per_seed: dict[int, list] = {}
+    for v, s in by_config.values():
+        per_seed.setdefault(s, []).append((v, VARIANTS[v], s, LONG.get(v)))
+    rounds = [[per_seed[s][k] for s in sorted(per_seed) if k < len(per_seed[s])]
+              for k in range(max(map(len, per_seed.values()), default=0))]
+    specs = sorted([spec for r in rounds for spec in r], key=lambda spec: spec[0] not in LONG)   # stable
+    left = {s: sum(spec[2] == s for spec in specs) for s in {s for _, s in todo}}
+    dirs: dict[str, Path] = {}
     t0, n_runs, failed = time.time(), 0, []
-    for seed in sorted({s for _, s in todo}):   # one seed at a time: its records are written as soon as it is done
+
+    def write(seed: int) -> None:
         mine = [(v, s) for v, s in todo if s == seed]
-        by_config: dict[str, tuple[str, int]] = {}
         for v, s in mine:
-            if v != BASE:
-                by_config.setdefault(config_key(v, s), (v, s))
-        # the long runs first, so that no worker is left alone with one at the end
-        specs = sorted(((v, VARIANTS[v], s, LONG.get(v)) for v, s in by_config.values()),
-                       key=lambda spec: spec[0] not in LONG)
-        try:
-            dirs = {config_key(v, s): r["dir"] for (v, _, s, _), r in zip(specs, runs.run_many(specs))}
-        except Exception as e:  # noqa: BLE001 — one seed's failure is reported and the others still run
-            failed.append(f"seed {seed}: {type(e).__name__}: {e}")
-            print(f"seed {seed} failed: {failed[-1]}", flush=True)
-            continue
-        for v, s in mine:
-            base = runs.base_dir(s) if v == BASE else None
-            rec = make_record(v, s, None, base) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
+            rec = make_record(v, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
             record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
-        n_runs += len(specs)
         print(f"seed {seed}: {len(mine)} records; {n_runs} runs so far in {(time.time() - t0) / 60:.1f} min",
               flush=True)
+
+    for seed in [s for s, n in left.items() if n == 0]:   # only the base's record: no run to wait for
+        write(seed)
+    for i, run_ in runs.run_each(specs, keep_going=True):
+        v, _, seed, _ = specs[i]
+        n_runs += 1
+        left[seed] -= 1
+        if isinstance(run_, Exception):   # one run's failure is reported; its seed gets no records, the others do
+            failed.append(f"{v} seed {seed}: {type(run_).__name__}: {run_}")
+            print(f"failed: {failed[-1]}", flush=True)
+            left[seed] = -len(specs)
+            continue
+        dirs[config_key(v, seed)] = run_["dir"]
+        if left[seed] == 0:
+            write(seed)
     print(runs.report())
     print(f"registry: {len(todo)} planned records, {n_runs} runs in {(time.time() - t0) / 60:.1f} min"
           + (f"; failed: {failed}" if failed else ""))

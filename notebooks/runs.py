@@ -14,6 +14,8 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   run_many(specs)                every run of [(name, flags, seed, steps)] that is not cached yet, trained side by
                                  side in a pool of PPO_MAX_JOBS worker processes (default: one per core), each on
                                  one thread and kept alive from one run to the next (imports and warm-up paid once)
+  run_each(specs)                the same as a stream: (i, run) as each run is ready (claims.py writes a seed's
+                                 records as soon as its last run is done, while the pool goes on with the others)
   report()                       the runs this process trained, their wall time and runs per hour
   slot()                         file locks (runs/.slot-<i>.lock): at most PPO_MAX_JOBS trainings and evaluations
                                  of all processes at once, each on one core; a run directory and a new base are
@@ -169,19 +171,44 @@ def cached(name: str, flags, seed: int, steps: int | None) -> dict | None:
 
 def run_many(specs: list[tuple]) -> list[dict]:
     """run() for every (name, flags, seed, steps) of `specs`, in their order: the cached ones read back, the others
-    trained side by side by the worker pool (JOBS processes, one thread each)."""
-    found = [cached(*spec) for spec in specs]
-    todo = [i for i, f in enumerate(found) if f is None]
-    if todo:
-        t0 = time.time()
-        futures = {i: _pool().submit(_build, FULL, *specs[i]) for i in todo}
-        for i, future in futures.items():
-            out, seconds = future.result()   # a run that failed raises here, with its own error
-            print(f"trained {Path(out).relative_to(ROOT)} in {seconds:.0f} s")
-            found[i] = cached(*specs[i])
-        TRAINED["runs"] += len(todo)
-        TRAINED["seconds"] += time.time() - t0
+    trained side by side by the worker pool (JOBS processes, one thread each). A failed run raises its own error."""
+    found: list[dict | None] = [None] * len(specs)
+    for i, run_ in run_each(specs):
+        found[i] = run_
     return found
+
+
+def run_each(specs: list[tuple], keep_going: bool = False):
+    """run_many() as a stream: yields (i, run) for the i-th spec as soon as it is ready, the cached ones first, then
+    each trained one when its worker finishes it, whatever its place in `specs`; the pool takes the specs in their
+    order. With keep_going a failed run yields (i, its exception) and the others still run; otherwise it raises."""
+    from concurrent.futures import as_completed
+    todo = []
+    for i, spec in enumerate(specs):
+        found = cached(*spec)
+        if found is None:
+            todo.append(i)
+        else:
+            yield i, found
+    if not todo:
+        return
+    t0 = time.time()
+    futures = {_pool().submit(_build, FULL, *specs[i]): i for i in todo}
+    try:
+        for future in as_completed(futures):
+            i = futures[future]
+            try:
+                out, seconds = future.result()   # a run that failed raises here, with its own error
+            except Exception as e:  # noqa: BLE001 — handed to the caller, or raised, as keep_going says
+                if not keep_going:
+                    raise
+                yield i, e
+                continue
+            print(f"trained {Path(out).relative_to(ROOT)} in {seconds:.0f} s", flush=True)
+            TRAINED["runs"] += 1
+            yield i, cached(*specs[i])
+    finally:
+        TRAINED["seconds"] += time.time() - t0
 
 
 TRAINED = {"runs": 0, "seconds": 0.0}   # what this process had trained so far: runs, wall seconds (report())

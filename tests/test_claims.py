@@ -192,3 +192,38 @@ def test_check_code_of_a_seed_without_records_is_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--check-code 77" in err
+
+
+def test_run_registry_sends_every_seed_to_the_pool_and_writes_a_seed_when_its_last_run_is_done(tmp_path, monkeypatch):
+    """--run hands all seeds' runs to the pool at once, long runs first, then each seed's first run before any seed's
+    second; a seed's records are written once its last run is done (runs finish out of order), and a seed with a
+    failed run gets none while the other seeds still do."""
+    import runs
+    todo = [("a", 10), ("b", 10), ("a", 11), ("b", 11), ("long", 12), ("a", 12)]
+    monkeypatch.setattr(runs, "configure", lambda full: None)
+    monkeypatch.setattr(runs, "report", lambda: "")
+    monkeypatch.setattr(claims, "RESULTS", tmp_path)
+    monkeypatch.setattr(claims, "planned", lambda cs=None: todo)
+    monkeypatch.setattr(claims, "recorded", lambda v, s: False)
+    monkeypatch.setattr(claims, "VARIANTS", {"a": ("--a",), "b": ("--b",), "long": ("--long",)})
+    monkeypatch.setattr(claims, "LONG", {"long": 400})
+    monkeypatch.setattr(claims, "config_key", lambda v, s: f"{v}/{s}")
+    monkeypatch.setattr(claims, "make_record", lambda v, s, d, base=None: {"variant": v, "seed": s, "dir": str(d)})
+    order, writes = [], []
+    real_write = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, text: writes.append(self.name) or real_write(self, text))
+
+    def stream(specs, keep_going=False):
+        order.extend((v, s) for v, _, s, _ in specs)
+        finish = [4, 0, 2, 1, 5, 3]       # the order the workers finish the specs in
+        for i in finish:
+            v, _, s, _ = specs[i]
+            yield i, (RuntimeError("boom") if (v, s) == ("b", 11) else {"dir": Path(f"runs/{v}-seed{s}")})
+            if i == 2:
+                assert writes == [], "no seed is complete after the first three runs"
+
+    monkeypatch.setattr(runs, "run_each", stream)
+    claims.run_registry()
+    assert order == [("long", 12), ("a", 10), ("a", 11), ("b", 10), ("b", 11), ("a", 12)]
+    # finish order: b/11 (fails), long/12, a/11, a/10, a/12 (seed 12 done), b/10 (seed 10 done)
+    assert writes == ["long-seed12.json", "a-seed12.json", "a-seed10.json", "b-seed10.json"]

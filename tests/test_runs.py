@@ -90,3 +90,41 @@ def test_the_worker_pool_trains_what_train_py_alone_trains(tmp_path, monkeypatch
             runs._POOL.shutdown()
         for name, *_ in specs:
             shutil.rmtree(runs.out_dir(name, 0), ignore_errors=True)
+
+
+def test_run_each_yields_cached_runs_first_then_each_run_as_its_worker_finishes(monkeypatch):
+    """run_each streams: the cached run at once, then the trained ones in the order they finish (not the specs'
+    order); keep_going hands a failed run back as its exception while the others still arrive, and run_many,
+    which does not keep going, raises it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    gates = {name: threading.Event() for name in ("slow", "fast", "bad")}
+    built: set[str] = set()
+
+    def build(full, name, flags, seed, steps):
+        gates[name].wait(timeout=10)
+        if name == "bad":
+            raise ValueError("bad run")
+        built.add(name)
+        return str(runs.ROOT / "runs" / name), 0.0
+
+    pool = ThreadPoolExecutor(max_workers=3)
+    monkeypatch.setattr(runs, "_pool", lambda: pool)
+    monkeypatch.setattr(runs, "_build", build)
+    monkeypatch.setattr(runs, "cached", lambda name, flags, seed, steps:
+                        {"name": name} if name == "old" or name in built else None)
+    specs = [("slow", (), 0, None), ("old", (), 0, None), ("bad", (), 0, None), ("fast", (), 0, None)]
+    stream = runs.run_each(specs, keep_going=True)
+    assert next(stream) == (1, {"name": "old"})
+    gates["fast"].set()
+    assert next(stream) == (3, {"name": "fast"})
+    gates["bad"].set()
+    i, error = next(stream)
+    assert i == 2 and isinstance(error, ValueError)
+    gates["slow"].set()
+    assert next(stream) == (0, {"name": "slow"})
+    assert next(stream, None) is None
+    built.clear()
+    with pytest.raises(ValueError, match="bad run"):
+        runs.run_many(specs)
+    pool.shutdown()
