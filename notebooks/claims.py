@@ -7,6 +7,7 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
   VARIANTS              every run a claim reads: name → train.py flags (PPO steps: 80 unless it says)
   METRICS               every number a claim reads from a run, and exactly how it is read
   CLAIMS                the registry: Claim(id, figure, sentence, parts, seeds, notebook, why)
+  SECOND_STAGE          the claims planned on 20 seeds after their first ten left them undecided (second_stage_rule)
   OPERATING_POINT       the rule that sets train.py's default PPO-max (written before its pilot runs)
   judge(d, margin, direction)    THE rule for one part (below, RULE)
   combine(answers)      a claim from its parts (below, COMBINE)
@@ -47,7 +48,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -488,6 +489,21 @@ CLAIMS: list[Claim] = [
     ), notebook="win_rates"),
 ]
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The second stage: a change of the plan after results (docs/findings.md, "Changes to the registry", says when and why).
+# A claim planned on ten seeds that came out undecided on them, every undecided part of which would be decided by 20
+# seeds or fewer at its observed mean and sd (seeds_to_decide), is planned on seeds 0-19 instead: second_stage_rule()
+# is that rule, and SECOND_STAGE its answer on the first ten seeds' records, taken once, before any run of seeds
+# 10-19 that judges these claims (a test checks that the rule still gives this list). The verdict on 20 seeds is then
+# final, whatever it is; table() prints the first stage's answer beside it. Two looks at the same 95 % rule: where
+# there is no effect, the chance of a direction at either look is at most about 8 %, not 5 %.
+# ---------------------------------------------------------------------------------------------------------------------
+SECOND_STAGE = ("leave-one-out", "fig6-rnorm", "fig7-kl", "fig15-vanilla", "fig15-ppomax")
+SECOND_STAGE_MAX = 20
+FIRST_PLAN = {c.id: c.seeds for c in CLAIMS}   # the seeds each claim was planned on when the registry was committed
+CLAIMS = [replace(c, seeds=SEEDS20, why=(c.why + "; " if c.why else "") + "20 seeds: the second stage (SECOND_STAGE)")
+          if c.id in SECOND_STAGE else c for c in CLAIMS]
+
 # =====================================================================================================================
 # OPERATING_POINT: how train.py's default PPO-max was chosen. Written before its pilot runs; it names no figure claim.
 # The target: PPO-max travels at least as far from SFT as best-of-4 does under the same proxy (best-of-n's KL is
@@ -760,6 +776,28 @@ def verdicts(recs: dict | None = None) -> list[dict]:
     return [verdict(c, recs) for c in CLAIMS]
 
 
+def first_stage(claim: Claim, recs: dict | None = None) -> dict | None:
+    """The claim's verdict on the seeds it was first planned on (FIRST_PLAN), where the second stage changed them;
+    else None."""
+    first = FIRST_PLAN[claim.id]
+    return None if first == claim.seeds else verdict(replace(claim, seeds=first), recs)
+
+
+def second_stage_rule(recs: dict | None = None) -> tuple[str, ...]:
+    """The claims the second stage plans on seeds 0-19 (SECOND_STAGE): planned on SEEDS, undecided on them, and every
+    undecided part decided by SECOND_STAGE_MAX seeds or fewer at its observed mean and sd."""
+    recs = records() if recs is None else recs
+    out = []
+    for c in CLAIMS:
+        if FIRST_PLAN[c.id] != SEEDS:
+            continue
+        v = verdict(replace(c, seeds=SEEDS), recs)
+        need = [p["seeds_to_decide"] for p in v["parts"] if p["answer"] == "undecided"]
+        if v["answer"] == "undecided" and all(n is not None and n <= SECOND_STAGE_MAX for n in need):
+            out.append(c.id)
+    return tuple(out)
+
+
 def tally(recs: dict | None = None) -> dict:
     out = {a: 0 for a in ANSWERS}
     for v in verdicts(recs):
@@ -808,7 +846,10 @@ def table(recs: dict | None = None) -> str:
         parts = "; ".join(part_text(p) for p in v["parts"])
         nb = f"[{c.notebook}](../notebooks/{c.notebook}.ipynb)" if c.notebook else ""
         built = " (by construction)" if c.construction else ""
-        lines.append(f"| {c.figure} | {c.sentence} | {parts} | {len(c.seeds)} | **{v['answer']}**{built} | {nb} |")
+        first = first_stage(c, recs)
+        then = f"; on its first {len(first['claim'].seeds)} seeds: {first['answer']}" if first else ""
+        lines.append(f"| {c.figure} | {c.sentence} | {parts} | {len(c.seeds)} | **{v['answer']}**{built}{then} | "
+                     f"{nb} |")
     return "\n".join(lines)
 
 
@@ -827,8 +868,11 @@ def rule_text() -> str:
     return (f"**The rule, for every part of every claim:** {RULE}.\n\n**A claim from its parts:** {COMBINE}.\n\n"
             f"**The margins** (`MARGINS`, one per kind of number, the same in every claim): {margins}.\n\n"
             f"**Seeds:** {len(SEEDS)} per comparison ({SEEDS[0]}–{SEEDS[-1]}), {len(SEEDS20)} where the registry's "
-            f"`why` says the pilot's spread needs them. A claim is *not run* while a planned seed has no record; its "
-            f"parts are then printed on the seeds run so far, marked interim.")
+            f"`why` says the pilot's spread needs them, and for the second stage: a claim undecided on its ten seeds "
+            f"whose every undecided part {SECOND_STAGE_MAX} seeds or fewer would decide gets seeds "
+            f"{SEEDS[-1] + 1}–{SEEDS20[-1]} ({', '.join(SECOND_STAGE)}); its verdict on {len(SEEDS20)} seeds is final, "
+            f"and the table prints its first ten seeds' answer beside it. A claim is *not run* while a planned seed "
+            f"has no record; its parts are then printed on the seeds run so far, marked interim.")
 
 
 def findings_blocks(recs: dict | None = None) -> dict[tuple[str, str], str]:
@@ -880,8 +924,10 @@ def holds(name: str, recs: dict | None = None) -> None:
     recs = records() if recs is None else recs
     for c in of_notebook(name):
         v = verdict(c, recs)
+        first = first_stage(c, recs)
         print(f"{c.id}: {c.sentence}\n  → {v['answer']}"
-              + (" (by construction)" if c.construction else ""))
+              + (" (by construction)" if c.construction else "")
+              + (f" (on its first {len(first['claim'].seeds)} seeds: {first['answer']})" if first else ""))
         missing = sorted({s for p in v["parts"] if p["answer"] == "not run" for s in p["missing"]})
         if missing:
             print(f"    seeds without a record yet: {missing}")

@@ -227,3 +227,44 @@ def test_run_registry_sends_every_seed_to_the_pool_and_writes_a_seed_when_its_la
     assert order == [("long", 12), ("a", 10), ("a", 11), ("b", 10), ("b", 11), ("a", 12)]
     # finish order: b/11 (fails), long/12, a/11, a/10, a/12 (seed 12 done), b/10 (seed 10 done)
     assert writes == ["long-seed12.json", "a-seed12.json", "a-seed10.json", "b-seed10.json"]
+
+
+def test_the_second_stage_is_its_rule_applied_to_the_first_ten_seeds():
+    """SECOND_STAGE is what second_stage_rule gives on the committed records of seeds 0-9, and exactly those claims
+    are planned on 20 seeds beyond the ones first planned on 20; each reports its first ten seeds' answer."""
+    assert claims.second_stage_rule() == claims.SECOND_STAGE
+    twenty = {c.id for c in claims.CLAIMS if c.seeds == claims.SEEDS20}
+    first_twenty = {i for i, seeds in claims.FIRST_PLAN.items() if seeds == claims.SEEDS20}
+    assert twenty - first_twenty == set(claims.SECOND_STAGE)
+    for c in claims.CLAIMS:
+        first = claims.first_stage(c)
+        if c.id in claims.SECOND_STAGE:
+            assert first["answer"] == "undecided" and first["claim"].seeds == claims.SEEDS
+        else:
+            assert first is None
+
+
+def test_second_stage_rule_takes_undecided_claims_that_twenty_seeds_would_decide(monkeypatch):
+    """The rule on canned verdicts: undecided with every undecided part at ≤ 20 seeds → in; a part beyond 20 or never
+    decidable, a decided claim, or a claim first planned on 20 seeds → out."""
+    def part(answer, need=None):
+        return {"answer": answer, "seeds_to_decide": need}
+    canned = {
+        "in": ("undecided", [part("as the paper"), part("undecided", 12), part("undecided", 20)]),
+        "too-many": ("undecided", [part("undecided", 12), part("undecided", 21)]),
+        "never": ("undecided", [part("undecided", None)]),
+        "decided": ("against the paper", [part("against the paper"), part("undecided", 11)]),
+        "twenty": ("undecided", [part("undecided", 12)]),
+    }
+    fake = [claims.Claim(i, "x", "x", ()) for i in canned]
+    monkeypatch.setattr(claims, "CLAIMS", fake)
+    monkeypatch.setattr(claims, "FIRST_PLAN", {i: claims.SEEDS20 if i == "twenty" else claims.SEEDS for i in canned})
+    seen = []
+
+    def verdict(c, recs=None):
+        seen.append(c.seeds)
+        answer, parts = canned[c.id]
+        return {"claim": c, "answer": answer, "parts": parts}
+    monkeypatch.setattr(claims, "verdict", verdict)
+    assert claims.second_stage_rule(recs={}) == ("in",)
+    assert seen and all(s == claims.SEEDS for s in seen)   # judged on the first ten seeds only
