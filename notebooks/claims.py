@@ -1032,8 +1032,9 @@ def check_code(seed: int) -> bool:
 def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -> None:
     """Train (or reuse) every planned run of the claims `only` (all by default; on `seeds` only, if given) that no
     committed record stands for (recorded()) through runs.run_each, one run per distinct configuration (two variants
-    that are the same flags once the defaults apply share it), and write each seed's records as soon as its last run
-    is done; then print the runs per hour.
+    that are the same flags once the defaults apply share it), and write each record as soon as its run is done (a
+    seed's base record with its first run), so that a budget cut short keeps every finished run; then print the runs
+    per hour.
 
     All seeds go to the pool at once, so that no worker waits while another finishes a seed: the long runs first, so
     that none is left alone at the end, then round robin over the seeds (each seed's first run before any seed's
@@ -1053,32 +1054,32 @@ def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -
     rounds = [[per_seed[s][k] for s in sorted(per_seed) if k < len(per_seed[s])]
               for k in range(max(map(len, per_seed.values()), default=0))]
     specs = sorted([spec for r in rounds for spec in r], key=lambda spec: spec[0] not in LONG)   # stable
-    left = {s: sum(spec[2] == s for spec in specs) for s in {s for _, s in todo}}
-    dirs: dict[str, Path] = {}
+    waiting = {config_key(v, s): [] for v, s in by_config.values()}   # a run's config → the records it completes
+    for v, s in todo:
+        if v != BASE:
+            waiting[config_key(v, s)].append((v, s))
+    bases = {s for v, s in todo if v == BASE}
     t0, n_runs, failed = time.time(), 0, []
 
-    def write(seed: int) -> None:
-        mine = [(v, s) for v, s in todo if s == seed]
-        for v, s in mine:
-            rec = make_record(v, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, dirs[config_key(v, s)])
-            record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
-        print(f"seed {seed}: {len(mine)} records; {n_runs} runs so far in {(time.time() - t0) / 60:.1f} min",
-              flush=True)
+    def write(v: str, s: int, run_dir: Path | None) -> None:
+        rec = make_record(v, s, None, runs.base_dir(s)) if v == BASE else make_record(v, s, run_dir)
+        record_path(v, s).write_text(json.dumps(rec, indent=1) + "\n")
 
-    for seed in [s for s, n in left.items() if n == 0]:   # only the base's record: no run to wait for
-        write(seed)
+    for s in sorted(bases - {spec[2] for spec in specs}):   # only the base's record: no run to wait for
+        write(BASE, s, None)
     for i, run_ in runs.run_each(specs, keep_going=True):
         v, _, seed, _ = specs[i]
         n_runs += 1
-        left[seed] -= 1
-        if isinstance(run_, Exception):   # one run's failure is reported; its seed gets no records, the others do
+        if isinstance(run_, Exception):   # one run's failure is reported; the others still run and get records
             failed.append(f"{v} seed {seed}: {type(run_).__name__}: {run_}")
             print(f"failed: {failed[-1]}", flush=True)
-            left[seed] = -len(specs)
             continue
-        dirs[config_key(v, seed)] = run_["dir"]
-        if left[seed] == 0:
-            write(seed)
+        mine = waiting[config_key(v, seed)] + ([(BASE, seed)] if seed in bases else [])
+        bases.discard(seed)   # the seed's base exists once one of its runs is done
+        for name, s in mine:
+            write(name, s, run_["dir"])
+        print(f"{', '.join(f'{name}-seed{s}' for name, s in mine)}: recorded; {n_runs} of {len(specs)} runs in "
+              f"{(time.time() - t0) / 60:.1f} min", flush=True)
     print(runs.report())
     print(f"registry: {len(todo)} planned records, {n_runs} runs in {(time.time() - t0) / 60:.1f} min"
           + (f"; failed: {failed}" if failed else ""))

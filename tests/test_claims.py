@@ -194,17 +194,19 @@ def test_check_code_of_a_seed_without_records_is_one_line(capsys):
     assert len(err.splitlines()) == 1 and "--check-code 77" in err
 
 
-def test_run_registry_sends_every_seed_to_the_pool_and_writes_a_seed_when_its_last_run_is_done(tmp_path, monkeypatch):
+def test_run_registry_sends_every_seed_to_the_pool_and_writes_each_record_when_its_run_is_done(tmp_path, monkeypatch):
     """--run hands all seeds' runs to the pool at once, long runs first, then each seed's first run before any seed's
-    second; a seed's records are written once its last run is done (runs finish out of order), and a seed with a
-    failed run gets none while the other seeds still do."""
+    second; each record is written as soon as its run is done (runs finish out of order), a seed's base record with
+    its first run (at once where the seed has no run), and a failed run gets no record while the others do."""
     import runs
-    todo = [("a", 10), ("b", 10), ("a", 11), ("b", 11), ("long", 12), ("a", 12)]
+    todo = [("a", 10), ("b", 10), ("a", 11), ("b", 11), ("long", 12), ("a", 12), ("base", 10), ("base", 13)]
     monkeypatch.setattr(runs, "configure", lambda full: None)
     monkeypatch.setattr(runs, "report", lambda: "")
+    monkeypatch.setattr(runs, "base_dir", lambda s: Path(f"runs/_base/seed{s}"))
     monkeypatch.setattr(claims, "RESULTS", tmp_path)
     monkeypatch.setattr(claims, "planned", lambda cs=None: todo)
     monkeypatch.setattr(claims, "recorded", lambda v, s: False)
+    monkeypatch.setattr(claims, "BASE", "base")
     monkeypatch.setattr(claims, "VARIANTS", {"a": ("--a",), "b": ("--b",), "long": ("--long",)})
     monkeypatch.setattr(claims, "LONG", {"long": 400})
     monkeypatch.setattr(claims, "config_key", lambda v, s: f"{v}/{s}")
@@ -215,18 +217,19 @@ def test_run_registry_sends_every_seed_to_the_pool_and_writes_a_seed_when_its_la
 
     def stream(specs, keep_going=False):
         order.extend((v, s) for v, _, s, _ in specs)
-        finish = [4, 0, 2, 1, 5, 3]       # the order the workers finish the specs in
-        for i in finish:
+        assert writes == ["base-seed13.json"], "a seed without runs has its base record before any run"
+        for i in [4, 0, 2, 1, 5, 3]:       # the order the workers finish the specs in
             v, _, s, _ = specs[i]
             yield i, (RuntimeError("boom") if (v, s) == ("b", 11) else {"dir": Path(f"runs/{v}-seed{s}")})
-            if i == 2:
-                assert writes == [], "no seed is complete after the first three runs"
 
     monkeypatch.setattr(runs, "run_each", stream)
     claims.run_registry()
     assert order == [("long", 12), ("a", 10), ("a", 11), ("b", 10), ("b", 11), ("a", 12)]
-    # finish order: b/11 (fails), long/12, a/11, a/10, a/12 (seed 12 done), b/10 (seed 10 done)
-    assert writes == ["long-seed12.json", "a-seed12.json", "a-seed10.json", "b-seed10.json"]
+    # finish order: b/11 (fails), long/12, a/11, a/10 (and seed 10's base), a/12, b/10
+    assert writes == ["base-seed13.json", "long-seed12.json", "a-seed11.json", "a-seed10.json", "base-seed10.json",
+                      "a-seed12.json", "b-seed10.json"]
+    import json
+    assert json.loads((tmp_path / "a-seed11.json").read_text())["dir"] == "runs/a-seed11"
 
 
 def test_the_second_stage_is_its_rule_applied_to_the_first_ten_seeds():
