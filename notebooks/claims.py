@@ -699,7 +699,9 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
     else:
         got = load_run(run_dir)
         names = RUN_METRICS if got["metrics"] else FINAL_METRICS   # DPO, best-of-n: a final evaluation, no PPO steps
-        metrics = {k: float(RUN_METRICS[k](got)) for k in names}
+        values = {k: RUN_METRICS[k](got) for k in names}
+        # best-of-n has no per-token KL (summary.json's final kl is None; its KL per response is exact): not recorded
+        metrics = {k: float(x) for k, x in values.items() if not (x is None and names is FINAL_METRICS)}
         key, flags = config_key(variant, seed), VARIANTS[variant]
     return {"variant": variant, "flags": list(flags), "seed": seed,
             "steps": 0 if variant == BASE else steps_of(variant),
