@@ -1140,6 +1140,9 @@ def summary(recs: dict | None = None, seeds: tuple[int, ...] | None = None) -> s
                                                           for v in SUMMARY) + " |",
             "| win − lose vs SFT (gold, held-out pairs) | | " + " | ".join(
                 cell(v, lambda v: ms(get(v, "win_lose"))) for v in SUMMARY) + " |",
+            "| win / tie / lose vs SFT (mean shares) | | " + " | ".join(
+                cell(v, lambda v: " / ".join(f"{get(v, k).mean():.2f}" for k in ("win", "tie", "lose")))
+                for v in SUMMARY) + " |",
             "| KL to SFT per response (nats) | 0 | " + " | ".join(cell(v, lambda v: ms(get(v, "final_kl_seq")))
                                                                 for v in SUMMARY) + " |",
             "| KL to SFT per token (nats) | 0 | " + " | ".join(

@@ -271,3 +271,29 @@ def test_second_stage_rule_takes_undecided_claims_that_twenty_seeds_would_decide
     monkeypatch.setattr(claims, "verdict", verdict)
     assert claims.second_stage_rule(recs={}) == ("in",)
     assert seen and all(s == claims.SEEDS for s in seen)   # judged on the first ten seeds only
+
+
+def test_summary_rows_are_means_over_seeds_of_the_records():
+    """The README's summary from canned records: each cell is the mean (± sd) over the seeds, computed here by a loop,
+    and the win / tie / lose row prints the three mean shares."""
+    rng = np.random.default_rng(0)
+    recs, seeds = {}, (3, 4, 5)
+    for v in claims.SUMMARY:
+        for s in seeds:
+            w, t = rng.uniform(0, 0.5, 2)
+            recs[(v, s)] = {"metrics": {"final_gold": rng.normal(2), "final_gold_vs_sft": rng.normal(),
+                                        "win": w, "tie": t, "lose": 1 - w - t, "win_lose": w - (1 - w - t),
+                                        "final_kl_seq": rng.uniform(), "final_kl": rng.uniform(),
+                                        "final_length": rng.uniform(5, 15)}}
+    rows = {}   # row label -> its cells: SFT, then claims.SUMMARY's columns
+    for r in claims.summary(recs, seeds).splitlines():
+        if r.startswith("| "):
+            cells = [c.strip() for c in r.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    for i, v in enumerate(claims.SUMMARY):
+        shares = [sum(recs[(v, s)]["metrics"][k] for s in seeds) / len(seeds) for k in ("win", "tie", "lose")]
+        assert rows["win / tie / lose vs SFT (mean shares)"][1 + i] == " / ".join(f"{x:.2f}" for x in shares)
+        gold = [recs[(v, s)]["metrics"]["final_gold"] for s in seeds]
+        mean = sum(gold) / len(gold)
+        sd = (sum((g - mean) ** 2 for g in gold) / (len(gold) - 1)) ** 0.5
+        assert rows["gold reward"][1 + i] == f"{mean:.2f} ± {sd:.2f}"
