@@ -568,7 +568,7 @@ def context_limits(max_prompt_tokens: int, max_response_tokens: int, max_new_tok
 
 
 def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
-               report: DataReport | None = None) -> str:
+               report: DataReport | None = None, known: Lengths | None = None) -> str:
     """The prompt x, cut so that the query the model reads (data.query_ids: [BOS] + x, or the chat template's
     rendering of it) has at most max_prompt_tokens tokens, BOS and template included.
 
@@ -581,7 +581,7 @@ def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
         return len(query_ids(text, tokenizer)) <= max_prompt_tokens
 
     try:
-        if fits(prompt):
+        if (known.query[prompt] <= max_prompt_tokens) if known and prompt in known.query else fits(prompt):
             return prompt
     except TemplateRefused as e:  # a conversation the chat template will not render: this example, not the run
         raise DataError(*_split_source(source), "prompt", "chat_template", str(e)) from None
@@ -612,11 +612,13 @@ def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
                     f"tokens (BOS, chat template) take {len(query_ids('', tokenizer))} or more")
 
 
-def fit_response(response: str, tokenizer, max_response_tokens: int, cut: bool = False) -> str | None:
+def fit_response(response: str, tokenizer, max_response_tokens: int, cut: bool = False,
+                 known: Lengths | None = None) -> str | None:
     """The response y, whose ids with their stop token (data.response_ids) must be at most max_response_tokens: as
     written if it fits; else None (training drops it: a cut answer would teach stopping mid-sentence) or, with cut
     (scoring), the text of its first tokens."""
-    if len(response_ids(response, tokenizer)) <= max_response_tokens:
+    n = known.response[response] if known and response in known.response else len(response_ids(response, tokenizer))
+    if n <= max_response_tokens:
         return response
     if not cut:
         return None
@@ -629,21 +631,40 @@ def fit_response(response: str, tokenizer, max_response_tokens: int, cut: bool =
 
 
 def fit_example(prompt: str, responses: tuple[str, ...], tokenizer, max_prompt_tokens: int, max_response_tokens: int,
-                cut: bool = False, source: str = "", report: DataReport | None = None
+                cut: bool = False, source: str = "", report: DataReport | None = None, known: Lengths | None = None
                 ) -> tuple[str, list[str]] | None:
     """THE truncation rule, for every text a model sees: (x, [y, …]) → (fitted x, [fitted y, …]) such that each
     sequence [query_ids(x) + response_ids(y)] has at most max_prompt_tokens + max_response_tokens tokens (fit_prompt,
     fit_response). None when a response is too long for training (dropped, counted as response_too_long); with cut
     (scoring) such a response is cut instead and counted in report.truncated_responses. A prompt of "" (a {"text"}
-    row: all of it is the response) stays "". Records keep TEXT; every stage re-encodes exactly these tokens."""
-    kept = [fit_response(r, tokenizer, max_response_tokens, cut) for r in responses]
+    row: all of it is the response) stays "". Records keep TEXT; every stage re-encodes exactly these tokens. `known`:
+    the token counts of these texts, counted beforehand for a whole data set (Lengths.count), or None."""
+    kept = [fit_response(r, tokenizer, max_response_tokens, cut, known) for r in responses]
     if any(k is None for k in kept):
         if report is not None:
             report.drop("response_too_long", source)
         return None
     if cut and report is not None:
         report.truncated_responses += sum(k != r for k, r in zip(kept, responses))
-    return (fit_prompt(prompt, tokenizer, max_prompt_tokens, source, report) if prompt else prompt), kept
+    return (fit_prompt(prompt, tokenizer, max_prompt_tokens, source, report, known) if prompt else prompt), kept
+
+
+@dataclass
+class Lengths:
+    """len(query_ids(x)) and len(response_ids(y)) of a data set's texts, counted in one batch call of the tokenizer
+    each, so that fit_example's first question (does it fit as written?) costs no call of its own per example. A text
+    missing from them is counted by fit_example itself."""
+    query: dict[str, int]
+    response: dict[str, int]
+
+    @staticmethod
+    def count(prompts: list[str], responses: list[str], tokenizer) -> Lengths:
+        prompts, responses = list(dict.fromkeys(p for p in prompts if p)), list(dict.fromkeys(responses))
+        try:
+            query = dict(zip(prompts, map(len, queries_ids(prompts, tokenizer))))
+        except TemplateRefused:  # one conversation the chat template will not render: each prompt on its own
+            query = {}
+        return Lengths(query, dict(zip(responses, map(len, responses_ids(responses, tokenizer)))))
 
 
 def _fit_all(items: list, fit: Callable, skip_bad: bool, report: DataReport | None) -> list[dict]:
@@ -667,9 +688,11 @@ def pair_records(pairs: list[PreferencePair], tokenizer, max_prompt_tokens: int,
     """Preference pairs through fit_example, as the text records {"prompt", "chosen", "rejected", "source"} the
     reward model and the judge read (Eq. 1-2), with "uncut": the prompt as written; over-long responses dropped and
     counted (cut, with cut)."""
+    known = Lengths.count([p.prompt for p in pairs], [y for p in pairs for y in (p.chosen, p.rejected)], tokenizer)
+
     def fit(p: PreferencePair) -> dict | None:
         got = fit_example(p.prompt, (p.chosen, p.rejected), tokenizer, max_prompt_tokens, max_response_tokens, cut,
-                          p.source, report)
+                          p.source, report, known)
         return None if got is None else {"prompt": got[0], "chosen": got[1][0], "rejected": got[1][1],
                                          "source": p.source, "uncut": p.prompt}
     return _fit_all(pairs, fit, skip_bad, report)
@@ -680,8 +703,11 @@ def text_records(rows: list[tuple[str, str, str]], tokenizer, max_prompt_tokens:
     """(prompt, response, source) rows (load_texts(..., with_source=True)) through fit_example, as the records
     {"prompt", "response", "source", "uncut"} of SFT and of the ptx term (Eq. 17); "uncut" is the prompt as
     written."""
+    known = Lengths.count([r[0] for r in rows], [r[1] for r in rows], tokenizer)
+
     def fit(row) -> dict | None:
-        got = fit_example(row[0], (row[1],), tokenizer, max_prompt_tokens, max_response_tokens, cut, row[2], report)
+        got = fit_example(row[0], (row[1],), tokenizer, max_prompt_tokens, max_response_tokens, cut, row[2], report,
+                          known)
         return None if got is None else {"prompt": got[0], "response": got[1][0], "source": row[2], "uncut": row[0]}
     return _fit_all(rows, fit, skip_bad, report)
 
@@ -690,9 +716,11 @@ def prompt_records(prompts: list[tuple[str, str]], tokenizer, max_prompt_tokens:
                    report: DataReport) -> list[dict]:
     """(prompt, source) rows (load_prompts(..., with_source=True)) through fit_example, as the records
     {"prompt", "source", "uncut"} of PPO's rollouts and of the evaluation; "uncut" is the prompt as written."""
+    known = Lengths.count([r[0] for r in prompts], [], tokenizer)
+
     def fit(row) -> dict:
-        return {"prompt": fit_example(row[0], (), tokenizer, max_prompt_tokens, 1, source=row[1],
-                                      report=report)[0], "source": row[1], "uncut": row[0]}
+        return {"prompt": fit_example(row[0], (), tokenizer, max_prompt_tokens, 1, source=row[1], report=report,
+                                      known=known)[0], "source": row[1], "uncut": row[0]}
     return _fit_all(prompts, fit, skip_bad, report)
 
 
@@ -909,13 +937,16 @@ def pad(seqs: list[list[int]], pad_id: int, side: str):
     padding, so any id will do where the tokenizer has no pad token (pad_id None: 0)."""
     import torch
     L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), 0 if pad_id is None else pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), L)
-    for i, s in enumerate(seqs):
-        sl = slice(L - len(s), L) if side == "left" else slice(0, len(s))
-        ids[i, sl] = torch.tensor(s, dtype=torch.long)
-        mask[i, sl] = 1.0
-    return ids, mask
+    fill = 0 if pad_id is None else pad_id
+    gaps = [L - len(s) for s in seqs]
+    # one torch.tensor call per output (not one per row: the rows are short, and each call costs more than its copy)
+    if side == "left":
+        ids = [[fill] * g + list(s) for g, s in zip(gaps, seqs)]
+        mask = [[0.0] * g + [1.0] * len(s) for g, s in zip(gaps, seqs)]
+    else:
+        ids = [list(s) + [fill] * g for g, s in zip(gaps, seqs)]
+        mask = [[1.0] * len(s) + [0.0] * g for g, s in zip(gaps, seqs)]
+    return torch.tensor(ids, dtype=torch.long).reshape(len(seqs), L), torch.tensor(mask).reshape(len(seqs), L)
 
 
 def position_ids_from_mask(attention_mask):

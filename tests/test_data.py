@@ -547,3 +547,21 @@ def test_a_broken_json_or_parquet_file_is_one_line_with_where_it_breaks(tmp_path
     with pytest.raises(DataError, match="magic bytes"):
         data.load_pairs(str(fake))
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("pad_id", [None, 0, 7])
+def test_pad_puts_every_row_at_its_side_and_the_mask_says_which_tokens_are_real(side, pad_id):
+    import torch
+    rows = [[5, 6, 7], [9], [], [1, 2, 3, 4, 8]]
+    ids, mask = data.pad(rows, pad_id, side)
+    assert ids.dtype == torch.long and mask.dtype == torch.get_default_dtype() and ids.shape == mask.shape == (4, 5)
+    fill = 0 if pad_id is None else pad_id
+    for i, row in enumerate(rows):  # element by element, against the row as written
+        start = 5 - len(row) if side == "left" else 0
+        for j in range(5):
+            real = start <= j < start + len(row)
+            assert mask[i, j].item() == (1.0 if real else 0.0)
+            assert ids[i, j].item() == (row[j - start] if real else fill)
+    one, one_mask = data.pad([[3, 4]], None, side)  # nothing to pad
+    assert one.tolist() == [[3, 4]] and one_mask.tolist() == [[1.0, 1.0]]

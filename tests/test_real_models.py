@@ -316,3 +316,33 @@ def test_the_evaluation_scores_the_sampled_ids(tmp_path, pairs):
     again = [data.query_ids(p, tok) + data.token_ids(t, tok) + ([data.stop_id(tok)] if f else [])
              for p, t, f in zip(samples["prompts"], samples["texts"], samples["finished"])]
     assert sum(a != b for a, b in zip(again, sampled)) >= len(sampled) // 4  # what scoring text would have read
+
+
+@pytest.mark.parametrize("style", ["qwen2", "gpt2"])
+def test_records_counted_in_one_batch_are_the_records_of_fit_example_one_at_a_time(tmp_path, style):
+    """pair_records, text_records and prompt_records count every text's tokens in one call of the tokenizer
+    (data.Lengths) before fitting: their records and the report's counts are fit_example's, called per example
+    without those counts, on the HH sample (a chat template, and a plain BPE), at limits that cut and drop some."""
+    pairs = data.load_pairs(HH_SAMPLE, skip_bad=True)[:400]
+    tok = tiny_model.build_tokenizer(style, [p.prompt + p.chosen for p in pairs[:50]], tmp_path / style, 400)
+    P, T = 64, 48
+
+    def one_at_a_time(items, responses_of):
+        report, out = data.DataReport(), []
+        for prompt, responses, source in items:
+            got = data.fit_example(prompt, responses_of(responses), tok, P, T, False, source, report)
+            if got is not None:
+                out.append((got[0], list(got[1])))
+        return out, report
+
+    report = data.DataReport()
+    got = data.pair_records(pairs, tok, P, T, True, report)
+    want, want_report = one_at_a_time([(p.prompt, (p.chosen, p.rejected), p.source) for p in pairs], list)
+    assert [(r["prompt"], [r["chosen"], r["rejected"]]) for r in got] == want and 0 < len(want) < len(pairs)
+    assert (report.dropped, report.truncated) == (want_report.dropped, want_report.truncated)
+    assert want_report.truncated > 0 and want_report.dropped
+    rows = [(p.prompt, p.chosen, p.source) for p in pairs]
+    texts = data.text_records(rows, tok, P, T, True, data.DataReport())
+    assert [(r["prompt"], [r["response"]]) for r in texts] == one_at_a_time(rows, lambda y: [y])[0]
+    prompts = data.prompt_records([(p.prompt, p.source) for p in pairs], tok, P, True, data.DataReport())
+    assert [r["prompt"] for r in prompts] == [data.fit_prompt(p.prompt, tok, P) for p in pairs]
