@@ -183,6 +183,7 @@ def run_each(specs: list[tuple], keep_going: bool = False):
     each trained one when its worker finishes it, whatever its place in `specs`; the pool takes the specs in their
     order. With keep_going a failed run yields (i, its exception) and the others still run; otherwise it raises."""
     from concurrent.futures import as_completed
+    from concurrent.futures.process import BrokenProcessPool
     todo = []
     for i, spec in enumerate(specs):
         found = cached(*spec)
@@ -207,6 +208,9 @@ def run_each(specs: list[tuple], keep_going: bool = False):
             print(f"trained {Path(out).relative_to(ROOT)} in {seconds:.0f} s", flush=True)
             TRAINED["runs"] += 1
             yield i, cached(*specs[i])
+    except (KeyboardInterrupt, BrokenProcessPool):  # a cell interrupted, or a worker killed: the next call starts a
+        _drop_pool()                                 # fresh pool (a broken one would refuse every later run)
+        raise
     finally:
         TRAINED["seconds"] += time.time() - t0
 
@@ -227,8 +231,22 @@ def _pool():
     return _POOL
 
 
+def _drop_pool() -> None:
+    """Stop the workers (a run they were training is cleared by the next attempt at it) and forget the pool."""
+    global _POOL
+    if _POOL is not None:
+        for process in list((getattr(_POOL, "_processes", None) or {}).values()):
+            process.terminate()
+        _POOL.shutdown(wait=False, cancel_futures=True)
+        _POOL = None
+
+
 def _worker_start() -> None:
-    """A worker's start: one thread, and the project imported once for all of its runs."""
+    """A worker's start: one thread, and the project imported once for all of its runs. Ctrl-C or a notebook's
+    interrupt (SIGINT to the kernel's process group) ends a worker quietly; the process that waits on it sees the
+    pool broken and starts a fresh one next time."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     import torch
     torch.set_num_threads(1)
     import train  # noqa: F401

@@ -92,6 +92,34 @@ def test_the_worker_pool_trains_what_train_py_alone_trains(tmp_path, monkeypatch
             shutil.rmtree(runs.out_dir(name, 0), ignore_errors=True)
 
 
+def never_ends(full, name, flags, seed, steps):
+    """A worker's run that only a signal ends."""
+    import time
+    time.sleep(120)
+
+
+def test_a_worker_interrupted_mid_run_leaves_a_fresh_pool_for_the_next_call(monkeypatch):
+    """SIGINT to a worker (Ctrl-C in a terminal, a notebook's interrupt: both reach the whole process group) ends it
+    without a traceback; run_many raises, and the next call gets new workers instead of a broken pool."""
+    import os
+    import signal
+    import threading
+    from concurrent.futures.process import BrokenProcessPool
+    monkeypatch.setattr(runs, "JOBS", 1)
+    monkeypatch.setattr(runs, "_POOL", None)
+    monkeypatch.setattr(runs, "_build", never_ends)
+    monkeypatch.setattr(runs, "cached", lambda name, flags, seed, steps: None)
+    pid = runs._pool().submit(os.getpid).result()
+    threading.Timer(1.0, os.kill, (pid, signal.SIGINT)).start()
+    with pytest.raises((BrokenProcessPool, KeyboardInterrupt)):
+        runs.run_many([("x", (), 0, None)])
+    assert runs._POOL is None
+    try:
+        assert runs._pool().submit(os.getpid).result() != pid
+    finally:
+        runs._drop_pool()
+
+
 def test_run_each_yields_cached_runs_first_then_each_run_as_its_worker_finishes(monkeypatch):
     """run_each streams: the cached run at once, then the trained ones in the order they finish (not the specs'
     order); keep_going hands a failed run back as its exception while the others still arrive, and run_many,
