@@ -651,20 +651,22 @@ def fit_example(prompt: str, responses: tuple[str, ...], tokenizer, max_prompt_t
 
 @dataclass
 class Lengths:
-    """len(query_ids(x)) and len(response_ids(y)) of a data set's texts, counted in one batch call of the tokenizer
-    each, so that fit_example's first question (does it fit as written?) costs no call of its own per example. A text
+    """len(query_ids(x)) and len(response_ids(y)) of a data set's texts, counted in batch calls of the tokenizer
+    (`chunk` texts each, only the counts kept), so that fit_example's first question (does it fit as written?) costs no call of its own per example. A text
     missing from them is counted by fit_example itself."""
     query: dict[str, int]
     response: dict[str, int]
 
     @staticmethod
-    def count(prompts: list[str], responses: list[str], tokenizer) -> Lengths:
-        prompts, responses = list(dict.fromkeys(p for p in prompts if p)), list(dict.fromkeys(responses))
+    def count(prompts: list[str], responses: list[str], tokenizer, chunk: int = 4096) -> Lengths:
+        def lengths(texts: list[str], encode: Callable) -> dict[str, int]:  # chunked: only the counts are kept
+            return {t: n for i in range(0, len(texts), chunk)
+                    for t, n in zip(texts[i:i + chunk], map(len, encode(texts[i:i + chunk], tokenizer)))}
         try:
-            query = dict(zip(prompts, map(len, queries_ids(prompts, tokenizer))))
-        except TemplateRefused:  # one conversation the chat template will not render: each prompt on its own
+            query = lengths(list(dict.fromkeys(p for p in prompts if p)), queries_ids)
+        except TemplateRefused:  # a conversation the chat template will not render: fit_prompt meets it on its own
             query = {}
-        return Lengths(query, dict(zip(responses, map(len, responses_ids(responses, tokenizer)))))
+        return Lengths(query, lengths(list(dict.fromkeys(responses)), responses_ids))
 
 
 def _fit_all(items: list, fit: Callable, skip_bad: bool, report: DataReport | None) -> list[dict]:

@@ -346,3 +346,6 @@ def test_records_counted_in_one_batch_are_the_records_of_fit_example_one_at_a_ti
     assert [(r["prompt"], [r["response"]]) for r in texts] == one_at_a_time(rows, lambda y: [y])[0]
     prompts = data.prompt_records([(p.prompt, p.source) for p in pairs], tok, P, True, data.DataReport())
     assert [r["prompt"] for r in prompts] == [data.fit_prompt(p.prompt, tok, P) for p in pairs]
+    known = data.Lengths.count([p.prompt for p in pairs], [p.chosen for p in pairs], tok, chunk=7)  # many chunks
+    assert known.query == {p.prompt: len(data.query_ids(p.prompt, tok)) for p in pairs}
+    assert known.response == {p.chosen: len(data.response_ids(p.chosen, tok)) for p in pairs}
