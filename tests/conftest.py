@@ -39,6 +39,8 @@ def pytest_collection_finish(session):
     import tempfile
     if session.config.option.collectonly:
         return
+    for module in early_modules(session):  # e.g. test_notebooks: its notebooks start now, on a thread
+        module.start_early(session)
     for item in session.items:
         mark = item.get_closest_marker("background")
         if mark is not None:
@@ -48,8 +50,17 @@ def pytest_collection_finish(session):
                 item.stash[BACKGROUND] = (work, subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT))
 
 
+def early_modules(session) -> list:
+    """The selected tests' modules that start work of their own once collected: start_early(session) then,
+    stop_early() at the session's end."""
+    modules = dict.fromkeys(getattr(item, "module", None) for item in session.items)
+    return [m for m in modules if m is not None and hasattr(m, "start_early")]
+
+
 def pytest_sessionfinish(session):
     import shutil
+    for module in early_modules(session):
+        module.stop_early()
     for item in session.items:
         if BACKGROUND in item.stash:
             work, proc = item.stash[BACKGROUND]

@@ -1,9 +1,15 @@
 """Every notebook under notebooks/ runs top to bottom under nbclient, in its small budget (PPO_MAX_FULL=0).
 
 Run alone: `python -m pytest -m notebook`. The notebooks are executed in memory: their committed outputs
-(from the full-budget runs) are never overwritten by the test.
+(from the full-budget runs) are never overwritten by the test. They start as soon as the tests are collected
+(start_early, called by conftest.py), on a thread of this process, and each notebook's test reads its result.
 """
+import os
+import queue
 import sys
+import tempfile
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import nbformat
@@ -13,53 +19,108 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from conftest import selected, two_at_a_time
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-@pytest.fixture(scope="session")
-def kernel_dirs(tmp_path_factory) -> list[str]:
-    """A private 'python3' kernelspec that launches this very interpreter (sys.executable).
+def kernel_dirs(root: Path) -> list[str]:
+    """A private 'python3' kernelspec under `root` that launches this very interpreter (sys.executable).
 
     A fresh `pip install -r requirements.txt` ships a 'python3' spec with ipykernel, but a user-level spec of
     the same name (~/.local/share/jupyter/kernels) may point at another Python without torch; writing our
     own into a temporary folder sidesteps both, and installs nothing into the environment.
     """
-    kernels = tmp_path_factory.mktemp("kernels")
-    write_kernel_spec(kernels / "python3")  # argv = [sys.executable, "-m", "ipykernel_launcher", ...]
-    return [str(kernels)]
+    write_kernel_spec(root / "python3")  # argv = [sys.executable, "-m", "ipykernel_launcher", ...]
+    return [str(root)]
 
 
-def execute(path: Path, kernel_dirs: list[str]) -> None:
-    """One notebook top to bottom in a kernel of its own, in memory; raises CellExecutionError, naming the cell, on
-    the first failing cell."""
+def execute(path: Path, kernel_dirs: list[str], env: dict, running: set) -> None:
+    """One notebook top to bottom in a kernel of its own (environment `env`), in memory; raises CellExecutionError,
+    naming the cell, on the first failing cell. Its kernel manager is in `running` while it runs."""
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     assert Path(km.kernel_spec.argv[0]) == Path(sys.executable)
-    # cleanup_kc: shut the kernel down at the end, pass or fail. nbclient does that by default only for a kernel
-    # manager of its own; given ours, it left every notebook's kernel running (with torch loaded) to the suite's end
-    NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}}).execute(cleanup_kc=True)
+    running.add(km)
+    try:
+        # cleanup_kc: shut the kernel down at the end, pass or fail. nbclient does that by default only for a kernel
+        # manager of its own; given ours, it left every notebook's kernel running (with torch loaded) to the end
+        NotebookClient(nb, km=km, timeout=900, resources={"metadata": {"path": str(path.parent)}}).execute(
+            cleanup_kc=True, env=env)
+    finally:
+        running.discard(km)
 
 
-@pytest.fixture(scope="module")
-def executed(request, kernel_dirs) -> dict:
-    """The selected notebooks, two at a time (each kernel trains its runs on one core, --threads 1, and the machine
-    has two; notebooks/runs.py's locks let two share the cached bases and runs): name → None, or the exception."""
-    paths = [p for p in NOTEBOOKS if p in selected(request, "test_notebook_runs_top_to_bottom", "path")]
+EARLY: dict = {}  # what start_early began: "futures" (name → Future of None or the exception), "stop", "running"
+
+
+def start_early(session) -> None:
+    """Called by conftest.py once the tests are collected: the selected notebooks start at once, on a thread of their
+    own, one at a time with one training slot (PPO_MAX_JOBS=1), so that they take the core the rest of the suite,
+    one test at a time, leaves free; when nothing but this module was selected, two at a time on both cores (each
+    kernel trains on one core, --threads 1; notebooks/runs.py's locks let two share the cached bases and runs)."""
+    chosen = {item.callspec.params["path"] for item in session.items
+              if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"}
+    paths = [p for p in NOTEBOOKS if p in chosen]
+    if not paths:
+        return
+    alone = all(getattr(item, "module", None) is sys.modules[__name__] for item in session.items)
+    jobs = 2 if alone else 1
+    root = Path(tempfile.mkdtemp(prefix="ppo-max-kernels-"))
+    env = {**os.environ, "PPO_MAX_FULL": "0", "PPO_MAX_JOBS": str(jobs)}  # small budget; the kernels' slots
+    stop, running, dirs = threading.Event(), set(), kernel_dirs(root)
 
     def run(path):
+        if stop.is_set():
+            return RuntimeError("the session ended before this notebook ran")
         try:
-            execute(path, kernel_dirs)
+            execute(path, dirs, env, running)
         except Exception as e:  # noqa: BLE001 — reported by that notebook's own test
             return e
         return None
 
-    with pytest.MonkeyPatch.context() as mp:  # the kernels inherit the environment
-        mp.setenv("PPO_MAX_FULL", "0")          # figure notebooks use FULL = False: the small budget
-        mp.setenv("PPO_MAX_JOBS", "2")          # runs.slot(): two trainings at once, over both kernels
-        return dict(zip([p.stem for p in paths], two_at_a_time(run, paths)))
+    futures, todo = {p.stem: Future() for p in paths}, queue.SimpleQueue()
+    for p in paths:
+        todo.put(p)
+
+    def worker():  # a daemon thread: one stuck on a dead kernel cannot hold the interpreter open at exit
+        while True:
+            try:
+                path = todo.get_nowait()
+            except queue.Empty:
+                return
+            futures[path.stem].set_result(run(path))
+
+    for i in range(jobs):
+        threading.Thread(target=worker, name=f"notebooks-{i}", daemon=True).start()
+    EARLY.update(futures=futures, stop=stop, running=running, root=root)
+
+
+def stop_early() -> None:
+    """Called by conftest.py at the session's end: notebooks not yet started never start, running kernels stop."""
+    if not EARLY:
+        return
+    import signal
+    EARLY["stop"].set()
+    for km in list(EARLY["running"]):  # killed, not shut down: the thread that runs it is inside nbclient's own calls
+        process = getattr(getattr(km, "provisioner", None), "process", None)
+        if process is not None and process.poll() is None:
+            try:  # the kernel leads a process group of its own: its runner's workers go with it
+                if os.getpgid(process.pid) == process.pid:
+                    os.killpg(process.pid, signal.SIGKILL)
+                else:
+                    process.kill()
+            except ProcessLookupError:
+                pass
+    import shutil
+    shutil.rmtree(EARLY["root"], ignore_errors=True)
+    EARLY.clear()
+
+
+@pytest.fixture(scope="module")
+def executed() -> dict:
+    """The selected notebooks' results, as start_early's thread gives them: name → None, or the exception."""
+    return {name: future.result() for name, future in EARLY["futures"].items()}
 
 
 @pytest.mark.notebook
