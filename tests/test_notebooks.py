@@ -19,6 +19,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+from conftest import BACKGROUND
+
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -55,10 +57,11 @@ EARLY: dict = {}  # what start_early began: "futures" (name → Future of None o
 
 
 def start_early(session) -> None:
-    """Called by conftest.py once the tests are collected: the selected notebooks start at once, on a thread of their
-    own, one at a time with one training slot (PPO_MAX_JOBS=1), so that they take the core the rest of the suite,
-    one test at a time, leaves free; when nothing but this module was selected, two at a time on both cores (each
-    kernel trains on one core, --threads 1; notebooks/runs.py's locks let two share the cached bases and runs)."""
+    """Called by conftest.py once the tests are collected: the selected notebooks start on a thread of their own as
+    soon as the background runs (@pytest.mark.background) are done, one at a time with one training slot
+    (PPO_MAX_JOBS=1), so that they take the core the rest of the suite, one test at a time, leaves free; when nothing
+    but this module was selected, two at a time on both cores (each kernel trains on one core, --threads 1;
+    notebooks/runs.py's locks let two share the cached bases and runs)."""
     chosen = {item.callspec.params["path"] for item in session.items
               if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"}
     paths = [p for p in NOTEBOOKS if p in chosen]
@@ -83,7 +86,13 @@ def start_early(session) -> None:
     for p in paths:
         todo.put(p)
 
+    # conftest's background runs (already started) go first: the notebooks take the spare core after them, so that
+    # the tests that run one at a time never share their core with two other trainings
+    background = [item.stash[BACKGROUND][1] for item in session.items if BACKGROUND in item.stash]
+
     def worker():  # a daemon thread: one stuck on a dead kernel cannot hold the interpreter open at exit
+        for proc in background:
+            proc.wait()
         while True:
             try:
                 path = todo.get_nowait()
