@@ -652,8 +652,8 @@ def fit_example(prompt: str, responses: tuple[str, ...], tokenizer, max_prompt_t
 @dataclass
 class Lengths:
     """len(query_ids(x)) and len(response_ids(y)) of a data set's texts, counted in batch calls of the tokenizer
-    (`chunk` texts each, only the counts kept), so that fit_example's first question (does it fit as written?) costs no call of its own per example. A text
-    missing from them is counted by fit_example itself."""
+    (`chunk` texts each, only the counts kept), so that fit_example's first question (does it fit as written?) costs
+    no call of its own per example. A text missing from them is counted by fit_example itself."""
     query: dict[str, int]
     response: dict[str, int]
 

@@ -39,8 +39,6 @@ def pytest_collection_finish(session):
     import tempfile
     if session.config.option.collectonly:
         return
-    for module in early_modules(session):  # e.g. test_notebooks: its notebooks start now, on a thread
-        module.start_early(session)
     for item in session.items:
         mark = item.get_closest_marker("background")
         if mark is not None:
@@ -48,6 +46,8 @@ def pytest_collection_finish(session):
             argv = [sys.executable, str(ROOT / mark.args[0][0]), *mark.args[0][1:]]
             with open(work / "output.log", "w") as log:
                 item.stash[BACKGROUND] = (work, subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT))
+    for module in early_modules(session):  # e.g. test_notebooks: its notebooks start after the runs above
+        module.start_early(session)
 
 
 def early_modules(session) -> list:
