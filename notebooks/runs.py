@@ -235,6 +235,8 @@ def _drop_pool() -> None:
     """Stop the workers (a run they were training is cleared by the next attempt at it) and forget the pool."""
     global _POOL
     if _POOL is not None:
+        # the executor's own worker table: before Python 3.14 (terminate_workers) it has no public way to stop a
+        # worker in the middle of a run, and shutdown() alone would wait for that run to end
         for process in list((getattr(_POOL, "_processes", None) or {}).values()):
             process.terminate()
         _POOL.shutdown(wait=False, cancel_futures=True)
