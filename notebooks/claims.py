@@ -27,6 +27,7 @@ Run:
   python notebooks/claims.py --summary [--run]         the README's table: SFT, PPO-max, vanilla PPO, best-of-4
   python notebooks/claims.py --records                 every record again from the cached runs (no training)
   python notebooks/claims.py --check-code SEED         CHECK's runs of SEED again: do the records stand for this code?
+  python notebooks/claims.py --check-code SEED --against COMMIT   ... compared with COMMIT's code on this machine
 --run trains through notebooks/runs.py (a pool of single-thread worker processes, one per core; cached runs whose
 config and code match are reused) and prints the runs per hour at the end. Everything else reads
 notebooks/results/ only.
@@ -988,12 +989,90 @@ def same_code(a: str | None, b: str) -> bool:
     return a in group
 
 
-def check_code(seed: int) -> bool:
+# CHECK's runs of a seed trained from scratch by the code of the tree this script runs in (its own claims.py and
+# runs.py), their metrics printed as the last line: {"code", "metrics": {variant: {metric: value}}}. A script, so that
+# --check-code --against trains an older commit's code in a git worktree exactly as it trains this tree's.
+CHECK_DRIVER = """
+import json, shutil, sys
+sys.path.insert(0, "notebooks")
+import claims, runs
+if __name__ == "__main__":
+    seed = int(sys.argv[1])
+    runs.configure(full=True)
+    base = claims.ROOT / "runs" / "_base" / claims.base_name(seed)
+    if base.exists():   # a cached base may come from other code: this code builds it again
+        shutil.rmtree(base)
+    check = [v for v in claims.CHECK if v != claims.BASE]
+    for v in check:
+        shutil.rmtree(runs.out_dir(f"check-{v}", seed), ignore_errors=True)
+    done = runs.run_many([(f"check-{v}", claims.VARIANTS[v], seed, claims.LONG.get(v)) for v in check])
+    got = {claims.BASE: claims.make_record(claims.BASE, seed, None, runs.base_dir(seed))["metrics"]}
+    got.update({v: claims.make_record(v, seed, r["dir"])["metrics"] for v, r in zip(check, done)})
+    print(json.dumps({"code": runs.code_version(), "metrics": got}))
+"""
+
+
+def check_metrics(tree: Path, seed: int) -> dict:
+    """CHECK_DRIVER run in `tree` (this repository or a worktree of a commit): {"code", "metrics"}."""
+    print(f"training {', '.join(CHECK)} of seed {seed} with the code of {tree}", flush=True)
+    done = subprocess.run([sys.executable, "-c", CHECK_DRIVER, str(seed)], cwd=tree, stdout=subprocess.PIPE, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise SystemExit(f"error: --check-code {seed}: training CHECK's runs in {tree} failed "
+                         f"(exit status {done.returncode})")
+    return json.loads(lines[-1])
+
+
+def metric_differences(a: dict, b: dict) -> list[tuple[str, str, object, object]]:
+    """(variant, metric, a's value, b's value) wherever two {variant: {metric: value}} differ (NaN equals NaN)."""
+    def same(x, y):
+        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+    return [(v, k, a[v].get(k), b.get(v, {}).get(k)) for v in a for k in a[v] if not same(a[v].get(k), b.get(v, {}).get(k))]
+
+
+def machine() -> str:
+    """The CPU model, the kernels torch picks on it and torch's version: what the last bit of a metric depends on
+    besides the code."""
+    import platform
+    import torch
+    cpu = platform.processor() or platform.machine()
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    return f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+
+
+def commit_of(ref: str) -> str:
+    """The full hash of commit `ref` of this repository; a one-line error (exit status 2) if it is none."""
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", ref + "^{commit}"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        print(f"error: --against {ref}: not a commit of {ROOT}", file=sys.stderr)
+        raise SystemExit(2)
+    return done.stdout.strip()
+
+
+def code_version_at(sha: str) -> str:
+    """runs.code_version of commit `sha`'s top-level .py files, read from git (no checkout)."""
+    import runs
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", sha], capture_output=True, text=True,
+                           check=True).stdout.split()
+    files = {n: subprocess.run(["git", "-C", str(ROOT), "show", f"{sha}:{n}"], capture_output=True, text=True,
+                               check=True).stdout for n in names if n.endswith(".py")}
+    return runs.code_version(files)
+
+
+def check_code(seed: int, against: str | None = None) -> bool:
     """Train CHECK's runs of `seed` again with this code (into runs/check-*, the base into a fresh runs/_base) and
     compare every metric with its committed record. All equal: this code version is recorded as equivalent to the
-    records' (code-equivalence.json), so --run reuses their records. Returns whether they were all equal."""
+    records' (code-equivalence.json), so --run reuses their records. Returns whether they were all equal.
+
+    The last bit of a metric depends on the machine too (the CPU's kernels round differently), so on a machine other
+    than the records' even their own code may not reproduce them. `against` (a commit whose code the records stand
+    for) compares on this machine instead: CHECK's runs trained by that commit's code (a git worktree) and by this
+    code, all equal: this code is linked to that commit's version."""
     import runs
-    runs.configure(full=True)
     missing = [v for v in CHECK if not record_path(v, seed).exists()]
     if missing:
         print(f"error: --check-code {seed}: no committed record of {', '.join(missing)} on seed {seed}",
@@ -1004,32 +1083,64 @@ def check_code(seed: int) -> bool:
     if any(not same_code(a, b) for a in old for b in old):  # versions already linked stand for each other
         raise SystemExit(f"error: the records of seed {seed} come from code versions that no link makes one: "
                          f"{sorted(old)}")
-    old = {max(old, key=[r["code"] for r in recs.values()].count)}  # the version most of them carry: the link's end
+    old = max(old, key=[r["code"] for r in recs.values()].count)  # the version most of them carry: the link's end
     now = runs.code_version()
-    import shutil
-    base = ROOT / "runs" / "_base" / base_name(seed)
-    if base.exists():   # a cached base may come from other code: this code builds it again
-        print(f"removing the cached {base.relative_to(ROOT)} so that this code builds it again")
-        shutil.rmtree(base)
-    for v in CHECK:
-        shutil.rmtree(runs.out_dir(f"check-{v}", seed), ignore_errors=True)
-    specs = [(f"check-{v}", VARIANTS[v], seed, LONG.get(v)) for v in CHECK if v != BASE]
-    done = runs.run_many(specs)
-    got = {BASE: make_record(BASE, seed, None, runs.base_dir(seed))["metrics"]}
-    got.update({v: make_record(v, seed, r["dir"])["metrics"] for v, r in zip([v for v in CHECK if v != BASE], done)})
-    differ = [(v, k, recs[v]["metrics"][k], got[v].get(k)) for v in CHECK for k in recs[v]["metrics"]
-              if got[v].get(k) != recs[v]["metrics"][k]]
-    for v, k, a, b in differ:
-        print(f"{v} seed {seed} {k}: recorded {a!r}, now {b!r}")
-    if differ:
-        print(f"code {now} does not reproduce the records of code {old.pop()}: --run will train every run again")
-        return False
+    recorded_metrics = {v: recs[v]["metrics"] for v in CHECK}
+    if against is None:
+        got = check_metrics(ROOT, seed)["metrics"]
+        differ = metric_differences(recorded_metrics, got)
+        for v, k, a, b in differ:
+            print(f"{v} seed {seed} {k}: recorded {a!r}, now {b!r}")
+        if differ:
+            if same_code(old, now):
+                print(f"this code ({now}) is the records' own (or linked to it), yet {len(differ)} metrics differ: this "
+                      f"machine ({machine()}) rounds differently from the one the records came from. To link a new "
+                      f"code version here, compare it with a commit of the records' code: --check-code {seed} "
+                      f"--against COMMIT")
+            else:
+                print(f"code {now} does not reproduce the records of code {old}: --run will train every run again "
+                      f"(if the records' own code does not reproduce them on this machine either, compare with a "
+                      f"commit of it: --check-code {seed} --against COMMIT)")
+            return False
+        same_as, ref_sha = old, None
+    else:
+        ref_sha = commit_of(against)
+        ref_code = code_version_at(ref_sha)
+        if not same_code(ref_code, old):
+            print(f"error: --against {against}: its code ({ref_code}) is not the records' ({old}) nor linked to it",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        import shutil
+        import tempfile
+        work = Path(tempfile.mkdtemp(prefix="ppo-max-check-"))
+        tree = work / f"tree-{ref_sha[:10]}"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref_sha], check=True,
+                       capture_output=True)
+        try:
+            ref = check_metrics(tree, seed)["metrics"]
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+            shutil.rmtree(work, ignore_errors=True)
+        got = check_metrics(ROOT, seed)["metrics"]
+        n = sum(len(m) for m in recorded_metrics.values())
+        print(f"commit {ref_sha[:10]}'s code on this machine ({machine()}): "
+              f"{n - len(metric_differences(recorded_metrics, ref))} of the {n} recorded metrics equal to the records")
+        differ = metric_differences(ref, got)
+        for v, k, a, b in differ:
+            print(f"{v} seed {seed} {k}: commit {ref_sha[:10]} {a!r}, this code {b!r}")
+        if differ:
+            print(f"code {now} does not reproduce code {ref_code}'s runs on this machine: --run will train every run "
+                  f"again")
+            return False
+        same_as = ref_code
     links = json.loads(EQUIVALENCE.read_text()) if EQUIVALENCE.exists() else []
-    links.append({"code": now, "same_as": old.pop(), "commit": git_commit(), "seed": seed, "checked": list(CHECK),
-                  "metrics": sum(len(m) for m in got.values())})
+    links.append({"code": now, "same_as": same_as, "commit": git_commit(), "seed": seed, "checked": list(CHECK),
+                  "metrics": sum(len(m) for m in got.values()), "machine": machine(),
+                  **({"against": ref_sha[:12]} if ref_sha else {})})
     EQUIVALENCE.write_text(json.dumps(links, indent=1) + "\n")
-    print(f"code {now} reproduces every metric of {', '.join(CHECK)} on seed {seed}: recorded in "
-          f"{EQUIVALENCE.relative_to(ROOT)}")
+    what = f"commit {ref_sha[:10]}'s code ({same_as}) on this machine" if ref_sha else f"the records of {same_as}"
+    print(f"code {now} reproduces every metric of {', '.join(CHECK)} on seed {seed} of {what}: recorded in "
+          f"{EQUIVALENCE}")
     return True
 
 
@@ -1259,6 +1370,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
     p.add_argument("--check-code", type=int, metavar="SEED", help="train CHECK's runs of SEED again with this code and "
                    "compare them with the records; equal to the last bit: the records stand for this code too")
+    p.add_argument("--against", default="", metavar="COMMIT", help="with --check-code: compare with CHECK's runs "
+                   "trained by COMMIT's code (the records' own, or linked) on this machine instead of the records "
+                   "(for a machine that rounds differently from the records')")
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
     p.add_argument("--records", action="store_true", help="write every record again from the cached runs")
     p.add_argument("--summary", action="store_true", help="the README's table of SFT, PPO-max, vanilla and "
@@ -1270,7 +1384,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         print(f"error: --claims: unknown claim(s) {unknown}", file=sys.stderr)
         raise SystemExit(2)
-    if args.check_code is not None and not check_code(args.check_code):
+    if args.against and args.check_code is None:
+        print("error: --against: only with --check-code SEED", file=sys.stderr)
+        raise SystemExit(2)
+    if args.check_code is not None and not check_code(args.check_code, args.against or None):
         raise SystemExit(1)
     if args.operating_point:
         run_operating_point()

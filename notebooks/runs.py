@@ -131,20 +131,22 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
     return run_many([(name, flags, seed, steps)])[0]
 
 
-def code_version() -> str:
+def code_version(files: dict[str, str] | None = None) -> str:
     """A hash of the project's code, the top-level .py files every run imports, each as its syntax tree without
-    docstrings: an edit of a comment or a docstring keeps it, any change of code changes it."""
+    docstrings: an edit of a comment or a docstring keeps it, any change of code changes it. `files` ({name: text})
+    hashes those instead of this tree's (another commit's, read from git)."""
     import ast
     import hashlib
+    files = files if files is not None else {path.name: path.read_text() for path in ROOT.glob("*.py")}
     h = hashlib.sha256()
-    for path in sorted(ROOT.glob("*.py")):
-        tree = ast.parse(path.read_text())
+    for name in sorted(files):
+        tree = ast.parse(files[name])
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
             if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
                     isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
-        h.update(path.name.encode() + ast.dump(tree).encode())
+        h.update(name.encode() + ast.dump(tree).encode())
     return h.hexdigest()[:12]
 
 

@@ -194,6 +194,110 @@ def test_check_code_of_a_seed_without_records_is_one_line(capsys):
     assert len(err.splitlines()) == 1 and "--check-code 77" in err
 
 
+def test_check_code_against_a_bad_commit_fails_in_one_line_before_any_training(capsys, monkeypatch):
+    def no_training(*a, **k):
+        raise AssertionError("trained before the argument was checked")
+    monkeypatch.setattr(claims, "check_metrics", no_training)
+    for argv, needle in ((["--check-code", "0", "--against", "no-such-commit"], "--against no-such-commit"),
+                         (["--against", "HEAD"], "--against")):
+        with pytest.raises(SystemExit) as e:
+            claims.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err
+
+
+@pytest.fixture
+def fake_check(tmp_path, monkeypatch):
+    """check_code on made-up records (every CHECK variant of seed 0 at code "old", metric m = 1.0), this code at
+    version "now", the commits' code at "old", and the training replaced: trained["here"] is what CHECK's runs give
+    in this repository, trained["commit"] in any other tree (a worktree of --against's commit); trained["trees"]
+    lists the trees trained in."""
+    import json
+    import runs
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(claims, "RESULTS", results)
+    monkeypatch.setattr(claims, "EQUIVALENCE", results / "code-equivalence.json")
+    monkeypatch.setattr(claims, "record_path", lambda v, s: results / f"{v}-seed{s}.json")
+    for v in claims.CHECK:
+        (results / f"{v}-seed0.json").write_text(json.dumps({"code": "old", "metrics": {"m": 1.0}}))
+    monkeypatch.setattr(runs, "code_version", lambda files=None: "now")
+    monkeypatch.setattr(claims, "code_version_at", lambda sha: "old")
+    trained = {"trees": []}
+
+    def check_metrics(tree, seed):
+        trained["trees"].append(tree)
+        return {"code": "?", "metrics": trained["here" if tree == claims.ROOT else "commit"]}
+    monkeypatch.setattr(claims, "check_metrics", check_metrics)
+    return trained
+
+
+def test_check_code_links_this_code_only_where_it_reproduces_the_records(fake_check, capsys):
+    import json
+    fake_check["here"] = {v: {"m": 1.0} for v in claims.CHECK}
+    assert claims.check_code(0)
+    (link,) = json.loads(claims.EQUIVALENCE.read_text())
+    assert link["code"] == "now" and link["same_as"] == "old" and "against" not in link and link["machine"]
+    claims.EQUIVALENCE.unlink()
+    fake_check["here"] = {v: {"m": 1.0 + (v == claims.CHECK[-1]) * 1e-9} for v in claims.CHECK}
+    assert not claims.check_code(0)
+    assert not claims.EQUIVALENCE.exists()
+    assert "does not reproduce the records of code old" in capsys.readouterr().out
+
+
+def test_check_code_tells_a_machine_that_rounds_differently_from_changed_code(fake_check, capsys, monkeypatch):
+    """The records' own code reproducing them except in the last bits: the machine, not the code, and no link."""
+    import runs
+    monkeypatch.setattr(runs, "code_version", lambda files=None: "old")
+    fake_check["here"] = {v: {"m": 1.0 + 1e-9} for v in claims.CHECK}
+    assert not claims.check_code(0)
+    out = capsys.readouterr().out
+    assert "rounds differently" in out and "--against COMMIT" in out and not claims.EQUIVALENCE.exists()
+
+
+def test_check_code_against_a_commit_compares_the_two_codes_on_this_machine(fake_check):
+    """--against: neither code reproduces the records here, but this code reproduces the commit's code to the last
+    bit (NaN included): linked to the commit's version, the worktree gone again; one bit apart: no link."""
+    import json
+    import subprocess
+    fake_check["commit"] = {v: {"m": 1.5, "nan": math.nan} for v in claims.CHECK}
+    fake_check["here"] = {v: {"m": 1.5, "nan": math.nan} for v in claims.CHECK}
+    assert claims.check_code(0, "HEAD")
+    (link,) = json.loads(claims.EQUIVALENCE.read_text())
+    head = subprocess.run(["git", "-C", str(claims.ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert link["code"] == "now" and link["same_as"] == "old" and link["against"] == head[:12]
+    commit_tree, here = fake_check["trees"]
+    assert here == claims.ROOT and commit_tree != claims.ROOT and not commit_tree.exists()
+    claims.EQUIVALENCE.unlink()
+    fake_check["here"] = {v: {"m": 1.5 + 1e-9, "nan": math.nan} for v in claims.CHECK}
+    assert not claims.check_code(0, "HEAD")
+    assert not claims.EQUIVALENCE.exists()
+
+
+def test_code_version_of_a_commit_is_that_of_its_checkout(tmp_path, monkeypatch):
+    """code_version_at reads a commit's top-level .py files from git; it equals code_version of a tree holding
+    them, keeps through a docstring edit, and tells a code change."""
+    import subprocess
+    import runs
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "a.py").write_text('def f():\n    """doc"""\n    return 1\n')
+    (tmp_path / "b.py").write_text("x = 2\n")
+    (tmp_path / "notes.txt").write_text("not code\n")
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    monkeypatch.setattr(claims, "ROOT", tmp_path)
+    monkeypatch.setattr(runs, "ROOT", tmp_path)
+    at_head = claims.code_version_at("HEAD")
+    assert at_head == runs.code_version()
+    (tmp_path / "a.py").write_text('def f():\n    """another doc"""\n    return 1\n')
+    assert runs.code_version() == at_head
+    (tmp_path / "a.py").write_text('def f():\n    return 2\n')
+    assert runs.code_version() != at_head
+
+
 def test_run_registry_sends_every_seed_to_the_pool_and_writes_each_record_when_its_run_is_done(tmp_path, monkeypatch):
     """--run hands all seeds' runs to the pool at once, long runs first, then each seed's first run before any seed's
     second; each record is written as soon as its run is done (runs finish out of order), a seed's base record with
