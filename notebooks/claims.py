@@ -1027,7 +1027,7 @@ def metric_differences(a: dict, b: dict) -> list[tuple[str, str, object, object]
     """(variant, metric, a's value, b's value) wherever two {variant: {metric: value}} differ (NaN equals NaN)."""
     def same(x, y):
         return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
-    return [(v, k, a[v].get(k), b.get(v, {}).get(k)) for v in a for k in a[v] if not same(a[v].get(k), b.get(v, {}).get(k))]
+    return [(v, k, a[v][k], b.get(v, {}).get(k)) for v in a for k in a[v] if not same(a[v][k], b.get(v, {}).get(k))]
 
 
 def machine() -> str:
@@ -1093,9 +1093,9 @@ def check_code(seed: int, against: str | None = None) -> bool:
             print(f"{v} seed {seed} {k}: recorded {a!r}, now {b!r}")
         if differ:
             if same_code(old, now):
-                print(f"this code ({now}) is the records' own (or linked to it), yet {len(differ)} metrics differ: this "
-                      f"machine ({machine()}) rounds differently from the one the records came from. To link a new "
-                      f"code version here, compare it with a commit of the records' code: --check-code {seed} "
+                print(f"this code ({now}) is the records' own (or linked to it), yet {len(differ)} metrics differ: "
+                      f"this machine ({machine()}) rounds differently from the one the records came from. To link a "
+                      f"new code version here, compare it with a commit of the records' code: --check-code {seed} "
                       f"--against COMMIT")
             else:
                 print(f"code {now} does not reproduce the records of code {old}: --run will train every run again "
