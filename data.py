@@ -580,8 +580,9 @@ def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
     def fits(text: str) -> bool:
         return len(query_ids(text, tokenizer)) <= max_prompt_tokens
 
+    known = known or Lengths({}, {})
     try:
-        if (known.query[prompt] <= max_prompt_tokens) if known and prompt in known.query else fits(prompt):
+        if known.query_len(prompt, tokenizer) <= max_prompt_tokens:
             return prompt
     except TemplateRefused as e:  # a conversation the chat template will not render: this example, not the run
         raise DataError(*_split_source(source), "prompt", "chat_template", str(e)) from None
@@ -617,8 +618,7 @@ def fit_response(response: str, tokenizer, max_response_tokens: int, cut: bool =
     """The response y, whose ids with their stop token (data.response_ids) must be at most max_response_tokens: as
     written if it fits; else None (training drops it: a cut answer would teach stopping mid-sentence) or, with cut
     (scoring), the text of its first tokens."""
-    n = known.response[response] if known and response in known.response else len(response_ids(response, tokenizer))
-    if n <= max_response_tokens:
+    if (known or Lengths({}, {})).response_len(response, tokenizer) <= max_response_tokens:
         return response
     if not cut:
         return None
@@ -667,6 +667,14 @@ class Lengths:
         except TemplateRefused:  # a conversation the chat template will not render: fit_prompt meets it on its own
             query = {}
         return Lengths(query, lengths(list(dict.fromkeys(responses)), responses_ids))
+
+    def query_len(self, prompt: str, tokenizer) -> int:
+        """len(query_ids(prompt)): the count made beforehand, else one tokenizer call."""
+        return self.query[prompt] if prompt in self.query else len(query_ids(prompt, tokenizer))
+
+    def response_len(self, response: str, tokenizer) -> int:
+        """len(response_ids(response)): the count made beforehand, else one tokenizer call."""
+        return self.response[response] if response in self.response else len(response_ids(response, tokenizer))
 
 
 def _fit_all(items: list, fit: Callable, skip_bad: bool, report: DataReport | None) -> list[dict]:

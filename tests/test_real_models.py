@@ -349,3 +349,7 @@ def test_records_counted_in_one_batch_are_the_records_of_fit_example_one_at_a_ti
     known = data.Lengths.count([p.prompt for p in pairs], [p.chosen for p in pairs], tok, chunk=7)  # many chunks
     assert known.query == {p.prompt: len(data.query_ids(p.prompt, tok)) for p in pairs}
     assert known.response == {p.chosen: len(data.response_ids(p.chosen, tok)) for p in pairs}
+    uncounted = [p.rejected for p in pairs if p.rejected not in known.response][:20]   # counted on the spot
+    assert uncounted and [known.response_len(y, tok) for y in uncounted] == \
+        [len(data.response_ids(y, tok)) for y in uncounted]
+    assert data.Lengths({}, {}).query_len(pairs[0].prompt, tok) == known.query[pairs[0].prompt]
