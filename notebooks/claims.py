@@ -691,7 +691,7 @@ def config_key(variant: str, seed: int) -> str:
 
 def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None = None) -> dict:
     """The record of one run (or of a seed's base with variant BASE): the numbers METRICS read, with what they came
-    from."""
+    from (config, code version, commit and machine)."""
     import runs
     if variant == BASE:
         got = load_base(base)
@@ -704,9 +704,11 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
         # best-of-n has no per-token KL (summary.json's final kl is None; its KL per response is exact): not recorded
         metrics = {k: float(x) for k, x in values.items() if not (x is None and names is FINAL_METRICS)}
         key, flags = config_key(variant, seed), VARIANTS[variant]
+    # the machine too: the run under runs/ was trained here, and its last bits depend on the CPU (check_code)
     return {"variant": variant, "flags": list(flags), "seed": seed,
             "steps": 0 if variant == BASE else steps_of(variant),
-            "config": key, "code": runs.code_version(), "commit": git_commit(), "metrics": metrics}
+            "config": key, "code": runs.code_version(), "commit": git_commit(), "machine": machine(),
+            "metrics": metrics}
 
 
 def records() -> dict[tuple[str, int], dict]:

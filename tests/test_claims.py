@@ -276,6 +276,17 @@ def test_check_code_against_a_commit_compares_the_two_codes_on_this_machine(fake
     assert not claims.EQUIVALENCE.exists()
 
 
+def test_a_record_names_the_machine_that_trained_its_run(monkeypatch, tmp_path):
+    """make_record stamps machine(): the CPU, the kernel level torch runs at and torch's version."""
+    import torch
+    m = claims.machine()
+    assert torch.__version__ in m and torch.backends.cpu.get_cpu_capability() in m
+    monkeypatch.setattr(claims, "load_base", lambda base: {})
+    monkeypatch.setattr(claims, "BASE_METRICS", {"x": lambda got: 1.0})
+    rec = claims.make_record(claims.BASE, 0, None, tmp_path / "seed0-base")
+    assert rec["machine"] == m and rec["metrics"] == {"x": 1.0}
+
+
 def test_code_version_of_a_commit_is_that_of_its_checkout(tmp_path, monkeypatch):
     """code_version_at reads a commit's top-level .py files from git; it equals code_version of a tree holding
     them, keeps through a docstring edit, and tells a code change."""
