@@ -66,7 +66,7 @@ def sample(model, reward_model, tokenizer, prompts: list[str], n: int, per_promp
     `reward_model` (the proxy): eval.sample's dict (prompts, query, query_mask, response, mask, texts, finished),
     one batch, plus "scores" (the proxy score of each chosen response) and "nonfinite" (how many candidates had a
     NaN/inf proxy score and were skipped by select_best; a line on stderr says so when there are any)."""
-    import data
+    from plumbing import data
     import eval as evaluation
     cand = evaluation.sample(model, tokenizer, prompts, per_prompt * n, seed, max_new_tokens, sampling=sampling)
     scores, rows = [], []

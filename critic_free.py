@@ -7,8 +7,7 @@ Implements (one function per method; the paper each comes from is named at its l
                                                (its other half, the loss summed over tokens ÷ (batch × max length),
                                                is ppo_loss.aggregate "seq-mean-token-sum-norm")
     rloo(scores, G)                          → RLOO     A_i = r_i − (1/(G−1)) Σ_{j≠i} r_j               Ahmadian et al. 2024
-    discounted_returns(rewards, mask, γ)     → G_t = Σ_{s≥t} γ^{s−t} r_s (reward-to-go), 0 at padding
-    batch_whiten(x, mask, all_sum)           → (x − μ) / √(σ² + ε), μ and σ² over every real token of the batch
+    discounted_returns(rewards, mask, γ)     → G_t = Σ_{s≥t} γ^{s−t} r_s (reward-to-go): Eq. 11 with V = 0
     reinforce_pp(rewards, mask, γ)           → REINFORCE++ A_t = whiten_batch(G_t), r_t from Eq. 19        Hu 2025
     reinforce_pp_baseline(scores, mask, G)   → REINFORCE++-baseline A = whiten_batch(r_i − mean_G r)       Hu 2025
     advantages(name, rewards, mask, G, γ)    → what ppo_max.make_experience calls: (advantages, returns), (B, T)
@@ -18,22 +17,15 @@ Run: python critic_free.py        (prints the worked example at the end of this 
 Shapes: B responses = (B/G prompts) × G, T response tokens. `rewards` (B, T) are Eq. 19's per-token rewards
 (ppo_max.shape_rewards): the score on the last real token and −η·KL_t on every token, or the score alone when the KL
 sits in the loss (--kl-in loss) or η = 0. The group methods use one number per response, its undiscounted return
-r_i = Σ_t r_t (= score − η·Σ_t KL_t), as verl's estimators do (they sum token_level_rewards) and TRL's RLOO (which
-subtracts β·Σ_t KL from the score); their advantage is the same for every token of the response. OpenRLHF instead
-subtracts the baseline from the score alone and then adds −η·Σ_{s≥t} KL_s per token (docs/methods.md).
+r_i = Σ_t r_t (= score − η·Σ_t KL_t); their advantage is the same for every token of the response.
 
-Which standard deviation (GRPO). We divide by the population std (ddof = 0), as our whitening (ppo_loss.masked_var)
-and Eq. 18's running moments do: then the advantages of every group that is not constant have mean 0 and mean square
-exactly 1, whatever G. The peers use Bessel's std (ddof = 1): verl `compute_grpo_outcome_advantage` (torch.std, ε =
-1e-6), TRL `GRPOTrainer` (`nanstd`, ε = 1e-4), OpenRLHF "group_norm" (torch.std, ε = 1e-9); open-instruct uses the
-population std; DeepSeekMath writes std(r) without saying. Bessel's std is larger by √(G/(G−1)) (1.155 at G = 4), so
-their advantages are ours × √((G−1)/G): a constant factor, i.e. a learning rate that depends on G. `unbiased=True`
-gives theirs (tests/test_conventions.py checks it against verl's and TRL's formulas). ε = 1e-6 (verl's), added to
-the std, so a group of equal scores gets A = 0, not 0/0.
+GRPO divides by the population std (ddof = 0), as the whitening (ppo_loss.masked_whiten) and Eq. 18's running
+moments do: the advantages of every group that is not constant then have mean 0 and mean square exactly 1, whatever
+G; `unbiased=True` gives Bessel's std instead. ε = 1e-6 is added to the std, so a group of equal scores gets A = 0,
+not 0/0. How other implementations choose (Bessel's std, other ε, where the KL enters): docs/differences.md.
 
-Groups and ranks. Under data parallelism the rank split keeps every group on one rank (data.RolloutBatches gives
-each rank whole groups), so the group methods need no communication; the batch whitening of the REINFORCE++ pair
-sums over every rank's tokens through `all_sum` (engine.all_sum; the identity in one process).
+Groups and ranks: under data parallelism every group sits on one rank (data.RolloutBatches), so the group methods
+need no communication; the REINFORCE++ pair whitens over every rank's tokens through `all_sum` (engine.all_sum).
 
 References:
     Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models" (GRPO, section 4.1).
@@ -48,6 +40,9 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from gae import compute_gae
+from ppo_loss import masked_whiten
 
 ESTIMATORS = ("gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline")  # --advantage
 CRITIC_FREE = ESTIMATORS[1:]                                   # no critic is built, pre-trained or checkpointed
@@ -90,32 +85,9 @@ def rloo(scores: Tensor, G: int) -> Tensor:
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """G_t = Σ_{s≥t} γ^{s−t} r_s over the real tokens of each response, (B, T), 0 where mask is 0 (whatever rewards
-    hold there). mask: 1.0 on real response tokens, contiguous from 0, right-padded (as gae.py)."""
-    if rewards.dim() != 2 or rewards.shape != mask.shape:
-        raise ValueError(f"critic_free.py: rewards and mask must be (B, T) with the same shape; got "
-                         f"{tuple(rewards.shape)}, {tuple(mask.shape)}")
-    rewards = torch.where(mask != 0, rewards, 0.0)                    # (B, T) padding adds nothing
-    returns = torch.zeros_like(rewards)                                # (B, T)
-    running = rewards.new_zeros(rewards.shape[0])                      # (B,) G_{t+1}, 0 after the end
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running                      # G_t = r_t + γ G_{t+1}
-        returns[:, t] = running
-    return returns * mask
-
-
-def batch_whiten(x: Tensor, mask: Tensor, all_sum: Callable[[Tensor], Tensor] | None = None,
-                 eps: float = 1e-8) -> Tensor:
-    """(x − μ) / √(σ² + ε) with μ and σ² (ddof = 0) over every real token of the whole batch: of every rank, when
-    `all_sum` sums a tensor across ranks (engine.all_sum). Padding stays 0. In one process this equals
-    ppo_loss.masked_whiten(x, mask) · mask."""
-    all_sum = all_sum or (lambda t: t)
-    m = mask.to(x.dtype)
-    x = torch.where(mask != 0, x, 0.0)                                 # (B, T)
-    total = all_sum(torch.stack([(x * m).sum(), m.sum()]))             # [Σ m·x, Σ m] over the global batch
-    mean = total[0] / total[1]                                         # μ
-    var = all_sum(((x - mean) ** 2 * m).sum()) / total[1]              # σ² = Σ m (x − μ)² / Σ m
-    return (x - mean) * torch.rsqrt(var + eps) * m                     # (x − μ) / √(σ² + ε), 0 at padding
+    """G_t = Σ_{s≥t} γ^{s−t} r_s over the real tokens of each response, (B, T), 0 where mask is 0: GAE(γ, 1) with
+    V = 0 (Eq. 11), whose returns are exactly the reward-to-go."""
+    return compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]   # Σ_l γ^l r_{t+l} − 0   (Eq. 11)
 
 
 def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
@@ -124,7 +96,7 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float = 1.0,
     their discounted returns G_t, whitened over all tokens of the (global) batch. Returns (advantages, returns),
     both (B, T)."""
     returns = discounted_returns(rewards, mask, gamma)                 # G_t = Σ_{s≥t} γ^{s−t} r_s
-    return batch_whiten(returns, mask, all_sum), returns               # A_t = (G_t − μ) / σ   (batch of tokens)
+    return masked_whiten(returns, mask, all_sum=all_sum), returns     # A_t = (G_t − μ) / σ   (batch of tokens)
 
 
 def reinforce_pp_baseline(scores: Tensor, mask: Tensor, G: int,
@@ -132,7 +104,7 @@ def reinforce_pp_baseline(scores: Tensor, mask: Tensor, G: int,
     """REINFORCE++-baseline: the group mean as baseline, then whitening over every token of the batch (the same
     value on each token of a response, so longer responses weigh more in μ and σ, as in verl), (B, T)."""
     centred = dr_grpo(scores, G)                                       # r_i − mean_G r
-    return batch_whiten(centred[:, None] * mask, mask, all_sum)        # whiten_batch(r_i − mean_G r)
+    return masked_whiten(centred[:, None] * mask, mask, all_sum=all_sum)  # whiten_batch(r_i − mean_G r)
 
 
 def advantages(name: str, rewards: Tensor, mask: Tensor, group_size: int, gamma: float = 1.0,
@@ -142,7 +114,7 @@ def advantages(name: str, rewards: Tensor, mask: Tensor, group_size: int, gamma:
     methods score response i by r_i = Σ_t r_t and give every one of its tokens A_i."""
     returns = discounted_returns(rewards, mask, gamma)                 # (B, T)
     if name == "reinforce++":
-        return batch_whiten(returns, mask, all_sum), returns
+        return masked_whiten(returns, mask, all_sum=all_sum), returns
     scores = torch.where(mask != 0, rewards, 0.0).sum(dim=1)          # (B,) r_i = Σ_t r_t
     if name == "reinforce++-baseline":
         return reinforce_pp_baseline(scores, mask, group_size, all_sum), returns

@@ -68,25 +68,16 @@ def response_logprob_sum(logits: Tensor, input_ids: Tensor, response_mask: Tenso
 # ======================================================================================================
 # Stage half: the DPO stage on a Hugging Face causal LM (one process or a DeepSpeed engine)
 # ======================================================================================================
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from cli import arg  # noqa: E402  (a dataclass field whose help becomes `--help`)
-
-
-@dataclass
-class DPOConfig:
-    dpo_beta: float = arg(0.1, "β of Eq. 7: the strength of the implicit KL constraint to π_SFT (paper and TRL: 0.1)",
-                          ">0")
-    dpo_lr: float = arg(5e-4, "DPO learning rate (AdamW, cosine decay; TRL's default 1e-6 is for 7B models)", ">0")
-    dpo_epochs: float = arg(2.0, "epochs over the preference pairs (those the reward model trains on)", ">0")
-    dpo_batch: int = arg(32, "pairs per step", ">=1")
-    dpo_eval_every: int = arg(10, "steps between held-out implicit-reward accuracies", ">=1")
+from plumbing import data, engine, lora  # noqa: E402
+from plumbing.config import DPOConfig  # noqa: E402  (--dpo-beta, --dpo-lr, --dpo-epochs, --dpo-batch)
+from plumbing.data import position_ids_from_mask  # noqa: E402
+from plumbing.engine import supervised_stage  # noqa: E402
 
 
 def sequence_logprobs(model, ids: Tensor, attn: Tensor, response_mask: Tensor) -> Tensor:
     """log π(y|x) of right-padded (prompt + response) rows, (B,); position ids from the mask."""
-    from data import position_ids_from_mask
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
                    use_cache=False).logits                                   # (B, L, V)
     return response_logprob_sum(logits, ids, response_mask)                  # (B,)
@@ -95,7 +86,6 @@ def sequence_logprobs(model, ids: Tensor, attn: Tensor, response_mask: Tensor) -
 @torch.no_grad()
 def pair_logprobs(model, tokenizer, rows: list[dict], batch: int = 64) -> tuple[Tensor, Tensor]:
     """(log π(y_w|x), log π(y_l|x)) of {"prompt", "chosen", "rejected"} rows, each (N,), in eval mode."""
-    import data
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -116,22 +106,15 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
     LoRA adapters at B = 0 on it): its log-probs of every pair are computed once before the first step, so no second
     copy is held. Returns the log [{"step", "heldout_accuracy", "heldout_loss", "train": [stats per step]}]; the
     model is trained in place, left in eval mode, and saved with its tokenizer at `out_dir` when one is given."""
-    import data
-    import engine
-    import lora
-    from lm import disable_dropout
-    disable_dropout(model, keep="lora_dropout")  # log π and log π_ref from one deterministic network
-    ref_w, ref_l = pair_logprobs(model, tokenizer, pairs)                                 # (N,), (N,) π_ref = π_SFT
+    # π_ref's log-probs of every pair, once, in eval mode (dropout does not act): π_ref = π_SFT, (N,) each
+    ref_w, ref_l = pair_logprobs(model, tokenizer, pairs)
     held_ref = pair_logprobs(model, tokenizer, heldout)
-    steps = max(1, int(cfg.dpo_epochs * len(pairs) / cfg.dpo_batch))
     encoded = data.encode_pairs(pairs, tokenizer)  # every pair encoded once: (query, chosen, rejected) ids
-    opt = torch.optim.AdamW(lora.trainable(model), lr=cfg.dpo_lr, weight_decay=0.0)
-    trained, opt = engine.wrap(model, opt, ds, cfg.dpo_lr)
-    device = next(model.parameters()).device
-    rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
-    log = []
-    batches = data.minibatches(encoded, cfg.dpo_batch, steps, seed, data.pair_batch_of_ids, tokenizer.pad_token_id,
-                               device, rank, world)  # seeded epochs: pair indices, then ids, attn, resp (2B, L)
+    # dropout off (log π and log π_ref from one deterministic network), AdamW, the engine, seeded epochs of pair
+    # batches: ids, attn, resp (2B, L), chosen first
+    stage = supervised_stage(model, encoded, cfg.dpo_epochs, cfg.dpo_batch, cfg.dpo_lr, seed, data.pair_batch_of_ids,
+                             tokenizer.pad_token_id, ds)
+    steps, log = stage.steps, []
     bar = (progress or (lambda r, *_: r))(range(steps + 1), "DPO")
     for step in bar:
         if step % cfg.dpo_eval_every == 0 or step == steps:  # held-out pairs: how often r̂_w > r̂_l
@@ -140,16 +123,16 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
             log.append({"step": step, "heldout_accuracy": stats["accuracy"], "heldout_loss": loss.item()})
         if step == steps:
             break
-        trained.train()
-        idx, ids, attn, resp = next(batches)                                                       # (2B, L)
+        stage.trained.train()
+        idx, ids, attn, resp = next(stage.batches)                                                       # (2B, L)
         B = len(idx)
-        logps = sequence_logprobs(trained, ids, attn, resp)                                        # (2B,)
+        logps = sequence_logprobs(stage.trained, ids, attn, resp)                                        # (2B,)
         loss, stats = dpo_loss(logps[:B], logps[B:], ref_w[idx].to(logps), ref_l[idx].to(logps), cfg.dpo_beta)
-        engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.dpo_lr))
-        engine.backward_step(trained, opt, loss, 1.0, "dpo", [])
-        log[-1].setdefault("train", []).append(engine.all_mean({"loss": loss.item(), **stats}, device))
+        engine.set_lr(stage.opt, engine.cosine_lr(step, steps, cfg.dpo_lr))
+        engine.backward_step(stage.trained, stage.opt, loss, 1.0, "dpo", [])
+        log[-1].setdefault("train", []).append(engine.all_mean({"loss": loss.item(), **stats}, stage.device))
     model.eval()
-    if out_dir is not None and rank == 0:  # LoRA: out_dir/adapter/ and the merged model
+    if out_dir is not None and stage.rank == 0:  # LoRA: out_dir/adapter/ and the merged model
         lora.save(model, out_dir, tokenizer)
     return log
 

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-import cli
-import data
-import lm
+from plumbing import cli
+from plumbing import data
+from plumbing import models
 import ppo_max
 import toy_world
-from monitor import progress
+from plumbing.monitor import progress
 from ppo_loss import kl_full, logprobs_from_logits
 
 # The paper's evaluation sampling (§ hyperparameters): top-p 0.9, temperature 0.8, repetition penalty 1.1.
@@ -498,7 +498,8 @@ def evaluate(argv) -> None:
             cli.fail(f"{flag} is missing: pass --run RUN_DIR, or --policy, --sft and --reward-model directories")
         if not Path(path, "config.json").is_file():  # a local directory: nothing is downloaded
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
-    from reward_model import ScalarHeadModel, not_a_reward_model, reward_model_kind
+    from plumbing.models import not_a_reward_model, reward_model_kind
+    from reward_model import ScalarHeadModel
     # a scorer without a trained head would score with a random one: refused as train.py refuses it (pipeline.py)
     for flag, path in (("--reward-model", a.reward_model), (f"--run {a.run}: judge_model", judge_dir)):
         if path and not Path(path, "config.json").is_file():  # only the judge is still unchecked here
@@ -507,8 +508,8 @@ def evaluate(argv) -> None:
             cli.fail(f"{flag} {not_a_reward_model(path)} (--random-head scores with one anyway)")
     prompt_items = data.load_prompts(a.prompts, with_source=True)  # a bad line: DataError naming file and line
     tok = data.load_tokenizer(a.policy)  # as train.py: no pad token (LLaMA, GPT-2) → pad = EOS; the masks know padding
-    policy = lm.causal_lm_class(a.policy).from_pretrained(a.policy).eval()
-    sft = lm.causal_lm_class(a.sft).from_pretrained(a.sft).eval()
+    policy = models.causal_lm_class(a.policy).from_pretrained(a.policy).eval()
+    sft = models.causal_lm_class(a.sft).from_pretrained(a.sft).eval()
     rm = ScalarHeadModel.from_pretrained(a.reward_model, require_head=not a.random_head).eval()
     # {"prompt"} lines, or the prompts of pairs, cut as in training (data.fit_example) to fit every model
     limits = model_limits(a.reward_model, rm.config)

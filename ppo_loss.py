@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,16 +83,23 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  all_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """(x − μ) / sqrt(σ² + eps) with μ, σ² over the real entries only (ddof = 0, see masked_var).
 
     shift_mean=False adds μ back (scale only), as in trl / lm-human-preference-details for rewards.
     eps = 1e-8 as in trl (the authors' code uses 1e-6); it only matters when σ² is tiny.
+    all_sum: a function that sums a tensor over the data-parallel ranks (engine.all_sum), so that μ and σ² are
+    those of every rank's real entries (REINFORCE++ whitens the whole batch); None: this process's entries.
     Masked entries are returned unchanged (output == input where mask == 0), so the zeros that
     compute_gae writes after the last real token stay zero; they never enter μ or σ².
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=False)
+    all_sum = all_sum or (lambda t: t)
+    m = mask.to(x.dtype)
+    x0 = torch.where(mask != 0, x, torch.zeros_like(x))
+    n = all_sum(m.sum()).clamp_min(1e-12)                            # Σ mask (of every rank)
+    mean = all_sum((x0 * m).sum()) / n                               # μ = Σ m·x / Σ m
+    var = all_sum(((x0 - mean) ** 2 * m).sum()) / n                  # σ² = Σ m (x − μ)² / Σ m
     whitened = (x - mean) * torch.rsqrt(var + eps)  # Â ← (Â − mean(Â)) / std(Â), per minibatch
     if not shift_mean:
         whitened = whitened + mean

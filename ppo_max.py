@@ -28,20 +28,21 @@ References:
       (the parallel merge of means and variances).
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (the KL-shaped reward, Eq. 3/19).
 """
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-# the recipe half (below the score half) builds on the two equation files, and steps its models through engine.py
-from cli import arg  # a dataclass field whose help text becomes `--help` (cli.py: the flags' plumbing)
+# the recipe half (below the score half) builds on the equation files; its models step through plumbing/engine.py
+# (one process or DeepSpeed) and its logged numbers are plumbing/monitor.py's
 import critic_free
-from engine import all_mean, all_sum, any_rank, backward_step, gather_batch, world_size
 from gae import compute_gae
-from data import position_ids_from_mask
-from ppo_loss import (aggregate, entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits, masked_mean,
+from plumbing.config import PPOConfig
+from plumbing.data import position_ids_from_mask
+from plumbing.engine import all_mean, all_sum, backward_step, gather_batch, set_lr, world_size
+from plumbing.monitor import check_finite, experience_stats, minibatch_stats, update_stats
+from reward_model import last_token_index
+from ppo_loss import (aggregate, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits,
                       masked_whiten, policy_loss, ptx_loss, value_loss)
 
 # ======================================================================================================
@@ -162,7 +163,7 @@ def shape_rewards(
     """
     check_shaping_inputs(scores, logprobs, ref_logprobs, mask, kl)  # a silent broadcast would corrupt Eq. 19
     B = mask.shape[0]
-    last = mask.sum(dim=1).long() - 1  # (B,) index of the last real response token
+    last = last_token_index(mask)  # (B,) index of the last real response token (reward_model.py)
     if kl is None:
         kl = logprobs - ref_logprobs  # (B, T) KL_t ≈ log π_RL(y_t) − log π_SFT(y_t)   (k1)
     non_score_reward = torch.where(mask != 0, -kl_coef * kl, 0.0)  # (B, T) −η KL_t   (Eq. 19), 0 at padding
@@ -195,107 +196,14 @@ def check_shaping_inputs(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
 
 # ====================================== end of the score half =========================================
 # =========================================================================================================
-# The recipe: configuration, presets, and the pieces of one PPO iteration (train.py runs the loop)
+# The recipe: the pieces of one PPO iteration (train.py runs the loop; plumbing/config.py holds PPOConfig, every
+# trick a field, and the presets)
 # =========================================================================================================
-
-
-@dataclass
-class PPOConfig:
-    """Every trick of the paper is a field; presets (below) are named sets of overrides. Defaults = PPO-max (§5.4)
-    at the synthetic world's scale. Field docs become `python train.py --help`."""
-    # --- sampling (rollouts) ---
-    rollout_batch: int = arg(64, "responses per PPO iteration ('sampling batch'; paper 128): prompts × --group-size",
-                             ">=1")
-    group_size: int = arg(1, "G: responses sampled per prompt, kept together (on one rank under DeepSpeed); the group "
-                             "estimators (grpo, dr-grpo, rloo, reinforce++-baseline) need G ≥ 2", ">=1")
-    minibatch: int = arg(16, "sequences per gradient step (paper 32)", ">=1")
-    ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)", ">=1")
-    max_new_tokens: int = arg(24, "response length cap T", ">=1")
-    temperature: float = arg(1.0, "rollout sampling temperature T: samples from π^(1/T), and the log-probs of the "
-                                  "ratio and the KL are those of π^(1/T) too (1 = π itself)", ">0")
-    # --- optimisation ---
-    policy_lr: float = arg(7e-5, "α for π_θ (paper 5e-7 at 7B); chosen with the synthetic world so that vanilla PPO "
-                                 "needs tens of steps to find the reward model's errors (docs/findings.md)", ">=0")
-    critic_lr: float = arg(5e-4, "α for V_φ (paper 1.65e-6 at 7B)", ">=0")
-    warmup_frac: float = arg(0.0, "linear LR warm-up fraction (paper 0.1; PPO-max replaces it by critic "
-                                  "pre-training)", "[0,1]")
-    grad_clip: float = arg(1.0, "global gradient-norm clip; 0 = off (Fig. 18)", ">=0")
-    # --- score reparameterisation (Fig. 6, 14) ---
-    reward_norm: bool = arg(True, "Eq. 18: normalise scores with running mean/std")
-    reward_clip: float = arg(5.0, "δ of Eq. 18 (clip after normalising); 0 = no clip", ">=0")
-    reward_scale: bool = arg(False, "reward scaling: r / running std (ablation)")
-    adv_norm: bool = arg(False, "whiten advantages per minibatch")
-    adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off", ">=0")
-    # --- policy constraints (Fig. 7, 15, 16) ---
-    kl_coef: float = arg(0.05, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
-                               "(Fig. 15)", ">=0")
-    kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full "
-                                  "(exact)", "k1|k2|k3|full")
-    kl_target: float = arg(0.0, "adaptive KL controller target, in nats PER TOKEN (kl/ref; Ziegler et al. 2019 "
-                                "state it per sequence: divide by the mean response length); 0 = fixed η", ">=0")
-    kl_horizon: int = arg(10000, "adaptive KL horizon (in sequences)", ">=1")
-    importance_sampling: bool = arg(False, "ratio against π_ref instead of π_old: the 'infinite buffer' of §5.3.2")
-    entropy_coef: float = arg(0.0, "entropy bonus weight (paper 0.01)", ">=0")
-    entropy_clip: float = arg(0.0, "the bonus stops acting above this mean entropy (Fig. 16); 0 = no clip", ">=0")
-    # --- the advantage estimator (gae.py: Eq. 9 with the critic; critic_free.py without one) ---
-    advantage: str = arg("gae", "advantage estimator: gae (Eq. 9, a critic V_φ) or, with no critic at all (none is "
-                                "built, pre-trained or checkpointed): grpo, dr-grpo (also sets --loss-agg "
-                                "seq-mean-token-sum-norm), rloo, reinforce++, reinforce++-baseline (docs/methods.md)",
-                         "gae|grpo|dr-grpo|rloo|reinforce++|reinforce++-baseline")
-    kl_in: str = arg("reward", "where the KL to π_SFT acts: 'reward' (Eq. 19: −η·KL_t in every r_t) or 'loss' "
-                               "(GRPO: + η·KL_t added to the policy loss; --kl-estimator k3 unless given: GRPO's, "
-                               "whose gradient is that of KL(π_SFT‖π); k2's is that of KL(π‖π_SFT))", "reward|loss")
-    # --- conventions of other implementations (docs/differences.md); the defaults are ours ---
-    loss_agg: str = arg("token-mean", "policy-loss aggregation (verl loss_agg_mode): token-mean (ours, OpenRLHF "
-                                      "token_level_loss, TRL bnpo) | seq-mean-token-mean (TRL grpo, OpenRLHF "
-                                      "--no-token_level_loss) | seq-mean-token-sum-norm (Dr. GRPO: Σ / (batch × "
-                                      "--max-new-tokens); TRL dr_grpo)",
-                        "token-mean|seq-mean-token-mean|seq-mean-token-sum-norm")
-    dual_clip: float = arg(0.0, "dual-clip PPO c > 1: for Â < 0 the objective is at least c·Â (verl clip_ratio_c, on "
-                                "by default there at 3; OpenRLHF --dual_clip); 0 = off", ">=0")
-    log_ratio_clamp: float = arg(0.0, "clamp log(π_θ/π_θold) to ±C before exp (OpenRLHF and verl: 20); 0 = off",
-                                 ">=0")
-    kl_clamp: float = arg(0.0, "clamp every sampled KL_t (k1, k2, k3) to ±C (OpenRLHF compute_approx_kl: 10 for every "
-                               "estimator; verl kl_penalty: 10 for k3 only); 0 = off", ">=0")
-    # --- PPO core (Eq. 15, 16) ---
-    clip_eps: float = arg(0.2, "ε of PPO-clip (Fig. 17)", ">=0")
-    value_clip: float = arg(0.2, "value-loss clip range; 0 = off", ">=0")
-    vf_coef: float = arg(1.0, "critic loss weight (critic has its own optimiser; kept for parity)", ">=0")
-    gamma: float = arg(1.0, "γ", "[0,1]")
-    lam: float = arg(0.9, "GAE λ (Fig. 19)", "[0,1]")
-    # --- ptx (Eq. 17) ---
-    ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off", ">=0")
-    ptx_batch: int = arg(16, "SFT sequences per ptx term", ">=1")
-    ptx_data: str = arg("pretrain", "D of Eq. 17: 'pretrain' (the synthetic world's pretraining text, responses "
-                                    "without prompts: the paper's D_pretrain; the default, set by the operating "
-                                    "point's rule in notebooks/claims.py) or 'sft' (the SFT demonstrations; on real "
-                                    "data the only one: --sft-data or --data)", "sft|pretrain")
-    # --- initialisation (Fig. 8) ---
-    critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); "
-                                         "0 = off", ">=0")
-    critic_init: str = arg("rm", "initialise the critic from the reward model ('rm') or the SFT model ('sft')",
-                           "rm|sft")
-    policy_init: str = arg("sft", "'sft' or 'pretrained' (the non-SFT LM; Fig. 8)", "sft|pretrained")
-
-
-# Presets: named overrides of PPOConfig, printed at start-up.
-PRESETS: dict[str, dict] = {
-    "ppo-max": {},
-    "vanilla": dict(reward_norm=False, reward_clip=0.0, kl_coef=0.0, critic_pretrain_steps=0, ptx_coef=0.0,
-                    value_clip=0.0, grad_clip=0.0),
-    # the settings of the scripts released with the paper (docs/differences.md): reward scaling by the running std
-    # (no centring, no clip), η = 0.01 (its English runs), no critic pre-training, no ptx, no advantage
-    # normalisation, and one optimizer step per rollout batch (its per-GPU batches of 2: the ratio is 1, the clip
-    # never binds)
-    "moss-release": dict(reward_norm=False, reward_clip=0.0, reward_scale=True, kl_coef=0.01, critic_pretrain_steps=0,
-                         ptx_coef=0.0, adv_norm=False, minibatch=64, ppo_epochs=1),
-}
-
-
-def apply_preset(name: str, **overrides) -> PPOConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return dataclasses.replace(PPOConfig(), **{**PRESETS[name], **overrides})
+def warmup(step: int, steps: int, warmup_frac: float) -> float:
+    """Step (0): the learning rates' scale at PPO step `step` of `steps`, a linear warm-up over the first
+    ⌈warmup_frac·steps⌉ steps (the paper: 10 %; PPO-max replaces it by critic pre-training, warmup_frac 0), then 1."""
+    warmup_steps = math.ceil(warmup_frac * steps)
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
 
 
 class AdaptiveKLController:
@@ -333,24 +241,26 @@ def critic_values(critic, query, query_mask, response, response_mask) -> torch.T
     return values[:, P - 1:-1].float()                                                         # (B, T)
 
 
-@torch.no_grad()
 def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
             top_p: float = 1.0, repetition_penalty: float = 1.0):
-    """Step 1: sample responses with the KV cache, stopping at EOS. Returns response (B, T), response_mask (B, T),
-    finished (B,) — T ≤ max_new_tokens; the mask covers every token up to and including the first EOS.
-    Sampling draws from softmax(logits / temperature) over the whole vocabulary (top_p and repetition_penalty as
-    given, 1.0: off), whatever the model's generation_config.json says: its own settings (no_repeat_ngram_size,
-    min_new_tokens, typical_p, forced_eos_token_id, ...) are set aside for the call, so the log-probs of steps (4)
-    and (6) are those of the distribution that was sampled."""
+    """Step 1: sample responses with the KV cache, stopping at EOS, the policy in eval mode (it stays in it).
+    Returns response (B, T), response_mask (B, T), finished (B,) — T ≤ max_new_tokens; the mask covers every token
+    up to and including the first EOS. Sampling draws from softmax(logits / temperature) over the whole vocabulary
+    (top_p and repetition_penalty as given, 1.0: off), whatever the model's generation_config.json says: its own
+    settings (no_repeat_ngram_size, min_new_tokens, typical_p, forced_eos_token_id, ...) are set aside for the call,
+    so the log-probs of steps (4) and (6) are those of the distribution that was sampled."""
     from transformers import GenerationConfig
+    policy.eval()
     hf = [mod for mod in policy.modules() if isinstance(vars(mod).get("generation_config"), GenerationConfig)]
     saved = [mod.generation_config for mod in hf]
     for mod in hf:
         mod.generation_config = GenerationConfig()  # the library's defaults; the call's arguments set the rest
     try:
-        seq = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
-                              temperature=temperature, repetition_penalty=repetition_penalty,
-                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+        with torch.no_grad():
+            seq = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
+                                  temperature=temperature, repetition_penalty=repetition_penalty,
+                                  max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                                  use_cache=True)
     finally:
         for mod, config in zip(hf, saved):
             mod.generation_config = config
@@ -364,7 +274,6 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
     return response, response_mask, finished
 
 
-@torch.no_grad()
 def make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
                     moments: "RunningMoments", cfg: PPOConfig, kl_coef: float) -> dict:
     """Steps (2)-(5) of a PPO iteration on one rollout batch, computed once, without grad. Returns the batch's
@@ -372,60 +281,66 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     (the logged numbers) and "nonfinite" (None, or the name of the first NaN/inf value: the update is then skipped).
     With W data-parallel ranks "all_scores" (W·B,) is every rank's scores, so Eq. 18's moments see them all.
     With a critic-free --advantage, `critic` is None and "values" too: step (5) is critic_free.advantages."""
-    mask = response_mask                                                               # (B, T)
-    full_ids = torch.cat([query, response], 1)                                         # (B, L)
-    full_mask = torch.cat([query_mask, response_mask], 1)                              # (B, L)
-    # (2) score: the reward model reads the last real token of prompt + response
-    scores = reward_model.score(full_ids, full_mask).float()                           # (B,)
-    all_scores = gather_batch(scores, cfg.group_size)  # (W·B,) every rank's scores (W = 1: scores itself)
-    if bad := check_finite({"reward/score": all_scores}):  # before Eq. 18: one NaN would poison the moments for good
-        return {"nonfinite": bad, "scores": scores, "all_scores": all_scores, "stats": {}}
-    # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
-    if cfg.reward_norm or cfg.reward_scale:
-        moments.update(all_scores)
-    if cfg.reward_norm:
-        rewards_seq = normalize_and_clip_rewards(scores, moments, cfg.reward_clip or None)  # (B,)
-    elif cfg.reward_scale:
-        rewards_seq = scale_rewards(scores, moments)
-    else:
-        rewards_seq = scores
-    # (4) token-level KL penalty against the frozen SFT reference (Eq. 19); with --kl-in loss it acts in step (6)
-    logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
-    ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
-    logprobs = logprobs_from_logits(logits, response)                                  # (B, T)
-    ref_logprobs = logprobs_from_logits(ref_logits, response)                          # (B, T)
-    kl_exact = kl_full(logits, ref_logits)                                             # (B, T)
-    if cfg.kl_estimator == "full":
-        kl_pen = kl_exact
-    else:
-        kl_pen = sampled_kl(logprobs, ref_logprobs, cfg)
-    eta = kl_coef if cfg.kl_in == "reward" else 0.0                                    # η of Eq. 19
-    rewards = shape_rewards(rewards_seq, logprobs, ref_logprobs, mask, eta, kl=kl_pen)  # (B, T)
-    # (5) advantages: values and GAE (Eq. 9), returns = advantages + values the critic's targets (Eq. 16);
-    #     or without a critic, from the group of G responses per prompt or the batch (critic_free.py)
-    if cfg.advantage == "gae":
-        values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
-        advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    else:
-        values = None
-        advantages, returns = critic_free.advantages(cfg.advantage, rewards, mask, cfg.group_size, cfg.gamma,
-                                                     all_sum)  # (B, T), (B, T)
-    exp = {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
-           "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
-           "scores": scores, "all_scores": all_scores, "kl_coef": kl_coef, "nonfinite": None}
-    # the guard (every rank skips together) and the logged numbers; neither changes the batch
-    if bad := check_finite({"logprobs": logprobs, "values": values, "advantages": advantages}):
-        return {**exp, "nonfinite": bad, "stats": {}}
-    exp["stats"] = experience_stats(exp, logits, kl_exact, rewards_seq, rewards)
-    return exp
+    with torch.no_grad():  # targets and baselines: nothing here is differentiated
+        mask = response_mask                                                           # (B, T)
+        full_ids = torch.cat([query, response], 1)                                     # (B, L)
+        full_mask = torch.cat([query_mask, response_mask], 1)                          # (B, L)
+        # (2) score: the reward model reads the last real token of prompt + response
+        scores = reward_model.score(full_ids, full_mask).float()                       # (B,)
+        all_scores = gather_batch(scores, cfg.group_size)  # (W·B,) every rank's scores (W = 1: scores itself)
+        if bad := check_finite({"reward/score": all_scores}):  # before Eq. 18: one NaN would poison the moments
+            return {"nonfinite": bad, "scores": scores, "all_scores": all_scores, "stats": {}}
+        # (3) reward normalisation and clipping with historical moments (Eq. 18), or scaling (ablation)
+        if cfg.reward_norm or cfg.reward_scale:
+            moments.update(all_scores)
+        if cfg.reward_norm:
+            rewards_seq = normalize_and_clip_rewards(scores, moments, cfg.reward_clip or None)  # (B,)
+        elif cfg.reward_scale:
+            rewards_seq = scale_rewards(scores, moments)
+        else:
+            rewards_seq = scores
+        # (4) token-level KL penalty against the frozen SFT reference (Eq. 19); with --kl-in loss it acts in (6)
+        logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
+        ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
+        logprobs = logprobs_from_logits(logits, response)                              # (B, T)
+        ref_logprobs = logprobs_from_logits(ref_logits, response)                      # (B, T)
+        kl_exact = kl_full(logits, ref_logits)                                         # (B, T)
+        kl_pen = kl_exact if cfg.kl_estimator == "full" else sampled_kl(logprobs, ref_logprobs, cfg)   # (B, T)
+        eta = kl_coef if cfg.kl_in == "reward" else 0.0                                # η of Eq. 19
+        rewards = shape_rewards(rewards_seq, logprobs, ref_logprobs, mask, eta, kl=kl_pen)  # (B, T)
+        # (5) advantages: values and GAE (Eq. 9), returns = advantages + values the critic's targets (Eq. 16);
+        #     or without a critic, from the group of G responses per prompt or the batch (critic_free.py)
+        if cfg.advantage == "gae":
+            values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
+            advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
+        else:
+            values = None
+            advantages, returns = critic_free.advantages(cfg.advantage, rewards, mask, cfg.group_size, cfg.gamma,
+                                                         all_sum)  # (B, T), (B, T)
+        exp = {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
+               "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
+               "scores": scores, "all_scores": all_scores, "kl_coef": kl_coef, "nonfinite": None}
+        # the guard (every rank skips together) and the logged numbers; neither changes the batch
+        if bad := check_finite({"logprobs": logprobs, "values": values, "advantages": advantages}):
+            return {**exp, "nonfinite": bad, "stats": {}}
+        exp["stats"] = experience_stats(exp, logits, kl_exact, rewards_seq, rewards)
+        return exp
 
 
-def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig, ptx_batch) -> dict:
-    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches. Returns the mean stats.
+def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig, ptx_batch,
+               lr_scale: float | None = None) -> dict:
+    """Step (6): `ppo_epochs` passes over the rollout batch in shuffled minibatches, the models in train mode, the
+    learning rates at lr_scale × --policy-lr / --critic-lr (step (0)'s warm-up; None: as the optimizers hold them).
+    Returns the mean stats.
 
     With W data-parallel ranks each rank holds B = rollout_batch / W sequences and takes minibatch / W of them per
     step; the engines average the gradients, so each optimizer step still sees `minibatch` sequences."""
     B = exp["response"].shape[0]
+    for model, opt, lr in ((policy, policy_opt, cfg.policy_lr), (critic, critic_opt, cfg.critic_lr)):
+        if model is not None:  # no critic with a critic-free --advantage
+            model.train()
+            if lr_scale is not None:
+                set_lr(opt, lr * lr_scale)
     # the ratio's denominator: π_θold (PPO) or, with importance sampling against the reference, π_SFT
     old_logprobs = exp["ref_logprobs"] if cfg.importance_sampling else exp["logprobs"]
     stats, nonfinite = [], []   # per-minibatch numbers to log; names of non-finite losses/norms (steps skipped)
@@ -461,11 +376,22 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
             # critic: value loss (Eq. 16), clipped around the rollout's values (none without a critic)
             vf_loss = None
             if critic is not None:
-                values = critic_values(critic, q, qm, r, m)                             # (b, T)
-                vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], m, cfg.value_clip or None)
-                backward_step(critic, critic_opt, cfg.vf_coef * vf_loss, cfg.grad_clip, "critic", nonfinite)
+                vf_loss = critic_step(critic, critic_opt, exp, idx, cfg.value_clip or None, cfg.vf_coef,
+                                      cfg.grad_clip, nonfinite)
             stats.append(minibatch_stats(pg_loss, vf_loss, ptx, kl_loss, pg_stats, grad_norm, cfg))
     return update_stats(stats, nonfinite, exp["scores"].device)
+
+
+def critic_step(critic, critic_opt, exp: dict, idx: Tensor, value_clip: float | None, vf_coef: float,
+                grad_clip: float, nonfinite: list[str]) -> Tensor:
+    """One optimizer step of the critic on the minibatch `idx` of a rollout batch: Eq. 16's value loss against the
+    returns, clipped to ±value_clip around the rollout's values (None: unclipped), weighted by vf_coef. Returns
+    the loss. Step (6) and critic pre-training (§5.3.3) both take it."""
+    q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx], exp["mask"][idx]
+    values = critic_values(critic, q, qm, r, m)                                         # (b, T)
+    vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], m, value_clip)
+    backward_step(critic, critic_opt, vf_coef * vf_loss, grad_clip, "critic", nonfinite)
+    return vf_loss
 
 
 def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prompt_batch, cfg: PPOConfig,
@@ -486,10 +412,7 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
         losses = []
         for _ in range(cfg.ppo_epochs):
             for idx in torch.randperm(len(response)).split(cfg.minibatch // world_size()):
-                values = critic_values(critic, exp["query"][idx], exp["query_mask"][idx], exp["response"][idx],
-                                       exp["mask"][idx])
-                vf_loss, _ = value_loss(values, exp["values"][idx], exp["returns"][idx], exp["mask"][idx], None)
-                backward_step(critic, critic_opt, vf_loss, cfg.grad_clip, "critic", [])
+                vf_loss = critic_step(critic, critic_opt, exp, idx, None, 1.0, cfg.grad_clip, [])  # Eq. 16
                 losses.append(vf_loss.item())
         # averaged over the ranks, so that every rank takes the same early-stopping decision below
         log.append({"round": it, **all_mean({"loss/vf": sum(losses) / len(losses), "loss/vf_first": losses[0]},
@@ -501,11 +424,10 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing of the recipe (skip on a first reading): the non-finite check every rank agrees on, and the logged
-# numbers of steps (2)-(6). Nothing here changes what is trained.
+# The penalty's estimator and the peers' conventions, as the flags set them
 # ---------------------------------------------------------------------------------------------------------
 def sampled_kl(logprobs: Tensor, ref_logprobs: Tensor, cfg: PPOConfig) -> Tensor:
-    """KL_t by --kl-estimator (k1/k2/k3 of ppo_loss.kl_sampled), clamped to ±--kl-clamp as OpenRLHF does; (B, T)."""
+    """KL_t by --kl-estimator (k1/k2/k3 of ppo_loss.kl_sampled), clamped to ±--kl-clamp when set; (B, T)."""
     kl = kl_sampled(logprobs, ref_logprobs, cfg.kl_estimator)                          # (B, T)
     return kl.clamp(-cfg.kl_clamp, cfg.kl_clamp) if cfg.kl_clamp else kl
 
@@ -514,63 +436,6 @@ def loss_conventions(cfg: PPOConfig) -> dict:
     """policy_loss's keyword arguments for the peers' conventions (--dual-clip, --log-ratio-clamp, --loss-agg)."""
     return dict(dual_clip=cfg.dual_clip or None, log_ratio_clamp=cfg.log_ratio_clamp or None, agg=cfg.loss_agg,
                 max_len=cfg.max_new_tokens)
-
-
-def check_finite(named: dict[str, Tensor | None]) -> str | None:
-    """The name of the first tensor holding a NaN/inf (None when all are finite; None entries are skipped), the same
-    on every rank: a rank that skipped an update alone would deadlock the others ("on another rank" where only
-    another one saw it)."""
-    named = {k: x for k, x in named.items() if x is not None}
-    device = next(iter(named.values())).device
-    bad = next((name for name, x in named.items() if not torch.isfinite(x).all()), None)
-    return (bad or "on another rank") if any_rank(bad is not None, device) else None
-
-
-@torch.no_grad()
-def experience_stats(exp: dict, logits: Tensor, kl_exact: Tensor, rewards_seq: Tensor, rewards: Tensor) -> dict:
-    """metrics.jsonl's numbers of steps (2)-(5) (docs/metrics.md defines each), averaged over the ranks."""
-    mask, all_scores, advantages = exp["mask"], exp["all_scores"], exp["advantages"]
-    stats = {
-        "reward/score": all_scores.mean().item(),
-        "reward/score_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
-        "reward/normalized": rewards_seq.mean().item(),
-        "reward/total": (rewards * mask).sum(1).mean().item(),
-        "kl/ref": masked_mean(kl_exact, mask).item(),
-        "kl/ref_k1": masked_mean(exp["logprobs"] - exp["ref_logprobs"], mask).item(),
-        "kl/ref_seq": (kl_exact * mask).sum(1).mean().item(),
-        "policy/perplexity": math.exp(-masked_mean(exp["logprobs"], mask).item()),
-        "policy/entropy": masked_mean(entropy(logits), mask).item(),
-        "response/length": mask.sum(1).mean().item(),
-        "adv/mean": masked_mean(advantages, mask).item(),
-        "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),
-        "returns/mean": masked_mean(exp["returns"], mask).item(),
-    }
-    if exp["values"] is not None:  # a critic-free estimator has no values
-        stats["values/mean"] = masked_mean(exp["values"], mask).item()
-    return all_mean(stats, mask.device)
-
-
-def minibatch_stats(pg_loss, vf_loss, ptx, kl_loss, pg_stats: dict, grad_norm, cfg: PPOConfig) -> dict:
-    """Step (6)'s numbers of one minibatch; loss/vf only with a critic, loss/kl only with --kl-in loss."""
-    stats = {"loss/pg": pg_loss.item(), **({"loss/vf": vf_loss.item()} if vf_loss is not None else {}),
-             "loss/ptx": ptx.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
-             "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}
-    if cfg.kl_in == "loss":
-        stats["loss/kl"] = kl_loss.item()
-    if "dual_clipfrac" in pg_stats:
-        stats["ppo/dual_clipfrac"] = pg_stats["dual_clipfrac"]
-    return stats  # the same numbers on every rank (the KL controller and the logs read them)
-
-
-def update_stats(per_minibatch: list[dict], nonfinite: list[str], device) -> dict:
-    """Step (6)'s logged numbers: each averaged over the minibatches and over the ranks, the count of skipped
-    optimizer steps, and "guard/nonfinite" (what was NaN/inf, on any rank) when there were some."""
-    stats = {k: sum(s[k] for s in per_minibatch) / len(per_minibatch) for k in per_minibatch[0]}
-    stats["guard/skipped_updates"] = float(len(nonfinite))
-    stats = all_mean(stats, device)
-    if any_rank(bool(nonfinite), device):
-        return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
-    return stats
 
 
 if __name__ == "__main__":

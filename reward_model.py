@@ -128,23 +128,17 @@ import inspect
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
-from transformers import AutoModelForCausalLM
 
-import data
-import engine
-import lora
-from cli import arg
-from monitor import progress
-from data import position_ids_from_mask
-from lm import causal_lm_class, disable_dropout, gradient_checkpointing
-
-VALUE_HEAD_WEIGHTS = "value_head.safetensors"
-VALUE_HEAD_CONFIG = "value_head.json"
-
+from plumbing import data, engine, lora
+from plumbing.config import RMConfig
+from plumbing.data import position_ids_from_mask
+from plumbing.models import (VALUE_HEAD_CONFIG, VALUE_HEAD_WEIGHTS, backbones, gradient_checkpointing, head_width,
+                             load_scalar_head_model)
+from plumbing.engine import supervised_stage
+from plumbing.monitor import progress
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last position where attention_mask == 1, per row: (B, L) -> (B,).
@@ -179,63 +173,6 @@ def score_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
     return torch.where(read.any(dim=-1), last, first_real)
 
 
-def head_width(lm) -> int:
-    """H of the hidden state the backbone hands the LM head, which the value head reads too: the text config's hidden
-    size (composite configs such as Gemma 3's keep it in text_config) where the output embeddings read that width or
-    are not a Linear; else measured (measured_width), since a head can read another width for either of two
-    reasons: OPT-350m's backbone projects its 1024-wide states to 512 before the head, Electra's head transforms its
-    64-wide states to 128 itself."""
-    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
-    hidden = hf.config.get_text_config().hidden_size
-    width = getattr(hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None, "in_features", None)
-    return hidden if not isinstance(width, int) or width == hidden else measured_width(lm) or hidden
-
-
-def measured_width(lm) -> int | None:
-    """The width of the backbone's output on one token (no gradient, eval mode, torch's RNG left where it was);
-    None if no backbone runs."""
-    caught: dict[int, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda m, args, out, i=i: caught.__setitem__(
-        i, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])) for i, m in enumerate(backbones(lm))]
-    training = lm.training
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            ids = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
-            lm.eval()(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except Exception:  # noqa: BLE001 - an architecture that cannot run one token alone: the config's width then
-        return None
-    finally:
-        for hook in hooks:
-            hook.remove()
-        lm.train(training)
-    return caught[min(caught)].shape[-1] if caught else None
-
-
-def backbones(lm) -> list[torch.nn.Module]:
-    """The modules whose output the causal LM may hand its LM head, outermost first: its base model
-    (LlamaForCausalLM.model, GPT2LMHeadModel.transformer, Gemma3ForConditionalGeneration.model) and its decoder (what
-    OPTForCausalLM calls instead, OPTModel.decoder), through a peft wrapper too; none where transformers names none."""
-    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft.PeftModel → the Hugging Face model
-    found = [getattr(hf, "base_model", None), hf.get_decoder() if hasattr(hf, "get_decoder") else None]
-    return [m for i, m in enumerate(found) if isinstance(m, torch.nn.Module) and m is not hf and m not in found[:i]]
-
-
-def reward_model_kind(path: str | os.PathLike) -> str | None:
-    """"scalar-head" (ours: value_head.safetensors), "sequence-classification" (transformers' format), or None (no
-    reward head: a plain causal LM, whose head would be random). Reads file names and config.json only."""
-    path = Path(path)
-    if (path / VALUE_HEAD_WEIGHTS).is_file():
-        return "scalar-head"
-    try:
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return None
-    return "sequence-classification" if any(a.endswith("ForSequenceClassification") for a in architectures) else None
-
-
-def not_a_reward_model(path) -> str:
-    return (f"{path}: not a reward model: no {VALUE_HEAD_WEIGHTS} (ScalarHeadModel.save_pretrained) and not an "
-            f"AutoModelForSequenceClassification (config.json's architectures); it would get a random head")
 
 
 class ScalarHeadModel(torch.nn.Module):
@@ -269,6 +206,9 @@ class ScalarHeadModel(torch.nn.Module):
         self.head = head.to(device=lm.device, dtype=lm.dtype)
         # Most HF causal LMs take `logits_to_keep`: with it we skip the (B, L, V) logits when nobody asked for them.
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(lm.forward).parameters
+        # The modules whose output the LM head reads (the outermost first; plumbing/models.py finds them for each
+        # architecture), in a tuple so that they are not registered a second time as this module's children
+        self._backbones = tuple(backbones(lm))
 
     @property
     def config(self):
@@ -279,8 +219,10 @@ class ScalarHeadModel(torch.nn.Module):
         renamed this `activation_checkpointing_enable`; use that name where it exists."""
         gradient_checkpointing(self.lm)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_logits: bool = False):
-        """Values (B, L): the head on the last hidden layer at every position; and the LM logits (B, L, V) if asked.
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_logits: bool = False,
+                score: bool = False):
+        """Values (B, L): the head on the last hidden layer at every position, V(s_t); with score=True the value read
+        at the last real token of each sequence, r(x, y) (B,) (score()); and the LM logits (B, L, V) if asked.
 
         One backbone pass serves both. Position ids are derived from the mask (HF Llama does not do this by
         itself): the first real token gets position 0 wherever the padding is, so a padded sequence sees the
@@ -289,13 +231,12 @@ class ScalarHeadModel(torch.nn.Module):
         position_ids = position_ids_from_mask(attention_mask)  # (B, L)  0, 1, … from the first real token
         extra = {} if return_logits or not self._has_logits_to_keep else {"logits_to_keep": 1}
         # The hidden state the LM head reads: the backbone's last_hidden_state (after the final norm), caught on its
-        # way out. hidden_states[-1] is not that everywhere: Gemma 3n's is its last layer's 4 AltUp streams, before
-        # they are merged and normed. Where no backbone is named or called, hidden_states[-1] after all.
+        # way out; where no backbone is named or called, hidden_states[-1] after all.
         kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         caught: dict[int, torch.Tensor] = {}
         hooks = [m.register_forward_hook(lambda m, args, out, i=i: caught.__setitem__(
             i, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
-            for i, m in enumerate(backbones(self.lm))]
+            for i, m in enumerate(self._backbones)]
         try:
             out = self.lm(**kw, output_hidden_states=not hooks, **extra)
         finally:
@@ -308,16 +249,16 @@ class ScalarHeadModel(torch.nn.Module):
             raise ValueError(f"ScalarHeadModel: {type(self.lm).__name__}'s last hidden state is "
                              f"{tuple(hidden.shape)}, not (B, L, H) = {(*input_ids.shape, self.head.in_features)}")
         values = self.head(hidden).squeeze(-1)                    # (B, L)     V(s_t)
+        if score:  # r(x, y): the last real token; a sequence-classification reward model's: where transformers reads
+            idx = last_token_index(attention_mask) if self.score_pad_id is None else \
+                score_index(input_ids, attention_mask, self.score_pad_id)    # (B,)
+            values = values.gather(1, idx[:, None]).squeeze(1)             # (B,)
         return (values, out.logits) if return_logits else values  # logits (B, L, V)
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_logits: bool = False):
         """r(x, y) (B,): the value at the last real token of each sequence (and the LM logits if asked); for a
         sequence-classification reward model, at the token transformers reads (score_index)."""
-        out = self.forward(input_ids, attention_mask, return_logits=return_logits)
-        values, logits = out if return_logits else (out, None)  # (B, L), (B, L, V) or None
-        idx = score_index(input_ids, attention_mask, self.score_pad_id)  # (B,)
-        scores = values.gather(1, idx[:, None]).squeeze(1)        # (B,)  r(x, y) read at the last real token
-        return (scores, logits) if return_logits else scores
+        return self(input_ids, attention_mask, return_logits=return_logits, score=True)
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> None:
         """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files are the caller's)
@@ -340,89 +281,16 @@ class ScalarHeadModel(torch.nn.Module):
         (out_dir / VALUE_HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, torch_dtype: torch.dtype | None = None,
-                        seed: int | None = 0, require_head: bool = False,
-                        quantization: dict | None = None) -> "ScalarHeadModel":
-        """Load from a local Hugging Face directory: the LM, and the head from value_head.safetensors.
-
-        A reward model saved by other libraries as AutoModelForSequenceClassification (num_labels = 1) loads with its
-        own score head (weight copied, bias 0 where it has none) on the same backbone, and score() reads it where
-        transformers does (score_index: the last real token that is not config.pad_token_id, so before a final EOS
-        that is also the pad id): its scores equal transformers' own forward on each sequence, whatever the padding
-        (tested to 1e-5). Without either head (a reward model or critic initialised from an
-        SFT directory) the head is fresh: N(0, 1/(H+1)) weights, zero bias, drawn with `seed` (None: torch's global
-        RNG); with require_head=True (a --reward-model) that is a ValueError instead, never a random head.
-        `torch_dtype` is passed to transformers as `dtype`, `quantization` (lora.quantization: 8-/4-bit frozen
-        weights) as it is; the head takes the LM's dtype and device.
-        Only local directories are accepted (no Hub download, no remote code).
-        """
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"ScalarHeadModel.from_pretrained: {str(path)!r} is not a directory; expected a "
-                                    f"local Hugging Face model directory (config.json + *.safetensors)")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"ScalarHeadModel.from_pretrained: no config.json in {str(path)!r}; expected a "
-                                    f"directory written by save_pretrained()")
-        kwargs = {**({} if torch_dtype is None else {"dtype": torch_dtype}), **(quantization or {})}
-        head_file = path / VALUE_HEAD_WEIGHTS
-        kind = reward_model_kind(path)
-        if kind == "sequence-classification":
-            return cls._from_sequence_classification(path, kwargs)
-        if kind is None and require_head:
-            raise ValueError(not_a_reward_model(path))
-        lm = causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kwargs)
-        hidden = head_width(lm)
-        if not head_file.is_file():
-            return cls(lm, head=None, seed=seed)
-        state = safetensors.torch.load_file(str(head_file))
-        if set(state) != {"weight", "bias"} or tuple(state["weight"].shape) != (1, hidden):
-            raise ValueError(f"ScalarHeadModel.from_pretrained: {str(head_file)!r} holds "
-                             f"{ {k: tuple(v.shape) for k, v in state.items()} }; expected weight (1, {hidden}) "
-                             f"and bias (1,) for the model's hidden size {hidden}")
-        head = torch.nn.Linear(hidden, 1)
-        head.load_state_dict(state)
-        meta = path / VALUE_HEAD_CONFIG  # a sequence-classification RM saved here keeps where it reads its score
-        pad_id = json.loads(meta.read_text()).get("score_pad_id") if meta.is_file() else None
-        return cls(lm, head=head, score_pad_id=pad_id)
-
-    @classmethod
-    def _from_sequence_classification(cls, path: Path, kwargs: dict) -> "ScalarHeadModel":
-        """An AutoModelForSequenceClassification reward model: its backbone inside a causal LM of the same
-        architecture (the LM head is unused by score() and forward(); Eq. 2 would need one), its score head here."""
-        from transformers import AutoModelForSequenceClassification
-        seq = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False, **kwargs)
-        if seq.config.num_labels != 1:
-            raise ValueError(f"{path}: a sequence-classification model with num_labels = {seq.config.num_labels}; a "
-                             f"reward model has one output (num_labels = 1)")
-        score = next(m for name, m in seq.named_children() if name in ("score", "classifier", "v_head"))
-        lm = AutoModelForCausalLM.from_config(seq.config, **kwargs)
-        lm.base_model.load_state_dict(seq.base_model.state_dict())
-        head = torch.nn.Linear(lm.config.hidden_size, 1)
-        with torch.no_grad():
-            head.weight.copy_(score.weight.float())
-            head.bias.copy_(score.bias.float() if getattr(score, "bias", None) is not None else torch.zeros(1))
-        return cls(lm.to(seq.dtype), head=head, score_pad_id=seq.config.get_text_config().pad_token_id)
-
+    def from_pretrained(cls, path: str | os.PathLike, torch_dtype: torch.dtype | None = None, seed: int | None = 0,
+                        require_head: bool = False, quantization: dict | None = None) -> "ScalarHeadModel":
+        """Load a local Hugging Face directory: ours (value_head.safetensors beside the LM), transformers'
+        AutoModelForSequenceClassification (its score head on the same backbone), or a plain causal LM (a fresh head
+        drawn with `seed`; with require_head=True a ValueError instead). plumbing/models.load_scalar_head_model."""
+        return load_scalar_head_model(cls, path, torch_dtype, seed, require_head, quantization)
 
 # ------------------------------------------------------------------------------------------------------
 # Stage 2: train the reward model with Eq. 2, from the SFT model with a fresh scalar head
 # ------------------------------------------------------------------------------------------------------
-@dataclass
-class RMConfig:
-    rm_epochs: float = arg(2.0, "epochs over the training preference pairs (paper ~1.06)", ">0")
-    rm_lr: float = arg(1e-3, "reward-model learning rate (paper 5e-6 at 7B)", ">0")
-    rm_batch: int = arg(32, "pairs per step", ">=1")
-    rm_lm_coef: float = arg(1.0, "β_rm of Eq. 2: weight of the LM loss on the chosen response (paper 1)", ">=0")
-    rm_eval_every: int = arg(10, "steps between held-out accuracy evaluations (Fig. 3)", ">=1")
-    # the proxy's own size and data, for the over-optimisation curve (Gao et al. 2022): the synthetic world and --data
-    rm_hidden: int = arg(0, "hidden size of the reward model (its backbone is then an LM of that size trained like "
-                            "stage 1 on the same demonstrations); 0 = the SFT model's, as the paper", ">=0")
-    rm_layers: int = arg(0, "layers of the reward model's own backbone (with --rm-hidden); 0 = the SFT model's", ">=0")
-    rm_pairs: int = arg(0, "train the reward model (and DPO) on the first N training pairs only; 0 = all", ">=0")
-
-
-
-
 def score_pairs(rm: ScalarHeadModel, tokenizer, rows: list[dict], batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """r(x, y_w) (N,) and r(x, y_l) (N,) of {"prompt", "chosen", "rejected"} rows."""
     return score_encoded_pairs(rm, data.encode_pairs(rows, tokenizer), tokenizer.pad_token_id, batch)
@@ -458,37 +326,31 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
     global gradient clip 1.0; held-out pairwise accuracy every cfg.rm_eval_every steps and at the end (Fig. 3).
     Returns the log [{"step", "heldout_accuracy", "train": [stats per step]}]; `rm` is trained in place and saved
     with its tokenizer at `out_dir` when one is given."""
-    steps = max(1, int(cfg.rm_epochs * len(train_rows) / cfg.rm_batch))
     train_ids, heldout_ids = data.encode_pairs(train_rows, tokenizer), data.encode_pairs(heldout_rows, tokenizer)
-    disable_dropout(rm, keep="lora_dropout")  # chosen and rejected scored by one deterministic network (as in PPO)
-    opt = torch.optim.AdamW(lora.trainable(rm), lr=cfg.rm_lr, weight_decay=0.0)  # LoRA: adapters and head only
-    trained, opt = engine.wrap(rm, opt, ds, cfg.rm_lr)
-    device = next(rm.parameters()).device
-    rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
+    # dropout off (chosen and rejected scored by one deterministic network, as in PPO), AdamW on what trains (under
+    # LoRA: adapters and head), the engine, seeded epochs of pair batches: ids, attn, resp (2B, L), chosen first
+    stage = supervised_stage(rm, train_ids, cfg.rm_epochs, cfg.rm_batch, cfg.rm_lr, seed, data.pair_batch_of_ids,
+                             tokenizer.pad_token_id, ds)
     log = []
-    batches = data.minibatches(train_ids, cfg.rm_batch, steps, seed, data.pair_batch_of_ids, tokenizer.pad_token_id,
-                               device, rank, world)  # seeded epochs: pair indices, then ids, attn, resp (2B, L)
-    for step in (bar := progress(range(steps + 1), "2. reward model", leave=False, disable=rank != 0)):
-        if step % cfg.rm_eval_every == 0 or step == steps:   # Fig. 3: held-out accuracy vs step
+    for step in (bar := progress(range(stage.steps + 1), "2. reward model", leave=False, disable=stage.rank != 0)):
+        if step % cfg.rm_eval_every == 0 or step == stage.steps:   # Fig. 3: held-out accuracy vs step
             rm.eval()
             rc, rr = score_encoded_pairs(rm, heldout_ids, tokenizer.pad_token_id, batch=EVAL_PAIRS)
             log.append({"step": step, "heldout_accuracy": accuracy(rc, rr)})
             bar.set_postfix(acc=f"{log[-1]['heldout_accuracy']:.3f}", refresh=False)
-        if step == steps:
+        if step == stage.steps:
             break
-        trained.train()
-        idx, ids, attn, resp = next(batches)                                        # chosen rows, then rejected
+        stage.trained.train()
+        idx, ids, attn, resp = next(stage.batches)                                  # chosen rows, then rejected
         B = len(idx)
-        values, logits = trained(ids, attn, return_logits=True)                      # (2B, L), (2B, L, V)
-        idx = score_index(ids, attn, rm.score_pad_id)                                # (2B,)  the last real token
-        scores = values.gather(1, idx[:, None]).squeeze(1)                           # (2B,)  r(x, y)
+        scores, logits = stage.trained(ids, attn, return_logits=True, score=True)   # (2B,) r(x, y), (2B, L, V)
         loss, stats = reward_model_loss(scores[:B], scores[B:], logits[:B], ids[:B], resp[:B],
                                         lam=1.0, beta_rm=cfg.rm_lm_coef)             # Eq. 2
-        engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.rm_lr))
-        engine.backward_step(trained, opt, loss, 1.0, "rm", [])
-        log[-1].setdefault("train", []).append(engine.all_mean({k: float(v) for k, v in stats.items()}, device))
+        engine.set_lr(stage.opt, engine.cosine_lr(step, stage.steps, cfg.rm_lr))
+        engine.backward_step(stage.trained, stage.opt, loss, 1.0, "rm", [])
+        log[-1].setdefault("train", []).append(engine.all_mean({k: float(v) for k, v in stats.items()}, stage.device))
     rm.eval()
-    if out_dir is not None and rank == 0:  # LoRA: out_dir/adapter/ (adapters and head) and the merged model
+    if out_dir is not None and stage.rank == 0:  # LoRA: out_dir/adapter/ (adapters and head) and the merged model
         lora.save(rm, out_dir, tokenizer)
     return log
 

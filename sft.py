@@ -19,31 +19,15 @@ References: Ouyang et al. 2022 (InstructGPT), section 3.5 "Supervised fine-tunin
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
-import data
-import engine
-import lora
-from checkpoint import seed_everything
+from plumbing import data, engine, lora
+from plumbing.checkpoint import seed_everything
+from plumbing.config import SFTConfig
+from plumbing.engine import supervised_stage
+from plumbing.monitor import progress
 from ppo_loss import ptx_loss
-from cli import arg
-from monitor import progress
-from lm import disable_dropout
-
-
-@dataclass
-class SFTConfig:
-    sft_hidden: int = arg(64, "hidden size of the tiny LLaMA", ">=1")
-    sft_layers: int = arg(2, "transformer layers of the tiny LLaMA", ">=1")
-    sft_heads: int = arg(4, "attention heads of the tiny LLaMA", ">=1")
-    sft_epochs: float = arg(3.0, "epochs over the SFT demonstrations", ">0")
-    sft_lr: float = arg(3e-3, "SFT learning rate (AdamW, cosine decay)", ">0")
-    sft_batch: int = arg(64, "SFT batch size (sequences)", ">=1")
-
-
 
 
 def tiny_llama_config(vocab_size: int, cfg: SFTConfig):
@@ -66,29 +50,22 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
     trained in place (under DeepSpeed: through an engine whose module is `model`), left in eval mode, and saved
     with its tokenizer as a Hugging Face directory at `out_dir` when one is given. A model with LoRA adapters
     (lora.add_adapters) trains only them, and out_dir gets them in adapter/ and the merged model beside."""
-    steps = max(1, int(cfg.sft_epochs * len(rows) / cfg.sft_batch))
     encoded = data.encode_rows(rows, tokenizer)  # every row encoded once: (query ids, response ids)
-    disable_dropout(model, keep="lora_dropout")  # a deterministic network (but --lora-dropout): the same batch gives
-    # the same loss anywhere. Under LoRA only the adapters train (lora.add_adapters); the base stays frozen.
-    opt = torch.optim.AdamW(lora.trainable(model), lr=cfg.sft_lr, weight_decay=0.0)
-    trained, opt = engine.wrap(model, opt, ds, cfg.sft_lr)
-    device = next(model.parameters()).device
-    rank, world = engine.rank(), engine.world_size()  # under DeepSpeed each rank takes its slice of every batch
+    stage = supervised_stage(model, encoded, cfg.sft_epochs, cfg.sft_batch, cfg.sft_lr, seed, data.lm_batch_of_ids,
+                             tokenizer.pad_token_id, ds)  # dropout off, AdamW, the engine, seeded epochs of batches
     losses = []
-    batches = data.minibatches(encoded, cfg.sft_batch, steps, seed, data.lm_batch_of_ids, tokenizer.pad_token_id,
-                               device, rank, world)  # seeded epochs: row indices, then ids, attn, resp_mask (B, L)
-    trained.train()
-    bar = progress(range(steps), desc, leave=False, disable=rank != 0)
-    for step, (_, ids, attn, resp_mask) in zip(bar, batches):
-        logits = trained(input_ids=ids, attention_mask=attn, use_cache=False).logits   # (B, L, V) no KV cache to
-        # build while training (xLSTM's updates its states in place, which backward then cannot use)
-        loss, _ = ptx_loss(logits, ids, resp_mask)                                     # NLL of the response tokens
-        engine.set_lr(opt, engine.cosine_lr(step, steps, cfg.sft_lr))
-        engine.backward_step(trained, opt, loss, 1.0, "sft", [])
-        losses.append(engine.all_mean({"loss": loss.item()}, device)["loss"])
+    stage.trained.train()
+    bar = progress(range(stage.steps), desc, leave=False, disable=stage.rank != 0)
+    for step, (_, ids, attn, resp_mask) in zip(bar, stage.batches):                  # (B, L) each
+        # no KV cache to build while training (xLSTM's updates its states in place, which backward cannot use)
+        logits = stage.trained(input_ids=ids, attention_mask=attn, use_cache=False).logits   # (B, L, V)
+        loss, _ = ptx_loss(logits, ids, resp_mask)                                       # NLL of the response tokens
+        engine.set_lr(stage.opt, engine.cosine_lr(step, stage.steps, cfg.sft_lr))
+        engine.backward_step(stage.trained, stage.opt, loss, 1.0, "sft", [])
+        losses.append(engine.all_mean({"loss": loss.item()}, stage.device)["loss"])
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # drawn with the bar (monitor.progress)
     model.eval()
-    if out_dir is not None and rank == 0:  # LoRA: out_dir/adapter/ and the merged model in out_dir
+    if out_dir is not None and stage.rank == 0:  # LoRA: out_dir/adapter/ and the merged model in out_dir
         lora.save(model, out_dir, tokenizer)
     return losses
 

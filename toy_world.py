@@ -52,7 +52,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli import arg  # a dataclass field whose help becomes `--world-...` help in train.py
+from plumbing.cli import arg  # a dataclass field whose help becomes `--world-...` help in train.py
 
 # ---------------------------------------------------------------------------------------------------------
 # Vocabulary

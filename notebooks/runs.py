@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import plumbing.flags
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -100,9 +101,9 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
 def expected(argv: list[str]) -> dict:
     """What summary.json must say for a cached run to stand for `argv`: preset, steps, the method's config (PPO's,
     DPO's, best-of-n's n), base directory."""
-    import pipeline
+    from plumbing import pipeline
     import train
-    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg, dpo_cfg = train.parse_configs(argv)
+    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg, dpo_cfg = plumbing.flags.parse_configs(argv)
     config = {"ppo": dataclasses.asdict(ppo_cfg), "dpo": dataclasses.asdict(dpo_cfg),
               "best-of-n": {"bon_n": run_cfg.bon_n}}[run_cfg.method]
     if run_cfg.method != "ppo":  # the evaluation's length cap, which every method's result depends on
@@ -288,7 +289,7 @@ def current_alarm(out: Path) -> dict | None:
     """The collapse alarm of a saved run under monitor.py's current default thresholds (monitor.replay over its
     metrics.jsonl and samples.jsonl): summary.json records the alarm under the thresholds in force when the run
     trained, and the alarm never changes training, so a cached run reports what a fresh run would."""
-    import monitor
+    from plumbing import monitor
     r = monitor.replay(out)
     return {"step": r["alarm"], "reasons": r["reasons"]} if r["alarm"] is not None else None
 
@@ -307,7 +308,7 @@ def _train(out: Path, argv: list[str]) -> None:
 def _lock(path: Path):
     """An exclusive file lock (blocking), released when the block ends or the process dies: checkpoint.exclusive,
     the lock build_once takes too."""
-    from checkpoint import exclusive
+    from plumbing.checkpoint import exclusive
     return exclusive(path)
 
 

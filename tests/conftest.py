@@ -15,7 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tools"))  # the tools (tiny_model, bench, gpu_check, assignment) import as modules too
+sys.path.insert(1, str(ROOT / "tools"))
+# `python -m plumbing.data ...` and the other package commands, from any folder a test runs them in
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the tools (tiny_model, bench, gpu_check, assignment) import as modules too
 
 if os.environ.get("PPO_MAX_IMPL"):
     import assignment

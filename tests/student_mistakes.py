@@ -1,4 +1,5 @@
 """Plausible student mistakes, one per entry, for tests/test_assignment.py: each must make `tools/assignment.py grade`
+import ppo_loss
 fail the function it is made in. Not a test module (no test_ prefix): data.
 
 Each mistake is a text replacement inside one function body of the reference file: `find` must occur exactly once in

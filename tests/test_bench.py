@@ -7,7 +7,7 @@ import json
 import pytest
 
 import bench
-from scale import llama_param_count
+from plumbing.scale import llama_param_count
 
 
 def test_bench_tiny_every_column_positive(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import best_of_n
+import plumbing.config
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +69,7 @@ def test_sample_skips_candidates_with_a_nonfinite_proxy_score(tmp_path, capsys):
     """best_of_n.sample with a proxy that returns NaN for the first of every n candidates and otherwise a score that
     grows along the batch: each prompt gets its last candidate, with that candidate's (finite) score, and the skipped
     candidates are counted and reported."""
-    import data
+    from plumbing import data
     import eval as evaluation
     import tiny_model
     from transformers import AutoModelForCausalLM
@@ -103,7 +105,7 @@ def tiny(tmp_path_factory):
     (sft dir, reward-model dir, tokenizer, policy, reward model)."""
     from transformers import AutoModelForCausalLM
 
-    import data
+    from plumbing import data
     from reward_model import ScalarHeadModel
     from test_lora import build
     sft, rm_dir = build("llama", tmp_path_factory.mktemp("bon"))
@@ -137,7 +139,7 @@ def test_sample_keeps_the_best_of_each_prompts_own_candidates(tiny):
 
 
 def test_method_best_of_n_samples_only_the_heldout_prompts(tiny, tmp_path, monkeypatch):
-    """train.py --method best-of-n (train.other_method) on a tiny model: every prompt it samples, for the comparison
+    """train.py --method best-of-n (plumbing.run.other_method) on a tiny model: every prompt it samples, for the comparison
     with SFT and for the frontier point, is a held-out one; none is a training prompt."""
     import time
 
@@ -145,7 +147,7 @@ def test_method_best_of_n_samples_only_the_heldout_prompts(tiny, tmp_path, monke
     import eval as evaluation
     import ppo_max
     import train
-    from pipeline import Inputs
+    from plumbing.pipeline import Inputs
     from test_lora import PROMPTS
     sft, rm_dir, tokenizer, _, _ = tiny
     sampled = []
@@ -153,14 +155,14 @@ def test_method_best_of_n_samples_only_the_heldout_prompts(tiny, tmp_path, monke
     monkeypatch.setattr(evaluation, "sample", lambda model, tok, prompts, *a, **k: sampled.append(list(prompts))
                         or original(model, tok, prompts, *a, **k))
     train_prompts, heldout = PROMPTS[:2], PROMPTS[2:]
-    from pipeline import stage_records
+    from plumbing.pipeline import stage_records
     records = {"prompts_train": [{"prompt": p} for p in train_prompts],
                "prompts_heldout": [{"prompt": p} for p in heldout]}
-    run = train.RunConfig(method="best-of-n", bon_n=2, eval_samples=1, out=str(tmp_path))
+    run = plumbing.config.RunConfig(method="best-of-n", bon_n=2, eval_samples=1, out=str(tmp_path))
     cfg = ppo_max.PPOConfig(max_new_tokens=4)
     # what each consumer reads, taken as train.py takes it (pipeline.stage_records)
     inp = Inputs(sft, sft, rm_dir, rm_dir, tokenizer, records, rows=stage_records(records, run, cfg))
-    summary = train.other_method(run, cfg, dpo.DPOConfig(), inp, {"sft": str(sft)}, 0, 1, torch.device("cpu"),
+    summary = plumbing.run.other_method(run, cfg, dpo.DPOConfig(), inp, {"sft": str(sft)}, 0, 1, torch.device("cpu"),
                                  time.time())
     assert summary["method"] == "best-of-n" and summary["frontier"]["kl_seq"] == best_of_n.bon_kl(2)
     assert len(sampled) == 3 and all(sorted(set(p)) == sorted(heldout) for p in sampled), sampled

@@ -10,7 +10,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from checkpoint import GracefulExit, NonFiniteGuard, find_latest, load_checkpoint, save_checkpoint
+from plumbing.checkpoint import GracefulExit, NonFiniteGuard, find_latest, load_checkpoint, save_checkpoint
+import plumbing.config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -315,7 +316,7 @@ def test_nonfinite_guard_nan_and_consecutive():
 # Damage never costs more than one checkpoint
 # ------------------------------------------------------------------------------------------------------
 def test_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    from checkpoint import damage, find_intact
+    from plumbing.checkpoint import damage, find_intact
     policy, critic, popt, copt = tiny_setup()
     for step in (1, 2):
         save_checkpoint(tmp_path, step, models={"policy": policy, "critic": critic})
@@ -335,7 +336,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
 def test_overwritten_pt_file_of_the_same_size_is_damage(tmp_path, name, offset):
     """Bytes overwritten in an optimizer or RNG file keep its size: it still unpickles or it is damage, so the run
     resumes from the checkpoint before it instead of ending in an UnpicklingError traceback."""
-    from checkpoint import damage, find_intact
+    from plumbing.checkpoint import damage, find_intact
     policy, critic, popt, copt = tiny_setup()
     for step in (1, 2):
         save_checkpoint(tmp_path, step, models={"policy": policy}, optimizers={"policy": popt},
@@ -352,7 +353,7 @@ KILLER = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from transformers import LlamaConfig, LlamaForCausalLM
-from checkpoint import save_checkpoint
+from plumbing.checkpoint import save_checkpoint
 cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4)
 model = LlamaForCausalLM(cfg)
 for step in range(1, 1000):
@@ -369,7 +370,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_an_intact_checkpoint(tmp_path):
     import sys
     from pathlib import Path
 
-    from checkpoint import damage, find_intact
+    from plumbing.checkpoint import damage, find_intact
     root = Path(__file__).resolve().parents[1]
     half_written = 0
     for delay in (0.05, 0.15, 0.3):  # three moments within the saves (100 MB each: ~0.1-0.5 s here)
@@ -395,7 +396,7 @@ BUILD_TWICE = r"""
 import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from checkpoint import build_once
+from plumbing.checkpoint import build_once
 base, me = Path(sys.argv[2]), sys.argv[3]
 (base.parent / f"ready-{me}").touch()
 while not (base.parent / "go").exists():  # both processes reach build_once together
@@ -441,10 +442,10 @@ def test_two_processes_needing_one_missing_base_build_it_once(tmp_path):
 def test_a_cached_base_damaged_since_it_was_built_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
     """runs/_base is reused as it is: a safetensors header or JSON file overwritten since is named (with the flag that
     rebuilds it) before anything loads it, not a SafetensorError or UnicodeDecodeError traceback later."""
-    import pipeline
+    from plumbing import pipeline
     import toy_world
     import train
-    from checkpoint import unreadable
+    from plumbing.checkpoint import unreadable
     base = tmp_path / "base"
     (base / "sft").mkdir(parents=True)
     safetensors.torch.save_file({"w": torch.zeros(3)}, str(base / "sft" / "model.safetensors"))
@@ -456,14 +457,14 @@ def test_a_cached_base_damaged_since_it_was_built_is_one_line_naming_the_file(tm
         (base / name).write_bytes(garble(good))
         assert unreadable(base).startswith(f"{base / name}: unreadable")
         with pytest.raises(SystemExit) as e:
-            pipeline.build_base(train.RunConfig(), train.SFTConfig(), train.RMConfig(), toy_world.WorldConfig())
+            pipeline.build_base(plumbing.config.RunConfig(), plumbing.config.SFTConfig(), plumbing.config.RMConfig(), toy_world.WorldConfig())
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and name in err[0] and "--rebuild-base" in err[0], err
         (base / name).write_bytes(good)
 
 
 def test_a_build_that_fails_leaves_no_half_built_directory(tmp_path):
-    from checkpoint import build_once
+    from plumbing.checkpoint import build_once
 
     def build(tmp):
         (tmp / "half").write_text("x")

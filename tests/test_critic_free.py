@@ -15,6 +15,8 @@ from torch.testing import assert_close
 
 import critic_free
 import ppo_loss
+import plumbing.config
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -120,15 +122,16 @@ def test_discounted_returns_against_a_double_sum(gamma):
             assert got[i, t].item() == pytest.approx(want, abs=1e-12)
 
 
-def test_batch_whiten_against_numpy_over_the_real_tokens():
+def test_masked_whiten_over_ranks_against_numpy_over_the_real_tokens():
+    """The REINFORCE++ pair whitens with ppo_loss.masked_whiten over every rank's real tokens (all_sum): against
+    numpy on the real tokens; W ranks holding the same batch (all_sum multiplies every sum by W) whiten as one."""
     x, mask = ragged(1)
-    got = critic_free.batch_whiten(x, mask)
     real = x[mask != 0].numpy()
     want = (real - real.mean()) / np.sqrt(real.var(ddof=0) + 1e-8)
-    assert_close(got[mask != 0], torch.from_numpy(want), rtol=0, atol=1e-12)
-    assert torch.equal(got[mask == 0], torch.zeros(int((mask == 0).sum()), dtype=F64))  # NaN padding: 0, not NaN
-    clean = torch.where(mask != 0, x, 0.0)
-    assert_close(got, ppo_loss.masked_whiten(clean, mask) * mask, rtol=0, atol=1e-12)  # one whitening, two callers
+    for all_sum in (None, lambda s: 3 * s):
+        got = ppo_loss.masked_whiten(x, mask, all_sum=all_sum)
+        assert_close(got[mask != 0], torch.from_numpy(want), rtol=0, atol=1e-12)
+        assert torch.equal(got[mask == 0].isnan(), x[mask == 0].isnan())  # padding returned as it came
 
 
 def test_reinforce_pp_whitens_the_kl_shaped_returns_over_the_batch():
@@ -170,7 +173,8 @@ def test_group_methods_score_a_response_by_its_return_and_give_every_token_one_v
 WORKER = r"""
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
-import critic_free, engine
+import critic_free
+from plumbing import engine
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
 full = torch.load(sys.argv[4], weights_only=True)
@@ -211,7 +215,7 @@ def test_two_ranks_give_the_single_process_advantages_of_every_estimator(tmp_pat
 def tiny_models():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import lm
+    from plumbing import models
     from reward_model import ScalarHeadModel
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
@@ -220,7 +224,7 @@ def tiny_models():
     policy, ref = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
     ref.load_state_dict(policy.state_dict())
     rm, critic = ScalarHeadModel(LlamaForCausalLM(cfg)), ScalarHeadModel(LlamaForCausalLM(cfg))
-    return [lm.disable_dropout(m) for m in (policy, ref.eval(), rm.eval(), critic)]
+    return [models.disable_dropout(m) for m in (policy, ref.eval(), rm.eval(), critic)]
 
 
 @pytest.mark.parametrize("name,kl_in", [(n, "reward") for n in critic_free.ESTIMATORS] + [("grpo", "loss")])
@@ -247,11 +251,11 @@ def test_first_update_ratio_is_exactly_one_for_every_estimator(name, kl_in):
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
 def test_first_update_ratio_is_one_without_a_critic_on_architectures_with_dropout(arch):
-    """GPT-2 and GPT-NeoX carry dropout 0.1 in their configs; with it off (lm.disable_dropout, as train.load_models
+    """GPT-2 and GPT-NeoX carry dropout 0.1 in their configs; with it off (models.disable_dropout, as plumbing.run.load_models
     does) a GRPO update's first ratio is exactly 1 too."""
     import transformers
 
-    import lm
+    from plumbing import models
     import ppo_max
     from reward_model import ScalarHeadModel
     from test_architectures import EOS, PAD, config, prompts
@@ -261,7 +265,7 @@ def test_first_update_ratio_is_one_without_a_critic_on_architectures_with_dropou
     ref.load_state_dict(policy.state_dict())
     rm = ScalarHeadModel(transformers.AutoModelForCausalLM.from_config(config(arch)))
     for m in (policy, ref, rm):
-        lm.disable_dropout(m)
+        models.disable_dropout(m)
     query, query_mask = (t.repeat_interleave(2, 0) for t in prompts(arch))     # 3 prompts × G = 2
     cfg = ppo_max.PPOConfig(advantage="grpo", group_size=2, rollout_batch=6, minibatch=6, ppo_epochs=1,
                             ptx_coef=0.0, max_new_tokens=8)
@@ -283,15 +287,15 @@ def model_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", critic_free.ESTIMATORS)
 def test_load_models_builds_a_critic_for_gae_only(name, model_dirs):
-    """train.load_models: GAE gets a critic (from the reward model, PPO-max) and its optimizer; a critic-free
+    """plumbing.run.load_models: GAE gets a critic (from the reward model, PPO-max) and its optimizer; a critic-free
     estimator gets neither, and its frozen reward model is the saved one."""
-    import data
+    from plumbing import data
     import ppo_max
     import train
-    from pipeline import Inputs
+    from plumbing.pipeline import Inputs
     sft, rm = model_dirs
     inp = Inputs(sft, sft, rm, rm, data.load_tokenizer(sft), {})
-    m = train.load_models(inp, train.RunConfig(), ppo_max.PPOConfig(advantage=name), torch.device("cpu"), None)
+    m = plumbing.run.load_models(inp, plumbing.config.RunConfig(), ppo_max.PPOConfig(advantage=name), torch.device("cpu"), None)
     assert (m.critic is None, m.critic_opt is None) == (name != "gae",) * 2
     assert m.policy is not None and m.ref is not None and m.reward_model is not None
     if name == "gae":

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
-import data
-from data import DataError, DataReport, PreferencePair
+from plumbing import cli
+from plumbing import data
+from plumbing.data import DataError, DataReport, PreferencePair
 
 ROOT = Path(__file__).resolve().parents[1]
 HH_SAMPLE = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
@@ -482,12 +482,12 @@ def test_cli_guard_one_line_exit_2(capsys):
 
 def test_cli_bad_file_exits_2_one_line_no_traceback(tmp_path):
     p = write(tmp_path / "bad.jsonl", [GOOD, '{"prompt": "Q", "chosen": "a", "rejected": "a"}'])
-    run = subprocess.run([sys.executable, str(ROOT / "data.py"), str(p)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "plumbing.data", str(p)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "Traceback" not in run.stderr
     assert run.stderr.splitlines() == [f"error: {p}:2: field 'rejected': chosen and rejected responses are "
                                        "identical, so the pair carries no preference"]
-    ok = subprocess.run([sys.executable, str(ROOT / "data.py"), str(p), "--skip-bad"],
+    ok = subprocess.run([sys.executable, "-m", "plumbing.data", str(p), "--skip-bad"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "1 pairs" in ok.stdout and "identical 1" in ok.stdout
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
+from plumbing import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",

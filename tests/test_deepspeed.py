@@ -44,12 +44,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
-from engine import free_port
-import scale
+from plumbing import data
+from plumbing.engine import free_port
+from plumbing import scale
 import sft
 import ppo_max
 import train
+import plumbing.flags
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
@@ -203,7 +205,7 @@ def test_a_rank_reading_the_logs_while_rank_0_rewrites_them_never_sees_them_torn
     plain write_text truncates first, so a slower rank now and then read an empty file and exited 2 ("file is
     empty"), which broke the DeepSpeed resume under load; rank 0 now writes beside the file and renames over it."""
     import threading
-    import monitor
+    from plumbing import monitor
     history = [{"step": i, "kl/ref": 0.0} for i in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history + history))
     errors, done = [], threading.Event()
@@ -235,7 +237,7 @@ def test_ranks_probing_one_out_dir_at_once_never_fail(tmp_path):
     def probe():
         for _ in range(500):
             try:
-                train.make_out_dir(SimpleNamespace(out=str(tmp_path / "out")))
+                plumbing.run.make_out_dir(SimpleNamespace(out=str(tmp_path / "out")))
             except SystemExit as e:
                 errors.append(e.code)
     threads = [threading.Thread(target=probe) for _ in range(2)]
@@ -290,7 +292,7 @@ def test_plan_llama7b_prints_the_paper_plan():
 
 
 def test_plan_tiny_counts_the_tiny_model(capsys):
-    plan = train.print_plan(["--plan", "--num-gpus", "1", "--gpu-mem", "4", "--zero-stage", "0", "--fp32",
+    plan = plumbing.flags.print_plan(["--plan", "--num-gpus", "1", "--gpu-mem", "4", "--zero-stage", "0", "--fp32",
                              "--sft-hidden", "32"])
     import toy_world
     model = sft.tiny_llama(len(toy_world.VOCAB), sft.SFTConfig(sft_hidden=32))
@@ -311,7 +313,7 @@ def test_plan_of_a_missing_model_fails_clearly(tmp_path):
 # ------------------------------------------------------------------------------------------------ --model
 def test_llama_preset_applies_to_flags_not_given(capsys):
     argv = ["--model", "llama-7b", "--critic-lr", "1e-6"]
-    run, _, _, cfg, *_ = train.parse_configs(argv)
+    run, _, _, cfg, *_ = plumbing.flags.parse_configs(argv)
     run, cfg, *_ = train.model_preset_configs(argv, run, cfg)
     assert (cfg.policy_lr, cfg.warmup_frac, cfg.rollout_batch, cfg.minibatch) == (5e-7, 0.1, 128, 32)
     assert (cfg.lam, cfg.clip_eps, cfg.kl_coef, run.grad_ckpt) == (0.9, 0.2, 0.05, True)

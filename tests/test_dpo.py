@@ -106,7 +106,7 @@ def test_train_dpo_keeps_the_sft_model_as_the_reference(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    import data
+    from plumbing import data
     import tiny_model
     pairs = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(PROMPTS, CHOSEN, REJECTED)]
     sft = tiny_model.build_model("llama", [p + r for p, r in zip(PROMPTS * 2, CHOSEN + REJECTED)] * 4,
@@ -159,7 +159,7 @@ def train_main(argv):
 def test_method_dpo_on_a_real_architecture_with_lora(tmp_path):
     """A GPT-2-architecture model through SFT, the reward model and DPO, all with LoRA adapters: the reference is the
     SFT model with the adapters at B = 0, the adapters alone train."""
-    import data
+    from plumbing import data
     import tiny_model
     from test_real_data import hh_pairs, write_jsonl
     pairs = write_jsonl(tmp_path / "pairs.jsonl", hh_pairs(64))

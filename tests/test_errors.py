@@ -27,20 +27,20 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "eval_score_no_model": (["eval.py", "score", "--reward-model", "nowhere", "--data", "bad.jsonl"], "nowhere"),
     "eval_unknown_command": (["eval.py", "plots"], "plots"),
     "eval_plot_not_a_run": (["eval.py", "plot", "empty"], "empty"),
-    "monitor_not_a_run": (["monitor.py", "replay", "empty"], "empty"),
-    "data_bad_file": (["data.py", "bad.jsonl"], "bad.jsonl:1"),
-    "data_missing_file": (["data.py", "nowhere.jsonl"], "nowhere.jsonl"),
+    "monitor_not_a_run": (["plumbing/monitor.py", "replay", "empty"], "empty"),
+    "data_bad_file": (["plumbing/data.py", "bad.jsonl"], "bad.jsonl:1"),
+    "data_missing_file": (["plumbing/data.py", "nowhere.jsonl"], "nowhere.jsonl"),
     "bench_bad_flag": (["tools/bench.py", "--iters", "0"], "--iters"),
     "bench_bad_config": (["tools/bench.py", "--configs", "huge"], "huge"),
-    "scale_missing_model": (["scale.py", "--model", "nowhere"], "nowhere"),
+    "scale_missing_model": (["plumbing/scale.py", "--model", "nowhere"], "nowhere"),
     "tiny_model_bad_arch": (["tools/tiny_model.py", "--arch", "bert", "--out", "m"], "bert"),
     "gpu_check_bad_flag": (["tools/gpu_check.py", "--steps", "0"], "--steps"),
     "train_lora_bad_rank": (["train.py", "--lora-r", "-1"], "--lora-r"),
     "train_lora_no_such_layer": (["train.py", "--lora-r", "4", "--lora-targets", "q_proj,qkv"], "qkv"),
     "train_lora_4bit_on_cpu": (["train.py", "--lora-r", "4", "--lora-bits", "4"], "--lora-bits 4"),
     "train_lora_bits_without_lora": (["train.py", "--lora-bits", "8"], "--lora-r"),
-    "lora_merge_not_an_adapter": (["lora.py", "merge", "empty", "--out", "merged"], "empty"),
-    "lora_merge_bad_config": (["lora.py", "merge", "bad_adapter", "--out", "merged"], "bad_adapter"),
+    "lora_merge_not_an_adapter": (["plumbing/lora.py", "merge", "empty", "--out", "merged"], "empty"),
+    "lora_merge_bad_config": (["plumbing/lora.py", "merge", "bad_adapter", "--out", "merged"], "bad_adapter"),
 }
 
 
@@ -57,8 +57,10 @@ def mistake_dir(root: Path) -> Path:
 
 def run_mistake(name: str, cwd: Path) -> subprocess.CompletedProcess:
     argv = MISTAKES[name][0]
-    return subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+    # a plumbing/ command runs as a module of the package (python -m plumbing.data ...), from the repository
+    script = ["-m", argv[0][:-3].replace("/", ".")] if argv[0].startswith("plumbing/") else [str(ROOT / argv[0])]
+    return subprocess.run([sys.executable, *script, *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
                                             "HOME": str(cwd), "HF_HOME": str(cwd / "hf")})
 
 

@@ -120,13 +120,13 @@ def test_kl_in_the_loss_lowers_the_kl_to_the_reference_in_one_update(kind):
     and by the estimator itself. The term enters the loss with a + sign; with a − it would push π_θ away."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import lm
+    from plumbing import models
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    ref = lm.disable_dropout(LlamaForCausalLM(config)).eval()
-    policy = lm.disable_dropout(LlamaForCausalLM(config))      # another init: KL(π ‖ π_SFT) > 0
+    ref = models.disable_dropout(LlamaForCausalLM(config)).eval()
+    policy = models.disable_dropout(LlamaForCausalLM(config))      # another init: KL(π ‖ π_SFT) > 0
     cfg = ppo_max.PPOConfig(advantage="grpo", group_size=4, kl_in="loss", kl_estimator=kind, rollout_batch=8,
                             minibatch=8, ppo_epochs=1, max_new_tokens=6, ptx_coef=0.0, entropy_coef=0.0)
     query = torch.tensor([[1, 5, 6], [1, 7, 8]]).repeat_interleave(4, 0)       # (8, 3)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import data
+from plumbing import data
 import tiny_model
 import train
 from test_real_data import write_jsonl
+import plumbing.flags
 
 H, A = "\n\nHuman:", "\n\nAssistant:"
 TOPICS = ["bake bread", "fix a bike", "learn chess", "grow tomatoes", "write a poem", "save money", "sleep better",
@@ -132,15 +133,15 @@ def test_train_py_keeps_every_copy_of_an_evaluation_prompt_out_of_training(tmp_p
 def test_the_split_keeps_conversations_that_open_alike_on_one_side(tmp_path):
     """--data's split (held out, judge, proxy) and --prompts' own split (without --data) group prompts by their first
     human turn: no part holds a prompt that opens like a prompt of another part, whatever the seed."""
-    import pipeline
+    from plumbing import pipeline
     files = leak_files(tmp_path)
     tok = tiny_model.build_tokenizer("llama", conversations(), tmp_path / "tok", vocab_size=300)
     for seed in range(4):
-        run = train.parse_configs(["--data", str(files["pairs"]), "--heldout-frac", "0.2", "--seed", str(seed)])[0]
+        run = plumbing.flags.parse_configs(["--data", str(files["pairs"]), "--heldout-frac", "0.2", "--seed", str(seed)])[0]
         parts = pipeline.split_pairs(run, data.DataReport())
         turns = [{first_turn(p.prompt) for p in parts[k]} for k in ("pairs_train", "pairs_judge", "pairs_heldout")]
         assert all(turns) and not (turns[0] & turns[1] or turns[0] & turns[2] or turns[1] & turns[2]), seed
-        run = train.parse_configs(["--prompts", str(files["pairs"]), "--heldout-frac", "0.3",
+        run = plumbing.flags.parse_configs(["--prompts", str(files["pairs"]), "--heldout-frac", "0.3",
                                    "--seed", str(seed)])[0]
         rec = pipeline.run_records(run, tok)
         rollout, held = ({first_turn(r["uncut"]) for r in rec[k]} for k in ("prompts_train", "prompts_heldout"))

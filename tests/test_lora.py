@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
-import lm
-import lora
+from plumbing import data
+from plumbing import models
+from plumbing import lora
 import ppo_max
 import tiny_model
 import train
-from pipeline import Inputs
+from plumbing.pipeline import Inputs
 from reward_model import ScalarHeadModel
+import plumbing.config
+import plumbing.flags
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Human: how do I bake bread?\n\nAssistant:", "Human: what is a good name for a cat?\n\nAssistant:",
@@ -28,8 +31,8 @@ PROMPTS = ["Human: how do I bake bread?\n\nAssistant:", "Human: what is a good n
 RESPONSES = [" Mix flour, water and yeast.", " Maybe Tom.", " A horse walks into a bar.", " Yes, quite."]
 
 
-def lora_run(**kw) -> train.RunConfig:
-    return train.RunConfig(lora_r=4, lora_alpha=8.0, seed=0, **kw)
+def lora_run(**kw) -> plumbing.config.RunConfig:
+    return plumbing.config.RunConfig(lora_r=4, lora_alpha=8.0, seed=0, **kw)
 
 
 def build(arch: str, root: Path) -> tuple[Path, Path]:
@@ -49,7 +52,7 @@ def models(arch: str, root: Path, cfg: ppo_max.PPOConfig):
     sft, rm = build(arch, root)
     tokenizer = data.load_tokenizer(sft)
     inp = Inputs(sft, sft, rm, rm, tokenizer, {})
-    m = train.load_models(inp, lora_run(), cfg, torch.device("cpu"), None)
+    m = plumbing.run.load_models(inp, lora_run(), cfg, torch.device("cpu"), None)
     batches = data.RolloutBatches(PROMPTS, list(zip(PROMPTS, RESPONSES)), tokenizer, seed=0)
     return m, batches, tokenizer, sft, rm
 
@@ -102,8 +105,8 @@ def test_lora_reference_and_reward_model_are_the_saved_models_and_the_first_rati
     m, batches, tokenizer, sft_dir, rm_dir = models(arch, tmp_path, CFG)
     ppo_step(m, batches, tokenizer, CFG, ppo_max.RunningMoments())  # the adapters move away from B = 0
     from transformers import AutoModelForCausalLM
-    sft = lm.disable_dropout(AutoModelForCausalLM.from_pretrained(sft_dir)).eval()
-    rm = lm.disable_dropout(ScalarHeadModel.from_pretrained(rm_dir, require_head=True)).eval()
+    sft = models.disable_dropout(AutoModelForCausalLM.from_pretrained(sft_dir)).eval()
+    rm = models.disable_dropout(ScalarHeadModel.from_pretrained(rm_dir, require_head=True)).eval()
     _, query, query_mask = batches.prompts(4)
     response, response_mask, _ = ppo_max.rollout(m.policy, query, query_mask, 6, data.stop_id(tokenizer),
                                                  tokenizer.pad_token_id)
@@ -122,8 +125,8 @@ def test_lora_reference_and_reward_model_are_the_saved_models_and_the_first_rati
 
 def test_lora_dropout_acts_in_sft_and_is_off_in_ppo(tmp_path):
     sft, rm = build("gpt2", tmp_path)  # GPT-2 also has its own dropout of 0.1, which every stage turns off
-    run = train.RunConfig(lora_r=4, lora_dropout=0.3)
-    from pipeline import load_lm
+    run = plumbing.config.RunConfig(lora_r=4, lora_dropout=0.3)
+    from plumbing.pipeline import load_lm
     from sft import SFTConfig, train_sft
     model = load_lm(sft, False, torch.device("cpu"), False, run)
     tokenizer = data.load_tokenizer(sft)
@@ -131,7 +134,7 @@ def test_lora_dropout_acts_in_sft_and_is_off_in_ppo(tmp_path):
     ps = {n: mod.p for n, mod in model.named_modules() if isinstance(mod, torch.nn.Dropout)}
     assert ps and all(p == 0.3 for n, p in ps.items() if "lora_dropout" in n)
     assert all(p == 0.0 for n, p in ps.items() if "lora_dropout" not in n)
-    m = train.load_models(Inputs(sft, sft, rm, rm, tokenizer, {}), run, CFG, torch.device("cpu"), None)
+    m = plumbing.run.load_models(Inputs(sft, sft, rm, rm, tokenizer, {}), run, CFG, torch.device("cpu"), None)
     for model in (m.policy, m.critic):
         assert all(mod.p == 0.0 for mod in model.modules() if isinstance(mod, torch.nn.Dropout))
 
@@ -144,7 +147,7 @@ def test_lora_counts_match_peft(tmp_path):
         config = AutoConfig.from_pretrained(sft)
         for r, spec in ((1, "auto"), (4, "all-linear"), (8, "auto")):
             model = lora.add_adapters(AutoModelForCausalLM.from_pretrained(sft),
-                                      train.RunConfig(lora_r=r, lora_targets=spec), seed=0)
+                                      plumbing.config.RunConfig(lora_r=r, lora_targets=spec), seed=0)
             assert lora.count_trainable(config, r, spec)["adapters"] == model.get_nb_trainable_parameters()[0]
 
 
@@ -217,7 +220,7 @@ def test_lora_merged_export_loads_plainly_and_gives_the_adapter_models_logits(wo
     with torch.no_grad():
         torch.testing.assert_close(critic(ids, mask), adapted_critic(ids, mask), atol=1e-5, rtol=1e-5)
     # the command writes the same merged weights
-    proc = subprocess.run([sys.executable, str(ROOT / "lora.py"), "merge", str(out / "adapter"), "--out", "again"],
+    proc = subprocess.run([sys.executable, "-m", "plumbing.lora", "merge", str(out / "adapter"), "--out", "again"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     again = AutoModelForCausalLM.from_pretrained("again")
@@ -283,7 +286,7 @@ def test_lora_with_a_sequence_classification_reward_model(tmp_path, monkeypatch)
     seq.save_pretrained(tmp_path / "seq-rm")
     tokenizer = data.load_tokenizer(sft)
     tokenizer.save_pretrained(tmp_path / "seq-rm")
-    m = train.load_models(Inputs(sft, sft, tmp_path / "seq-rm", tmp_path / "seq-rm", tokenizer, {}), lora_run(), CFG,
+    m = plumbing.run.load_models(Inputs(sft, sft, tmp_path / "seq-rm", tmp_path / "seq-rm", tokenizer, {}), lora_run(), CFG,
                           torch.device("cpu"), None)
     assert isinstance(m.reward_model, lora.AdaptersOff)
     ids, attn, _ = data.lm_batch(list(zip(PROMPTS, RESPONSES)), tokenizer)      # right-padded
@@ -298,7 +301,7 @@ def test_lora_adapters_get_gradients_under_gradient_checkpointing(arch, tmp_path
     """Checkpointed layers whose inputs carry no gradient would silently leave the adapters untrained (reentrant
     checkpointing): with --grad-ckpt every adapter must still receive a non-zero gradient."""
     sft, _ = build(arch, tmp_path)
-    from pipeline import load_lm
+    from plumbing.pipeline import load_lm
     model = load_lm(sft, False, torch.device("cpu"), True, lora_run())
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -315,12 +318,12 @@ def test_lora_adapters_get_gradients_under_gradient_checkpointing(arch, tmp_path
 def test_lora_plan_counts_the_judge(capsys):
     """On real data the held-out judge is one more frozen model during PPO, quantized like the reference: the plan
     holds it, and scores with it in a phase of its own."""
-    import scale
+    from plumbing import scale
     argv = ["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16", "--lora-bits", "4"]
-    without = train.print_plan(argv)
+    without = plumbing.flags.print_plan(argv)
     capsys.readouterr()
     hh = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
-    judged = train.print_plan(argv + ["--data", str(hh), "--skip-bad"])
+    judged = plumbing.flags.print_plan(argv + ["--data", str(hh), "--skip-bad"])
     printed = capsys.readouterr().out
     assert "judge" not in without.n_params and "judge score" in judged.phase_bytes
     weights, _ = scale.frozen_bytes("llama-7b", 4, 2, prepared=False)
@@ -332,7 +335,7 @@ def test_lora_plan_counts_the_judge(capsys):
 def test_lora_stage_under_bf16_writes_bf16(tmp_path):
     """--bf16: the merged stage directory is bf16, as a full-weight stage's is (the merge itself runs in fp32)."""
     sft, _ = build("llama", tmp_path)
-    from pipeline import load_lm
+    from plumbing.pipeline import load_lm
     from sft import SFTConfig, train_sft
     from transformers import AutoModelForCausalLM
     model = load_lm(sft, True, torch.device("cpu"), False, lora_run())

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import train
+import plumbing.flags
 
 TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
         "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8", "--critic-pretrain-steps", "2",
@@ -51,9 +52,9 @@ def test_other_estimators_run(work, flags, metrics):
 
 
 def test_default_out_names_the_estimator():
-    run, *_ = train.parse_configs(["--advantage", "grpo", "--group-size", "4"])
+    run, *_ = plumbing.flags.parse_configs(["--advantage", "grpo", "--group-size", "4"])
     assert run.out == "runs/ppo-max-grpo-g4-seed0"
-    run, *_ = train.parse_configs([])
+    run, *_ = plumbing.flags.parse_configs([])
     assert run.out == "runs/ppo-max-seed0"
 
 
@@ -61,12 +62,12 @@ def test_dr_grpo_implies_its_loss_aggregation():
     """`python train.py --advantage dr-grpo --group-size 4` (docs/methods.md) is both halves of Dr. GRPO: its advantage
     and its constant divisor (--loss-agg seq-mean-token-sum-norm), with the KL in the reward (k1) or, with --kl-in
     loss, GRPO's k3; the other estimators keep the token-mean."""
-    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "dr-grpo", "--group-size", "4"])
+    _, _, _, cfg, *_ = plumbing.flags.parse_configs(["--advantage", "dr-grpo", "--group-size", "4"])
     assert (cfg.advantage, cfg.loss_agg, cfg.kl_in, cfg.kl_estimator) == ("dr-grpo", "seq-mean-token-sum-norm",
                                                                           "reward", "k1")
-    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "dr-grpo", "--group-size", "4", "--kl-in", "loss"])
+    _, _, _, cfg, *_ = plumbing.flags.parse_configs(["--advantage", "dr-grpo", "--group-size", "4", "--kl-in", "loss"])
     assert (cfg.loss_agg, cfg.kl_estimator) == ("seq-mean-token-sum-norm", "k3")
-    _, _, _, cfg, *_ = train.parse_configs(["--advantage", "grpo", "--group-size", "4"])
+    _, _, _, cfg, *_ = plumbing.flags.parse_configs(["--advantage", "grpo", "--group-size", "4"])
     assert cfg.loss_agg == "token-mean"
 
 
@@ -84,7 +85,7 @@ def test_dr_grpo_implies_its_loss_aggregation():
 ])
 def test_combinations_that_cannot_work_are_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
-        train.parse_configs(flags)
+        plumbing.flags.parse_configs(flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and message in err[0], err
 
@@ -93,10 +94,10 @@ def test_plan_prints_what_a_critic_free_run_saves(capsys):
     """LLaMA-7B on 8 × 80 GiB, ZeRO-2: without the critic (plan_memory(critic=False)) the peak drops by exactly the
     critic's resident rows (weights, gradients, optimizer states: its training activations never set the peak, the
     policy's phase does), and --plan prints that difference."""
-    import scale
-    plan = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80"])
+    from plumbing import scale
+    plan = plumbing.flags.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80"])
     out = capsys.readouterr().out
-    free = train.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80",
+    free = plumbing.flags.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80",
                              "--advantage", "grpo", "--group-size", "4"])
     resident = sum(plan.get("critic", c) for c in ("weights", "gradients", "optimizer"))
     assert "critic" not in free.n_params and free.total_bytes == plan.total_bytes - resident > 0
@@ -104,7 +105,7 @@ def test_plan_prints_what_a_critic_free_run_saves(capsys):
     assert f"holds no critic: {free.total_bytes / scale.GiB:.2f} GiB per GPU, {saved} less" in out
     assert f"--advantage grpo holds no critic: {saved} per GPU less" in capsys.readouterr().out
     lora = ["--model", "llama-7b", "--plan", "--num-gpus", "1", "--gpu-mem", "24", "--lora-r", "16"]
-    with_critic, free = train.print_plan(lora), train.print_plan(lora + ["--advantage", "rloo", "--group-size", "4"])
+    with_critic, free = plumbing.flags.print_plan(lora), plumbing.flags.print_plan(lora + ["--advantage", "rloo", "--group-size", "4"])
     assert 0 < with_critic.total_bytes - free.total_bytes < 0.01 * with_critic.total_bytes  # LoRA: the critic's
     # frozen backbone is the reward model's, which stays
 
@@ -112,17 +113,17 @@ def test_plan_prints_what_a_critic_free_run_saves(capsys):
 def test_reward_model_size_flags_leave_the_default_base_unchanged():
     """--rm-hidden / --rm-layers / --rm-pairs at their defaults are not part of the cached base's key, so the bases
     built before these flags existed are found again; set, they are."""
-    import pipeline
-    run, sft_cfg, rm_cfg, _, world_cfg, _ = train.parse_configs([])
+    from plumbing import pipeline
+    run, sft_cfg, rm_cfg, _, world_cfg, _ = plumbing.flags.parse_configs([])
     assert set(pipeline.base_key(run, sft_cfg, rm_cfg, world_cfg)[1][2]) == {
         "rm_epochs", "rm_lr", "rm_batch", "rm_lm_coef", "rm_eval_every"}
-    run2, sft2, rm2, _, world2, _ = train.parse_configs(["--rm-hidden", "16"])
+    run2, sft2, rm2, _, world2, _ = plumbing.flags.parse_configs(["--rm-hidden", "16"])
     assert pipeline.base_dir(run2, sft2, rm2, world2) != pipeline.base_dir(run, sft_cfg, rm_cfg, world_cfg)
 
 
 @pytest.mark.slow
 def test_a_reward_model_of_its_own_size_and_data(work):
-    import data
+    from plumbing import data
     result = train.main(TINY + ["--rm-hidden", "16", "--rm-layers", "1", "--rm-pairs", "120", "--stages", "sft,rm",
                                 "--out", "rm16"])
     rm_dir, sft_dir = Path(result["reward_model"]), Path(result["sft"])

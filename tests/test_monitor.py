@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-import monitor
-from monitor import Alarm, CollapseMonitor, gold_halfway
+from plumbing import monitor
+from plumbing.monitor import Alarm, CollapseMonitor, gold_halfway
 
 
 def stable_stream(n: int, seed: int = 0, batch: int = 64):
@@ -202,7 +202,7 @@ def write_run(path, stream, gold):
 def test_replay_and_sweep_of_saved_runs(tmp_path):
     import subprocess, sys
     from pathlib import Path
-    from monitor import replay, sweep, load_run
+    from plumbing.monitor import replay, sweep, load_run
     drift = list(drifting_stream(30))
     gold = [1.0] * 5 + [3.0] * 4 + [-1.0] * 21  # halfway (2) at step 8: centred mean (3 + 3 − 1) / 3 = 1.67
     write_run(tmp_path / "drift", drift, gold)
@@ -218,7 +218,7 @@ def test_replay_and_sweep_of_saved_runs(tmp_path):
     # patience 1 fires at 7 (< 8: in time, lead 1), patience 3 at 9 (late, lead −1); the calm run stays quiet
     assert [(x["patience"], x["in_time"], x["late"], x["false"], x["quiet"], x["median_lead"]) for x in rows] == \
         [(1, 1, 0, 0, 1, 1), (3, 0, 1, 0, 1, -1)]
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "monitor.py"), "replay",
+    out = subprocess.run([sys.executable, "-m", "plumbing.monitor", "replay",
                           str(tmp_path / "drift"), str(tmp_path / "calm"), "--kl-max", "0.3", "--patience", "3"],
                          capture_output=True, text=True, check=True)
     assert "late, 1 step(s) after" in out.stdout and "quiet: the run kept its gold" in out.stdout
@@ -227,13 +227,13 @@ def test_replay_and_sweep_of_saved_runs(tmp_path):
 def test_replay_names_a_wrong_directory_or_a_damaged_line(tmp_path):
     import subprocess, sys
     from pathlib import Path
-    script = str(Path(__file__).resolve().parents[1] / "monitor.py")
-    out = subprocess.run([sys.executable, script, "replay", str(tmp_path / "nope")], capture_output=True, text=True)
+    script = ["-m", "plumbing.monitor"]
+    out = subprocess.run([sys.executable, *script, "replay", str(tmp_path / "nope")], capture_output=True, text=True)
     assert out.returncode == 2 and "nope: no metrics.jsonl" in out.stderr and "Traceback" not in out.stderr
     write_run(tmp_path / "bad", list(drifting_stream(3)), [1.0, 1.0, 1.0])
     with open(tmp_path / "bad" / "samples.jsonl", "a") as f:
         f.write("{not json\n")
-    out = subprocess.run([sys.executable, script, "replay", str(tmp_path / "bad")], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, *script, "replay", str(tmp_path / "bad")], capture_output=True, text=True)
     assert out.returncode == 2 and "samples.jsonl:4: not a JSON object" in out.stderr
 
 

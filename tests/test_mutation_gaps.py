@@ -22,13 +22,14 @@ import ppo_max
 
 # The stage tests' libraries, imported here rather than inside the tests: mutmut's fork server collects this file once,
 # so every mutant's run starts with them loaded (the model classes alone take seconds to import).
-import data
-import engine
-import lora
+from plumbing import data
+from plumbing import engine
+from plumbing import lora
 import reward_model
 import tiny_model
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM, OPTForCausalLM  # noqa: F401 (loaded)
 from test_ppo_max_update import B as PB, FixedScores, T as PT, batch, reseeded_prompts, tiny_lm, tiny_models
+from plumbing import models
 
 F64 = torch.float64
 
@@ -178,7 +179,7 @@ def test_best_of_n_evaluate_compares_the_proxys_best_of_n_with_sft_samples(tmp_p
     row is measured on the candidate each group of n (drawn with seed + 1, the given sampling) scores highest by the
     proxy, picked here by a python loop; its kl is None and kl_seq = log n − (n − 1)/n; the win rate is counted by
     hand from the judge's scores."""
-    import data
+    from plumbing import data
     import eval as evaluation
     import tiny_model
     from transformers import AutoModelForCausalLM
@@ -280,7 +281,7 @@ DPO_TRAIN, DPO_HELDOUT = DPO_PAIRS[:5], DPO_PAIRS[5:]
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory):
     """A random-init GPT-2 (one layer, H = 32) and its tokenizer, trained on the pairs' texts."""
-    import data
+    from plumbing import data
     import tiny_model
     path = tmp_path_factory.mktemp("gpt2")
     tiny_model.build_model("gpt2", [p + y for p, c, r in DPO_ROWS for y in (c, r)] * 4, path, hidden=32, layers=1,
@@ -309,7 +310,7 @@ def dpo_by_hand(model, tokenizer, pairs, heldout, cfg, seed, rank=0, world=1):
     the gradient norms before clipping."""
     import copy
 
-    import data
+    from plumbing import data
     ref, pol = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
     train, held = data.encode_pairs(pairs, tokenizer), data.encode_pairs(heldout, tokenizer)
 
@@ -376,7 +377,7 @@ def test_train_dpo_against_a_hand_written_loop(tiny_gpt2, tmp_path):
     mode and saved with its tokenizer; the bar spans steps 0..4."""
     from transformers import AutoModelForCausalLM
 
-    import data
+    from plumbing import data
     path, tok = tiny_gpt2
     model = gpt2_model(path)
     cfg = dpo.DPOConfig(dpo_beta=0.5, dpo_lr=3e-3, dpo_epochs=1.6, dpo_batch=2, dpo_eval_every=3)
@@ -401,8 +402,8 @@ def test_train_dpo_on_rank_1_of_2_trains_on_its_slice_and_saves_nothing(tiny_gpt
     """Rank 1 of a two-rank DeepSpeed run (engine's rank and world size set, its wrap and all_mean recorded): the
     DeepSpeed config and the learning rate reach engine.wrap, the rank trains on positions 1 and 3 of every minibatch
     of 4 (dpo_by_hand with rank 1 of 2), its batches and stats go to the model's device, and only rank 0 saves."""
-    import data
-    import engine
+    from plumbing import data
+    from plumbing import engine
     path, tok = tiny_gpt2
     model = gpt2_model(path)
     cfg = dpo.DPOConfig(dpo_beta=0.5, dpo_lr=3e-3, dpo_epochs=2.0, dpo_batch=4, dpo_eval_every=1)
@@ -426,7 +427,7 @@ def test_train_dpo_keeps_lora_dropout_and_takes_at_least_one_step(tiny_gpt2):
     adapters train, and fewer pairs than one minibatch (5 < 8) still make one step."""
     from types import SimpleNamespace
 
-    import lora
+    from plumbing import lora
     path, tok = tiny_gpt2
     run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.5, lora_targets="auto", lora_bits=16)
     model = lora.add_adapters(gpt2_model(path), run, seed=0)
@@ -459,7 +460,7 @@ def test_train_dpo_skips_a_step_whose_loss_is_not_finite(tiny_gpt2):
 def test_sequence_logprobs_of_padded_rows_against_a_token_loop(tiny_gpt2, side):
     """log π(y|x) of padded rows equals the loop over each sequence alone, left padding included (GPT-2's positions
     are absolute, so they must come from the mask, and the padding must be masked)."""
-    import data
+    from plumbing import data
     path, tok = tiny_gpt2
     model = gpt2_model(path).eval()
     rows = [(q, y) for q, w, l in data.encode_pairs(DPO_PAIRS[:3], tok) for y in (w, l)]
@@ -607,7 +608,7 @@ def rm_by_hand(rm, tokenizer, pairs, heldout, cfg, seed, rank=0, world=1):
     held-out accuracy counts a tie ½, on float32 scores. Returns the expected log and the trained copy."""
     import copy
 
-    import data
+    from plumbing import data
     pol = copy.deepcopy(rm).eval()
     train, held = data.encode_pairs(pairs, tokenizer), data.encode_pairs(heldout, tokenizer)
 
@@ -673,7 +674,7 @@ def test_train_reward_model_against_a_hand_written_loop(tiny_gpt2, tmp_path, mon
     the stats of every step), the same weights after four AdamW steps on Eq. 2 with β_rm = 0.5; training forward
     passes in train mode yet free of GPT-2's dropout, evaluations in eval mode, the model left in eval mode and
     saved (head, where it reads, tokenizer); the bar spans steps 0..4 and shows each held-out accuracy."""
-    import data
+    from plumbing import data
     import reward_model
     path, tok = tiny_gpt2
     rm = scalar_head_gpt2(path, tok, score_pad_id=tok.eos_token_id)
@@ -696,7 +697,7 @@ def test_train_reward_model_against_a_hand_written_loop(tiny_gpt2, tmp_path, mon
     saved = reward_model.ScalarHeadModel.from_pretrained(tmp_path / "rm", torch_dtype=F64)
     assert saved.score_pad_id == tok.eos_token_id
     assert_same_weights(saved.lm, by_hand.lm)
-    head = safetensors.torch.load_file(str(tmp_path / "rm" / reward_model.VALUE_HEAD_WEIGHTS))  # (from_pretrained
+    head = safetensors.torch.load_file(str(tmp_path / "rm" / models.VALUE_HEAD_WEIGHTS))  # (from_pretrained
     assert_close(head, by_hand.head.state_dict(), rtol=0, atol=1e-9)  # reads a head through float32)
     assert data.load_tokenizer(tmp_path / "rm").get_vocab() == tok.get_vocab()
 
@@ -705,8 +706,8 @@ def test_train_reward_model_on_rank_1_of_2_trains_on_its_slice_and_saves_nothing
     """Rank 1 of a two-rank DeepSpeed run (engine's rank and world size set, its wrap and all_mean recorded): the
     config and the learning rate reach engine.wrap, the rank trains on positions 1 and 3 of every minibatch of 4
     (rm_by_hand with rank 1 of 2), its batches and stats go to the model's device, its bar is off, it saves nothing."""
-    import data
-    import engine
+    from plumbing import data
+    from plumbing import engine
     import reward_model
     path, tok = tiny_gpt2
     rm = scalar_head_gpt2(path, tok)
@@ -736,7 +737,7 @@ def test_train_reward_model_keeps_lora_dropout_and_takes_at_least_one_step(tiny_
     adapters and the head train, and fewer pairs than one minibatch (5 < 8) still make one step."""
     from types import SimpleNamespace
 
-    import lora
+    from plumbing import lora
     import reward_model
     path, tok = tiny_gpt2
     run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.5, lora_targets="auto", lora_bits=16)
@@ -771,7 +772,7 @@ def test_train_reward_model_skips_a_step_whose_loss_is_not_finite(tiny_gpt2):
 def test_score_pairs_scores_each_sequence_alone(tiny_gpt2):
     """score_pairs of {"prompt", "chosen", "rejected"} rows: r(x, y_w) and r(x, y_l) of each pair, as the loop scores
     the sequence alone, in batches of any size."""
-    import data
+    from plumbing import data
     import reward_model
     path, tok = tiny_gpt2
     rm = scalar_head_gpt2(path, tok).eval()
@@ -800,10 +801,10 @@ def test_head_width_measures_what_the_lm_head_reads_and_leaves_the_model_as_it_w
     torch.manual_seed(0)
     lm = tiny_opt().train()
     rng = torch.get_rng_state()
-    assert reward_model.head_width(lm) == 16 == lm.lm_head.in_features != lm.config.hidden_size
+    assert models.head_width(lm) == 16 == lm.lm_head.in_features != lm.config.hidden_size
     assert torch.equal(torch.get_rng_state(), rng) and lm.training
     assert not [m for m in lm.modules() if m._forward_hooks]
-    assert reward_model.measured_width(lm.eval()) == 16 and not lm.training
+    assert models.measured_width(lm.eval()) == 16 and not lm.training
     rm = reward_model.ScalarHeadModel(lm, seed=0).double().eval()
     read = []
     rm.lm.lm_head.register_forward_pre_hook(lambda m, args: read.append(args[0]))
@@ -817,7 +818,7 @@ def test_head_width_measures_what_the_lm_head_reads_and_leaves_the_model_as_it_w
 
     lm = tiny_opt().train()
     lm.model.decoder.forward = refuse
-    assert reward_model.measured_width(lm) is None and reward_model.head_width(lm) == 32
+    assert models.measured_width(lm) is None and models.head_width(lm) == 32
     assert lm.training and not [m for m in lm.modules() if m._forward_hooks]
 
 
@@ -843,8 +844,8 @@ def test_measured_width_reads_a_tuple_backbone_and_is_none_without_a_backbone():
     """A backbone's output that is a plain tuple is measured by its first element; an LM with no backbone to hook
     measures None (head_width then takes the config's width), with no hook left behind."""
     lm = BareLM(TupleBackbone())
-    assert reward_model.measured_width(lm) == 24 and not lm.base_model._forward_hooks
-    assert reward_model.measured_width(BareLM(None)) is None
+    assert models.measured_width(lm) == 24 and not lm.base_model._forward_hooks
+    assert models.measured_width(BareLM(None)) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1052,7 +1053,7 @@ def test_value_head_json_says_what_the_head_reads(tmp_path):
         assert json.loads((tmp_path / "value_head.json").read_text()) == {
             "hidden_size": 16, "dtype": "float64", "reads": reads + "; forward(): every position",
             "score_pad_id": pad_id, "weights": "value_head.safetensors"}
-        assert reward_model.reward_model_kind(tmp_path) == "scalar-head"
+        assert models.reward_model_kind(tmp_path) == "scalar-head"
 
 
 def test_from_pretrained_checks_the_head_file_loads_without_its_json_and_takes_a_dtype(tmp_path):
@@ -1061,7 +1062,7 @@ def test_from_pretrained_checks_the_head_file_loads_without_its_json_and_takes_a
     and gets the default seed's head as a critic; torch_dtype reaches the LM and the head."""
     d = tmp_path / "rm"
     tiny_llama().save_pretrained(d)
-    assert reward_model.reward_model_kind(d) is None
+    assert models.reward_model_kind(d) is None
     with pytest.raises(ValueError, match=rf"^{d}: not a reward model"):
         reward_model.ScalarHeadModel.from_pretrained(d, require_head=True)
     fresh = reward_model.ScalarHeadModel.from_pretrained(d)
@@ -1095,7 +1096,7 @@ def test_reward_models_and_critics_are_loaded_without_remote_code(tmp_path, monk
     causal, seqcls = tmp_path / "causal", tmp_path / "seqcls"
     tiny_llama().save_pretrained(causal)
     tiny_llama(cls=transformers.LlamaForSequenceClassification, num_labels=1).save_pretrained(seqcls)
-    monkeypatch.setattr(reward_model, "causal_lm_class", lambda path: types.SimpleNamespace(
+    monkeypatch.setattr(models, "causal_lm_class", lambda path: types.SimpleNamespace(
         from_pretrained=recorded(LlamaForCausalLM.from_pretrained)))
     monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained",
                         recorded(transformers.AutoModelForSequenceClassification.from_pretrained))
@@ -1124,6 +1125,6 @@ def test_head_width_of_an_lm_whose_output_embeddings_are_not_a_linear_is_the_con
     text config's hidden size."""
     lm = tiny_llama()
     lm.get_output_embeddings = lambda: None
-    assert reward_model.head_width(lm) == 16
+    assert models.head_width(lm) == 16
     lm.get_output_embeddings = lambda: torch.nn.Identity()
-    assert reward_model.head_width(lm) == 16
+    assert models.head_width(lm) == 16

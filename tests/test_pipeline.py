@@ -5,11 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
+from plumbing import cli
 import dpo
 import ppo_max
 import toy_world
 import train
+import plumbing.config
+import plumbing.flags
 
 # a world and budget small enough for CI (each run well under a minute on 2 cores)
 TINY = ["--steps", "3", "--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100",
@@ -94,15 +96,15 @@ def test_kl_coef_zero_leaves_only_the_score():
 
 
 def test_presets_and_flags_parse():
-    _, _, _, cfg, *_ = train.parse_configs(["--preset", "vanilla"])
+    _, _, _, cfg, *_ = plumbing.flags.parse_configs(["--preset", "vanilla"])
     assert cfg.kl_coef == 0 and not cfg.reward_norm and cfg.critic_pretrain_steps == 0 and cfg.ptx_coef == 0
-    _, _, _, cfg, *_ = train.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
+    _, _, _, cfg, *_ = plumbing.flags.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
     assert cfg.kl_coef == 0.1, "an explicit flag overrides the preset"
-    _, _, _, cfg, *_ = train.parse_configs([])
-    assert cfg == ppo_max.apply_preset("ppo-max")
+    _, _, _, cfg, *_ = plumbing.flags.parse_configs([])
+    assert cfg == config.apply_preset("ppo-max")
     with pytest.raises(ValueError):
-        ppo_max.apply_preset("nope")
-    run, *_ = train.parse_configs(["--alarm-kl-max", "0.3", "--alarm-patience", "3", "--on-collapse", "stop"])
+        config.apply_preset("nope")
+    run, *_ = plumbing.flags.parse_configs(["--alarm-kl-max", "0.3", "--alarm-patience", "3", "--on-collapse", "stop"])
     assert (run.alarm_kl_max, run.alarm_patience, run.on_collapse) == (0.3, 3, "stop")
 
 
@@ -117,7 +119,7 @@ def bad_value(spec: str):
     return float(spec[1:-1].split(",")[1]) + 1
 
 
-ALL_CHECKS = [("", n, s) for c in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, dpo.DPOConfig)
+ALL_CHECKS = [("", n, s) for c in (plumbing.config.RunConfig, plumbing.config.SFTConfig, plumbing.config.RMConfig, ppo_max.PPOConfig, dpo.DPOConfig)
               for n, s in cli.allowed(c).items()] + [("world-", n, s) for n, s in cli.allowed(toy_world.WorldConfig).items()]
 
 
@@ -128,7 +130,7 @@ def test_every_flag_out_of_range_fails_with_one_line(prefix, name, spec, capsys)
     if isinstance(value, float) and value.is_integer() and "|" not in spec:
         value = int(value)
     with pytest.raises(SystemExit) as e:
-        train.parse_configs([flag, str(value)])
+        plumbing.flags.parse_configs([flag, str(value)])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag} "), err
 
@@ -154,7 +156,7 @@ def fails_with_one_line(parse, flags, message, capsys) -> None:
     (["--resume", "pytest.ini"], "--resume pytest.ini: not a run or checkpoint directory")])
 def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.chdir(Path(train.__file__).parent)
-    fails_with_one_line(train.parse_configs, flags, message, capsys)
+    fails_with_one_line(plumbing.flags.parse_configs, flags, message, capsys)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -168,7 +170,7 @@ def test_bad_combinations_and_paths_fail_with_one_line(flags, message, capsys, m
 def test_flags_the_run_would_ignore_fail_with_one_line(flags, message, capsys, monkeypatch):
     """A stage named twice, or a model or file the synthetic world would never read, is a mistake, not a no-op."""
     monkeypatch.chdir(Path(train.__file__).parent)
-    fails_with_one_line(train.resolve, flags, message, capsys)
+    fails_with_one_line(plumbing.flags.resolve, flags, message, capsys)
 
 
 def test_every_numeric_or_choice_flag_has_a_check():
@@ -178,7 +180,7 @@ def test_every_numeric_or_choice_flag_has_a_check():
     free = {"out", "model", "resume", "data", "sft_data", "prompts", "deepspeed_config", "sft_model", "reward_model",
             "critic_model", "preset", "stages", "seed", "data_split", "data_config",
             "lora_targets"}  # names: checked where used (--lora-targets against the model's layers)
-    for cls in (train.RunConfig, train.SFTConfig, train.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
+    for cls in (plumbing.config.RunConfig, plumbing.config.SFTConfig, plumbing.config.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
                 dpo.DPOConfig):
         for f in dataclasses.fields(cls):
             if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name == "seed"):
@@ -272,4 +274,4 @@ def test_a_deepspeed_config_the_engines_cannot_use_is_one_line_before_any_work(t
                                                                                capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "ds.json").write_text(content)
-    fails_with_one_line(train.parse_configs, ["--deepspeed_config", str(tmp_path / "ds.json"), *flags], message, capsys)
+    fails_with_one_line(plumbing.flags.parse_configs, ["--deepspeed_config", str(tmp_path / "ds.json"), *flags], message, capsys)

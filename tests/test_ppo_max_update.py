@@ -16,6 +16,7 @@ from torch.testing import assert_close
 
 import ppo_max
 from reward_model import ScalarHeadModel
+from plumbing import config, monitor
 
 B, P, T, V = 6, 3, 5, 32  # rollout batch, prompt tokens (left-padded), response tokens (right-padded), vocabulary
 MAX_NEW = 7               # --max-new-tokens: the cap T_max, larger than this batch's T (Dr. GRPO's divisor uses it)
@@ -27,12 +28,12 @@ def tiny_lm(seed: int, cls=None, **config_extra):
     LlamaForSequenceClassification with num_labels in config_extra)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import lm
+    from plumbing import models
     config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0, **config_extra)
     torch.manual_seed(seed)
-    return lm.disable_dropout((cls or LlamaForCausalLM)(config))
+    return models.disable_dropout((cls or LlamaForCausalLM)(config))
 
 
 def tiny_models():
@@ -369,10 +370,10 @@ def test_minibatch_stats_keys_and_values():
     cfg = ppo_max.PPOConfig()
     pg_stats = {"clipfrac": 0.25, "approx_kl": 0.01, "ratio": 1.02}
     args = (torch.tensor(-0.5), torch.tensor(0.7), torch.tensor(2.5), torch.tensor(0.125))
-    s = ppo_max.minibatch_stats(*args, pg_stats, torch.tensor(3.0), cfg)
+    s = monitor.minibatch_stats(*args, pg_stats, torch.tensor(3.0), cfg)
     assert s == {"loss/pg": -0.5, "loss/vf": pytest.approx(0.7), "loss/ptx": 2.5, "ppo/clipfrac": 0.25,
                  "ppo/approx_kl": 0.01, "ppo/ratio": 1.02, "grad/norm": 3.0}
-    s = ppo_max.minibatch_stats(args[0], None, *args[2:], {**pg_stats, "dual_clipfrac": 0.125}, 3.0,
+    s = monitor.minibatch_stats(args[0], None, *args[2:], {**pg_stats, "dual_clipfrac": 0.125}, 3.0,
                                 ppo_max.PPOConfig(kl_in="loss"))
     assert s == {"loss/pg": -0.5, "loss/ptx": 2.5, "ppo/clipfrac": 0.25, "ppo/approx_kl": 0.01, "ppo/ratio": 1.02,
                  "grad/norm": 3.0, "loss/kl": 0.125, "ppo/dual_clipfrac": 0.125}
@@ -380,12 +381,12 @@ def test_minibatch_stats_keys_and_values():
 
 def test_update_stats_means_over_minibatches_and_the_skipped_steps(monkeypatch):
     per = [{"a": 1.0, "b": -2.0}, {"a": 4.0, "b": 0.5}, {"a": 0.5, "b": 7.0}]
-    assert ppo_max.update_stats(per, [], "cpu") == {"a": 5.5 / 3, "b": 5.5 / 3, "guard/skipped_updates": 0.0}
-    got = ppo_max.update_stats(per, ["loss/policy", "grad/critic_norm", "loss/policy"], "cpu")
+    assert monitor.update_stats(per, [], "cpu") == {"a": 5.5 / 3, "b": 5.5 / 3, "guard/skipped_updates": 0.0}
+    got = monitor.update_stats(per, ["loss/policy", "grad/critic_norm", "loss/policy"], "cpu")
     assert got == {"a": 5.5 / 3, "b": 5.5 / 3, "guard/skipped_updates": 3.0,
                    "guard/nonfinite": ["grad/critic_norm", "loss/policy"]}
-    monkeypatch.setattr(ppo_max, "any_rank", lambda flag, device: True)  # another rank saw a NaN, this one none
-    assert ppo_max.update_stats(per, [], "cpu")["guard/nonfinite"] == ["on another rank"]
+    monkeypatch.setattr(monitor, "any_rank", lambda flag, device: True)  # another rank saw a NaN, this one none
+    assert monitor.update_stats(per, [], "cpu")["guard/nonfinite"] == ["on another rank"]
 
 
 def test_make_experience_stats_against_loops():
@@ -581,7 +582,7 @@ def test_presets_hold_the_papers_settings():
     Fig. 7), critic from the reward model and pre-trained, global gradient clipping, ptx and value clipping, an SFT
     policy, ε = 0.2, λ = 0.9, γ close to 1. Vanilla PPO: none of the tricks, the same ε and λ. The authors' released
     scripts: reward scaling only, η = 0.01, no critic pre-training, no ptx, one optimizer step per rollout batch."""
-    mx = ppo_max.apply_preset("ppo-max")
+    mx = config.apply_preset("ppo-max")
     assert (mx.reward_norm, mx.reward_scale, mx.kl_coef, mx.kl_estimator, mx.kl_in) == (True, False, 0.05, "k1",
                                                                                         "reward")
     assert mx.reward_clip > 0 and mx.critic_pretrain_steps > 0 and mx.grad_clip > 0 and mx.ptx_coef > 0
@@ -589,25 +590,25 @@ def test_presets_hold_the_papers_settings():
     assert (mx.critic_init, mx.policy_init, mx.advantage, mx.clip_eps, mx.lam) == ("rm", "sft", "gae", 0.2, 0.9)
     assert 0.99 <= mx.gamma <= 1.0
     assert mx == ppo_max.PPOConfig()  # PPO-max is the default
-    va = ppo_max.apply_preset("vanilla")
+    va = config.apply_preset("vanilla")
     assert (va.reward_norm, va.reward_clip, va.reward_scale, va.kl_coef, va.critic_pretrain_steps, va.ptx_coef,
             va.value_clip, va.grad_clip, va.adv_norm, va.entropy_coef) == (False, 0.0, False, 0.0, 0, 0.0, 0.0, 0.0,
                                                                            False, 0.0)
     assert (va.clip_eps, va.lam, va.critic_init, va.policy_init) == (0.2, 0.9, "rm", "sft")
-    mo = ppo_max.apply_preset("moss-release")
+    mo = config.apply_preset("moss-release")
     assert (mo.reward_norm, mo.reward_clip, mo.reward_scale, mo.kl_coef, mo.critic_pretrain_steps, mo.ptx_coef,
             mo.adv_norm, mo.ppo_epochs) == (False, 0.0, True, 0.01, 0, 0.0, False, 1)
     assert mo.minibatch == mo.rollout_batch  # one optimizer step per rollout batch
-    assert set(ppo_max.PRESETS) == {"ppo-max", "vanilla", "moss-release"}
+    assert set(config.PRESETS) == {"ppo-max", "vanilla", "moss-release"}
 
 
 def test_apply_preset_overrides_win_and_unknown_names_are_refused():
-    cfg = ppo_max.apply_preset("vanilla", kl_coef=0.1, minibatch=4)
+    cfg = config.apply_preset("vanilla", kl_coef=0.1, minibatch=4)
     assert (cfg.kl_coef, cfg.minibatch, cfg.reward_norm, cfg.grad_clip) == (0.1, 4, False, 0.0)
-    assert ppo_max.apply_preset("ppo-max", reward_norm=False).reward_norm is False
+    assert config.apply_preset("ppo-max", reward_norm=False).reward_norm is False
     with pytest.raises(ValueError, match=r"^unknown preset 'ppo_max'; choose from \['moss-release', 'ppo-max', "
                                          r"'vanilla'\]$"):
-        ppo_max.apply_preset("ppo_max")
+        config.apply_preset("ppo_max")
 
 
 def tiny_gpt2(seed: int):
@@ -615,9 +616,9 @@ def tiny_gpt2(seed: int):
     (LLaMA's rotary attention sees relative positions only, so a uniform shift changes nothing there)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import lm
+    from plumbing import models
     torch.manual_seed(seed)
-    return lm.disable_dropout(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2,
+    return models.disable_dropout(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2,
                                                          n_positions=64, bos_token_id=1, eos_token_id=2)))
 
 
@@ -663,12 +664,12 @@ def test_sampled_kl_clamp_and_loss_conventions():
 
 def test_check_finite_names_the_first_bad_tensor(monkeypatch):
     ok, nan, inf = torch.zeros(2, 3), torch.tensor([[0.0, float("nan")]]), torch.tensor([1.0, -float("inf")])
-    assert ppo_max.check_finite({"a": ok, "b": None, "c": ok}) is None
-    assert ppo_max.check_finite({"values": None, "logprobs": ok, "advantages": nan, "x": inf}) == "advantages"
-    assert ppo_max.check_finite({"a": ok, "reward/score": inf}) == "reward/score"
-    monkeypatch.setattr(ppo_max, "any_rank", lambda flag, device: True)  # only another rank saw one
-    assert ppo_max.check_finite({"a": ok}) == "on another rank"
-    assert ppo_max.check_finite({"a": ok, "b": nan}) == "b"
+    assert monitor.check_finite({"a": ok, "b": None, "c": ok}) is None
+    assert monitor.check_finite({"values": None, "logprobs": ok, "advantages": nan, "x": inf}) == "advantages"
+    assert monitor.check_finite({"a": ok, "reward/score": inf}) == "reward/score"
+    monkeypatch.setattr(monitor, "any_rank", lambda flag, device: True)  # only another rank saw one
+    assert monitor.check_finite({"a": ok}) == "on another rank"
+    assert monitor.check_finite({"a": ok, "b": nan}) == "b"
 
 
 def shaping_inputs():

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import data
+from plumbing import data
 import eval as evaluation
 import train
-from cli import cli_guard
+from plumbing.cli import cli_guard
+import plumbing.flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -270,7 +271,7 @@ def leak_files(d: Path) -> dict[str, Path]:
 def assert_no_leak(records: dict, pairs_file: Path) -> None:
     """No training set (SFT, proxy RM, ptx, PPO prompts) holds a held-out or judge prompt, as written or as cut, nor
     the text of a held-out or judge pair; checked by substring search against the raw lines of the file."""
-    from pipeline import data as pdata  # the same module
+    from plumbing.pipeline import data as pdata  # the same module
     raw = {p.source: p for p in pdata.load_pairs(pairs_file, skip_bad=True)}
     key = data.text_key
     banned = set()
@@ -300,18 +301,18 @@ def test_the_runs_records_keep_evaluation_out_of_training(extra, tmp_path, capsy
     tokenizer), with and without --sft-data and --prompts: no held-out prompt and no held-out or judge pair in any
     training set. The files hold such prompts on purpose, and the rows left out are counted and printed."""
     import tiny_model
-    import pipeline
+    from plumbing import pipeline
     files = leak_files(tmp_path)
     flags = ["--data", str(files["pairs"]), "--max-prompt-tokens", "24", "--max-response-tokens", "40",
              "--vocab-size", "400", "--out", str(tmp_path / "run")]
     for name in extra:
         flags += ["--sft-data" if name == "sft" else "--prompts", str(files[name])]
-    run = train.parse_configs(flags)[0]
+    run = plumbing.flags.parse_configs(flags)[0]
     records = pipeline.real_data(tmp_path / "base", run, {})[1]    # the tiny path (build_base's data step)
     assert_no_leak(records, files["pairs"])
     model = tiny_model.build_model("gpt2", [json.dumps(r) for r in hh_pairs(50)], tmp_path / "gpt2", hidden=16,
                                    layers=1, vocab_size=300)
-    run = train.parse_configs(flags + ["--model", str(model)])[0]
+    run = plumbing.flags.parse_configs(flags + ["--model", str(model)])[0]
     records = pipeline.real_model_records(run, {"model": str(model), "sft": None})  # the real --model path
     assert_no_leak(records, files["pairs"])
     out = capsys.readouterr().out
@@ -326,7 +327,7 @@ def test_the_runs_records_keep_evaluation_out_of_training(extra, tmp_path, capsy
 def test_prompts_without_data_are_split_for_the_evaluation(tmp_path):
     """--prompts alone (PPO from a given reward model): its own held-out part is the evaluation's, and --sft-data
     rows on those prompts are left out."""
-    import pipeline
+    from plumbing import pipeline
     import tiny_model
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:"} for i in range(40)]
                           + [{"prompt": "\n\nHuman: Question 3?\n\nAssistant:"}])
@@ -334,7 +335,7 @@ def test_prompts_without_data_are_split_for_the_evaluation(tmp_path):
                                              for i in range(40)])
     model = tiny_model.build_model("llama", ["Question 1 2 3? Yes."] * 20, tmp_path / "m", hidden=16, layers=1,
                                    vocab_size=300)
-    run = train.parse_configs(["--model", str(model), "--prompts", str(prompts), "--sft-data", str(sft)])[0]
+    run = plumbing.flags.parse_configs(["--model", str(model), "--prompts", str(prompts), "--sft-data", str(sft)])[0]
     rec = pipeline.real_model_records(run, {"model": str(model), "sft": None})
     held = {r["prompt"] for r in rec["prompts_heldout"]}
     assert len(held) == 4 and not held & {r["prompt"] for r in rec["prompts_train"]}
@@ -342,12 +343,12 @@ def test_prompts_without_data_are_split_for_the_evaluation(tmp_path):
 
 
 def test_prompts_that_leave_nothing_to_train_or_evaluate_fail_clearly(tmp_path):
-    import pipeline
+    from plumbing import pipeline
     import tiny_model
     model = tiny_model.build_model("llama", ["Question 1 2 3? Yes."] * 20, tmp_path / "m", hidden=16, layers=1,
                                    vocab_size=300)
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "\n\nHuman: Only one?\n\nAssistant:"}] * 3)
-    run = train.parse_configs(["--model", str(model), "--prompts", str(one)])[0]
+    run = plumbing.flags.parse_configs(["--model", str(model), "--prompts", str(one)])[0]
     with pytest.raises(data.DataError, match="fewer than 2 distinct prompts") as info:
         pipeline.real_model_records(run, {"model": str(model), "sft": None})
     assert str(info.value).startswith(str(one))

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
+from plumbing import data
 import tiny_model
 import train
 from reward_model import ScalarHeadModel
 from test_real_data import hh_pairs, write_jsonl
+import plumbing.flags
 
 BUDGET = ["--steps", "1", "--sft-epochs", "1", "--sft-batch", "8", "--rm-epochs", "1", "--rm-batch", "8",
           "--rm-eval-every", "4", "--max-prompt-tokens", "48", "--max-response-tokens", "40", "--rollout-batch", "8",
@@ -259,8 +260,8 @@ def test_the_ptx_batch_of_the_hh_sample_fits_a_128_position_table(tmp_path, caps
     README's limits (P 128, T 64) on a 128-position model the limits are lowered to fit, and every ptx row of the HH
     sample (the longest 2,772 tokens as written with this 300-token tokenizer) runs through the policy as ppo_update
     runs it."""
-    import lm
-    import pipeline
+    from plumbing import models
+    from plumbing import pipeline
     import ppo_loss
     from transformers import AutoModelForCausalLM
     texts = [p + r for p, r in data.load_texts(HH_SAMPLE, skip_bad=True)]
@@ -268,7 +269,7 @@ def test_the_ptx_batch_of_the_hh_sample_fits_a_128_position_table(tmp_path, caps
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_model.model_config("gpt2", tok, hidden=16, layers=1, heads=2,
                                                              max_positions=128)).save_pretrained(tmp_path / "gpt2")
-    run, _, _, cfg, *_ = train.parse_configs(["--model", str(tmp_path / "gpt2"), "--data", str(HH_SAMPLE), "--skip-bad",
+    run, _, _, cfg, *_ = plumbing.flags.parse_configs(["--model", str(tmp_path / "gpt2"), "--data", str(HH_SAMPLE), "--skip-bad",
                                              "--max-new-tokens", "32"])
     dirs = pipeline.resolve_real_models(run, cfg)
     run, cfg = pipeline.fit_context(run, cfg, dirs)

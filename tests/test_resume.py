@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from plumbing import checkpoint
 import ppo_max
 import train
+import plumbing.config
+import plumbing.flags
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
@@ -124,7 +127,7 @@ def test_collapse_alarm_stop_checkpoints_and_replays_the_same(work, metrics):
     assert summary["collapse_alarm"]["step"] == 2 and summary["stopped"] == "collapse alarm at step 2"
     latest = checkpoint.find_latest(work / "alarm")  # the steps done, alarm step included; resumable
     assert latest.name == "step-000003" and (latest / "COMPLETE").exists()
-    import monitor
+    from plumbing import monitor
     assert monitor.replay(work / "alarm", kl_max=0.0, patience=2)["alarm"] == 2  # replay = the live alarm
 
 
@@ -149,7 +152,7 @@ def test_damaged_newest_checkpoint_resumes_from_the_one_before(work, uninterrupt
 def test_a_damaged_run_record_is_one_line_naming_it(tmp_path, content, capsys):
     (tmp_path / "run_config.json").write_bytes(content)
     with pytest.raises(SystemExit) as e:
-        train.resumed_argv([], train.RunConfig(out=str(tmp_path), resume=str(tmp_path)))
+        plumbing.flags.resumed_argv([], plumbing.config.RunConfig(out=str(tmp_path), resume=str(tmp_path)))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "run_config.json: damaged run record" in err[0], err
 
@@ -159,14 +162,14 @@ def test_a_new_run_replaces_a_finished_run_and_refuses_an_unfinished_one(tmp_pat
     were this run's (steps 0, 1 and then 3 of the other run): a finished run's are removed, an unfinished run (whose
     work --resume could still continue) stops the new one with one line."""
     (tmp_path / "checkpoints" / "step-000003").mkdir(parents=True)
-    run = train.RunConfig(out=str(tmp_path))
+    run = plumbing.config.RunConfig(out=str(tmp_path))
     with pytest.raises(SystemExit) as e:
-        train.replace_earlier_run(run, tmp_path, rank=0)
+        plumbing.run.replace_earlier_run(run, tmp_path, rank=0)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "unfinished run (newest checkpoint step-000003)" in err[0], err
     assert (tmp_path / "checkpoints" / "step-000003").is_dir()  # nothing lost
-    train.replace_earlier_run(train.RunConfig(out=str(tmp_path), resume=str(tmp_path)), tmp_path, rank=0)  # resume
+    plumbing.run.replace_earlier_run(plumbing.config.RunConfig(out=str(tmp_path), resume=str(tmp_path)), tmp_path, rank=0)  # resume
     (tmp_path / "summary.json").write_text("{}")
-    train.replace_earlier_run(run, tmp_path, rank=0)
+    plumbing.run.replace_earlier_run(run, tmp_path, rank=0)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "summary.json").exists()
     assert "replaces it" in capsys.readouterr().out

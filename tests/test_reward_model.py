@@ -361,7 +361,7 @@ def test_sequence_classification_rm_scores_as_transformers_does(arch, pad_is_eos
     what transformers' own forward gives for each sequence alone (1e-5), when the pad id is the EOS (read before the
     final EOS) and when it is not, batched with left, right or two-sided padding and one at a time; and a right-padded
     batch equals transformers' own batched forward with its attention mask."""
-    import data
+    from plumbing import data
     import tiny_model
     rows, texts = seqcls_texts
     tok = tiny_model.build_tokenizer(arch, texts, tmp_path / "rm", 300)
@@ -411,8 +411,8 @@ def test_sequence_classification_rm_beside_a_lora_critic_reads_where_it_did(seqc
     EOS, that reward model still reads before the final EOS, as transformers does."""
     import copy
     from types import SimpleNamespace
-    import data
-    import lora
+    from plumbing import data
+    from plumbing import lora
     import tiny_model
     rows, texts = seqcls_texts
     tok = tiny_model.build_tokenizer("llama", texts, tmp_path / "rm", 300)

@@ -13,8 +13,9 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-import scale
-from scale import GiB, ModelNotFound
+from plumbing import scale
+from plumbing.scale import GiB, ModelNotFound
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -369,7 +370,7 @@ def test_deepspeed_configs_are_valid_zero_configs():
 
 
 def test_cli_prints_plan():
-    out = subprocess.run([sys.executable, str(ROOT / "scale.py"), "--model", "llama-7b", "--gpu-mem", "24"],
+    out = subprocess.run([sys.executable, "-m", "plumbing.scale", "--model", "llama-7b", "--gpu-mem", "24"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "DOES NOT FIT" in out and "together:" in out
 
@@ -571,13 +572,13 @@ def test_lora_r0_is_the_full_fine_tuning_plan():
     assert same.rows == full.rows and same.total_bytes == full.total_bytes and same.lora is None
     assert scale.format_plan(same) == scale.format_plan(full)
     assert scale.plan_stage_memory(SMALL, "rm", lora_r=0) == scale.plan_stage_memory(SMALL, "rm")
-    cli = lambda *a: subprocess.run([sys.executable, str(ROOT / "scale.py"), *a], capture_output=True,  # noqa: E731
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "plumbing.scale", *a], capture_output=True,  # noqa: E731
                                     text=True, timeout=60, check=True).stdout
     assert cli("--gpu-mem", "24") == cli("--gpu-mem", "24", "--lora-r", "0")
 
 
 def test_lora_cli_prints_the_one_gpu_table():
-    out = subprocess.run([sys.executable, str(ROOT / "scale.py"), "--model", "llama-7b", "--num-gpus", "1",
+    out = subprocess.run([sys.executable, "-m", "plumbing.scale", "--model", "llama-7b", "--num-gpus", "1",
                           "--gpu-mem", "24", "--lora-r", "16"], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     table = scale.format_one_gpu_table(scale.one_gpu_table("llama-7b", **ONE_GPU), ONE_GPU, "q_proj,v_proj (auto)")
@@ -600,16 +601,18 @@ def test_lora_docs_show_what_the_code_prints():
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["scale.py", "--lora-r", "-1"], "--lora-r -1"),
-    (["scale.py", "--lora-r", "16", "--lora-bits", "3"], "--lora-bits 3"),
-    (["scale.py", "--lora-bits", "4"], "--lora-bits 4"),             # quantized weights without adapters
-    (["scale.py", "--lora-r", "16", "--lora-targets", "nosuchlayer"], "--lora-targets nosuchlayer"),
-    (["scale.py", "--lora-r", "16", "--lora-targets", "q_proj,nosuchlayer"], "nosuchlayer"),
+    (["plumbing/scale.py", "--lora-r", "-1"], "--lora-r -1"),
+    (["plumbing/scale.py", "--lora-r", "16", "--lora-bits", "3"], "--lora-bits 3"),
+    (["plumbing/scale.py", "--lora-bits", "4"], "--lora-bits 4"),             # quantized weights without adapters
+    (["plumbing/scale.py", "--lora-r", "16", "--lora-targets", "nosuchlayer"], "--lora-targets nosuchlayer"),
+    (["plumbing/scale.py", "--lora-r", "16", "--lora-targets", "q_proj,nosuchlayer"], "nosuchlayer"),
     (["train.py", "--model", "llama-7b", "--plan", "--lora-r", "16", "--lora-bits", "3"], "--lora-bits 3"),
 ])
 def test_lora_bad_flags_are_one_line_and_exit_2(argv, flag, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True,
+    script = ["-m", "plumbing.scale"] if argv[0] == "plumbing/scale.py" else [str(ROOT / argv[0])]
+    proc = subprocess.run([sys.executable, *script, *argv[1:]], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                                       "PYTHONPATH": str(ROOT),
                                                        "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")})
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
@@ -633,7 +636,7 @@ def test_plan_flags_out_of_range_are_one_line_naming_the_flag(flags, message, ca
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     """A tiny model of every architecture tools/tiny_model.py builds, and a reward model (fresh head) beside it."""
-    import data
+    from plumbing import data
     import memory_check
     import tiny_model
     texts = [p + r for p, r in data.load_texts(memory_check.HH, skip_bad=True)][:200]
@@ -654,7 +657,7 @@ STATIC_CASES = ([(a, False, 0, "rm") for a in ("llama", "qwen2", "mistral", "gpt
 
 @pytest.mark.parametrize("arch, bf16, lora_r, critic_init", STATIC_CASES)
 def test_plan_static_bytes_equal_a_runs_tensors(tiny_dirs, arch, bf16, lora_r, critic_init):
-    """`train.py --model DIR --plan` for a run, against that run's own tensors: the models built by train.load_models
+    """`train.py --model DIR --plan` for a run, against that run's own tensors: the models built by plumbing.run.load_models
     and make_judge from the same flags, one optimizer step of the policy and of the critic taken, then Σ numel ×
     element_size of each model's parameters, gradients and AdamW states, to the byte. LoRA shares the policy's base
     with the reference and, when the critic starts from the reward model, the critic's with the reward model."""
@@ -697,7 +700,7 @@ def wide(tmp_path_factory):
 @pytest.mark.parametrize("lora_r", [16, 0])
 def test_wide_plan_equals_the_runs_tensors(wide, lora_r):
     """LLaMA-7B's widths, 2 layers (0.67 B parameters, vocabulary 32,000), bf16: `--plan`'s static bytes against
-    the tensors of the models train.load_models builds, after one step, to the byte (in a process of its own)."""
+    the tensors of the models plumbing.run.load_models builds, after one step, to the byte (in a process of its own)."""
     out, model = wide
     if not lora_r and _available_gib() < 18:
         pytest.skip(f"full weights hold ~15 GiB of tensors; {_available_gib():.1f} GiB available here")

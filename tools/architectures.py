@@ -39,6 +39,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+import plumbing.run
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: tools/ sits one level below it
 if str(ROOT) not in sys.path:
@@ -220,7 +221,7 @@ def as_objects(kw: dict) -> dict:
 
 def tokenizer_for(model_type: str, work: Path):
     """A byte-level BPE with the family's conventions (tiny_model.STYLES), trained once per style on the HH sample."""
-    import data
+    from plumbing import data
     import tiny_model
     name = style(model_type)
     path = work / "tokenizers" / name
@@ -238,7 +239,7 @@ def tokenizer_for(model_type: str, work: Path):
 def probe(model, tokenizer) -> None:
     """Sample 4 tokens from a left-padded batch of two texts, as transformers does it (no code of ours)."""
     import torch
-    import data
+    from plumbing import data
     seqs = [data.query_ids("\n\nHuman: Hi there.\n\nAssistant:", tokenizer), data.query_ids("\n\nHuman: Why?", tokenizer)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, mask = data.pad(seqs, pad_id, "left")
@@ -384,7 +385,7 @@ def worker(model_type: str, work: Path, probe_only: bool = False) -> dict:
 
 def pairs_file(work: Path, n: int = 64, max_chars: int = 600) -> Path:
     """The first n pairs of the HH sample whose whole text is short (every text fits 512 positions untruncated)."""
-    import data
+    from plumbing import data
     path = work / "pairs.jsonl"
     if path.exists():
         return path
@@ -516,19 +517,19 @@ NOT_APPLICABLE: dict[str, str] = {
 }
 NOTES: dict[str, str] = {
     "cpmant": "the architecture's: CPM-Ant lets every token of its input (its context) attend to every other, so a "
-              "position's logits read the tokens after it; lm.check_causal refuses it (it trained before the check)",
+              "position's logits read the tokens after it; models.check_causal refuses it (it trained before the check)",
     "xlnet": "the architecture's: XLNet's permutation LM attends both ways unless a perm_mask is passed, so a "
-             "position's logits read the tokens after it; lm.check_causal refuses it (it trained before the check)",
+             "position's logits read the tokens after it; models.check_causal refuses it (it trained before the check)",
     "reformer": "the architecture's: in training its sequence length must be a multiple of its chunk length (16), and "
                 "the pipeline pads a batch to its longest sequence only",
     "phimoe": "the architecture's: in train mode PhiMoE's SparseMixer router samples the experts (Gumbel noise), so the "
               "update's network is not the one that sampled; the update's forward in eval mode would make ρ exactly 1",
     "xlstm": "ours: the ptx forward in ppo_max.ppo_update builds a KV cache (no use_cache=False), and xLSTM updates its "
              "cached states in place, which backward then cannot use; with use_cache=False every stage passes",
-    "emu3": "ours: train.load_models loads with AutoModelForCausalLM, which cannot load back the text config Emu3 "
-            "saves; with lm.causal_lm_class every stage passes",
-    "mllama": "ours: train.load_models loads with AutoModelForCausalLM, which cannot load back the text config Mllama "
-              "saves; with lm.causal_lm_class every stage passes",
+    "emu3": "ours: plumbing.run.load_models loads with AutoModelForCausalLM, which cannot load back the text config Emu3 "
+            "saves; with models.causal_lm_class every stage passes",
+    "mllama": "ours: plumbing.run.load_models loads with AutoModelForCausalLM, which cannot load back the text config Mllama "
+              "saves; with models.causal_lm_class every stage passes",
 }
 
 

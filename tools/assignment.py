@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: tools/ sits one le
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the project's modules (data, train, ...)
 
-from cli import OneLineParser, UserError, cli_guard  # noqa: E402  (after the sys.path line above)
+from plumbing.cli import OneLineParser, UserError, cli_guard  # noqa: E402  (after the sys.path line above)
 
 # module → {function (Class.method for a method): the equation it implements}. Only these bodies are removed.
 ASSIGNMENT: dict[str, dict[str, str]] = {

@@ -69,9 +69,9 @@ import torch
 
 import ppo_max
 from reward_model import ScalarHeadModel
-from scale import llama_param_count
-from cli import OneLineParser, fail
-from data import pad
+from plumbing.scale import llama_param_count
+from plumbing.cli import OneLineParser, fail
+from plumbing.data import pad
 
 MiB, GiB = 2**20, 2**30
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # as sft.tiny_llama; random prompt tokens are drawn from [3, V)

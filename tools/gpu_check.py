@@ -33,11 +33,12 @@ if str(ROOT) not in sys.path:
 
 import torch
 
-import cli
-import data
-import pipeline
+from plumbing import cli
+from plumbing import data
+from plumbing import pipeline
 import tiny_model
 import train
+import plumbing.flags
 
 HH = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
 
@@ -52,7 +53,7 @@ def planned_gib(argv: list[str]) -> dict[str, float]:
     import io
     mem = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if torch.cuda.is_available() else 80
     with contextlib.redirect_stdout(io.StringIO()):
-        plan = train.print_plan(argv + ["--plan", "--num-gpus", "1", "--gpu-mem", f"{mem:.1f}"])
+        plan = plumbing.flags.print_plan(argv + ["--plan", "--num-gpus", "1", "--gpu-mem", f"{mem:.1f}"])
     sft, rm = (p["total_bytes"] - p["rows"]["overhead"] for p in plan.stages)
     return {"sft": sft / 2 ** 30, "rm": rm / 2 ** 30, "critic+ppo": (plan.total_bytes - plan.overhead_bytes) / 2 ** 30}
 

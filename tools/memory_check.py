@@ -44,6 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the project's modules (data, train, ...)
 
 import torch
+import plumbing.flags
+import plumbing.run
 
 HH = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
 MODELS = ("policy", "critic", "reference", "reward", "judge")
@@ -59,7 +61,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def held_bytes(models: dict, optimizers: dict) -> dict[str, dict[str, int]]:
     """{model: {"weights", "gradients", "optimizer", "buffers"}} in bytes, read off the tensors themselves. `models`
-    maps names (MODELS) to what train.load_models / make_judge return (torch modules, or lora.AdaptersOff, whose
+    maps names (MODELS) to what plumbing.run.load_models / make_judge return (torch modules, or lora.AdaptersOff, whose
     parameters() are the shared model's); `optimizers` maps the trained ones to their optimizers."""
     seen_params, seen_buffers, out = set(), set(), {}
     for name in MODELS:
@@ -128,7 +130,7 @@ def critic_loss(critic, batch: dict):
 
 
 def one_step(m, batch: dict) -> None:
-    """One optimizer step of the policy and one of the critic (train.Models m), in train mode as ppo_update runs."""
+    """One optimizer step of the policy and one of the critic (plumbing.run.Models m), in train mode as ppo_update runs."""
     m.policy.train()
     m.critic.train()
     _steps(m.policy_opt, m.policy, policy_loss(m.policy, batch))
@@ -145,7 +147,7 @@ def measured_models(m, judge) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def reward_dir(sft_dir: Path, out: Path, seed: int = 0) -> Path:
     """A reward model directory from an SFT directory: its LM, a fresh seeded head, its tokenizer (no training)."""
-    import data
+    from plumbing import data
     from reward_model import ScalarHeadModel
     if not (out / "value_head.safetensors").is_file():
         ScalarHeadModel.from_pretrained(sft_dir, seed=seed).save_pretrained(out)
@@ -164,18 +166,18 @@ def run_argv(model: Path, reward: Path, *, bf16: bool, lora_r: int, critic_init:
 
 
 def load_run(model: Path, reward: Path, argv: list[str]):
-    """(train.Models, train.Judge, run, cfg) exactly as train.main builds them for these flags, in one process."""
-    import data
-    import lora
+    """(plumbing.run.Models, plumbing.run.Judge, run, cfg) exactly as train.main builds them for these flags, in one process."""
+    from plumbing import data
+    from plumbing import lora
     import train
-    from pipeline import Inputs
-    run, _, _, cfg, *_ = train.parse_configs(argv)
+    from plumbing.pipeline import Inputs
+    run, _, _, cfg, *_ = plumbing.flags.parse_configs(argv)
     device = torch.device("cpu")
     critic = reward if cfg.critic_init == "rm" else model
     inp = Inputs(policy=model, ref=model, reward=reward, critic=critic, tokenizer=data.load_tokenizer(model), data={},
                  judge=reward)
-    m = train.load_models(inp, run, cfg, device, None)
-    judge = train.make_judge(inp, False, m.bf16, device, lora.quantization(run))
+    m = plumbing.run.load_models(inp, run, cfg, device, None)
+    judge = plumbing.run.make_judge(inp, False, m.bf16, device, lora.quantization(run))
     return m, judge, run, cfg
 
 
@@ -186,7 +188,7 @@ def plan_of(argv: list[str], **shapes):
     import train
     extra = [x for k, v in shapes.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     with contextlib.redirect_stdout(io.StringIO()):
-        return train.print_plan(argv + ["--plan", "--num-gpus", "1", *extra])
+        return plumbing.flags.print_plan(argv + ["--plan", "--num-gpus", "1", *extra])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,7 +302,7 @@ WIDE_VOCAB = 32000
 
 def wide_config(tokenizer, layers: int = 2):
     """LlamaConfig with llama-7b's numbers (scale.LLAMA_CONFIGS) and `layers` layers, the tokenizer's special ids."""
-    import scale
+    from plumbing import scale
     from transformers import LlamaConfig
     numbers = dict(scale.LLAMA_CONFIGS["llama-7b"], num_hidden_layers=layers)
     assert len(tokenizer) == numbers["vocab_size"] == WIDE_VOCAB
@@ -310,7 +312,7 @@ def wide_config(tokenizer, layers: int = 2):
 
 def build_wide(out: str | Path, layers: int = 2, seed: int = 0) -> Path:
     """The 7B-wide shallow model, random init, saved in bf16 with its 32,000-token tokenizer (module docstring)."""
-    import data
+    from plumbing import data
     import tiny_model
     from transformers import AutoModelForCausalLM
     out = Path(out)
@@ -377,7 +379,7 @@ def _table(rows: list[tuple]) -> str:
 
 
 def main(argv=None) -> None:
-    import cli
+    from plumbing import cli
     p = cli.OneLineParser(prog="tools/memory_check.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("static", "phases"):
@@ -413,7 +415,7 @@ def main(argv=None) -> None:
     flags = run_argv(model, reward, bf16=a.bf16, lora_r=a.lora_r, critic_init=a.critic_init)
     m, judge, run, cfg = load_run(model, reward, flags)
     if a.cmd == "static":
-        import data
+        from plumbing import data
         V = data.load_tokenizer(model).vocab_size
         one_step(m, random_batch(min(V, m.policy.config.vocab_size), 2, 8, 8))
         got = held_bytes(measured_models(m, judge), {"policy": m.policy_opt, "critic": m.critic_opt})
@@ -449,5 +451,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from cli import cli_guard
+    from plumbing.cli import cli_guard
     cli_guard(main)()

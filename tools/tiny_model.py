@@ -94,8 +94,8 @@ def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    import cli
-    import data
+    from plumbing import cli
+    from plumbing import data
     p = cli.OneLineParser(prog="tools/tiny_model.py", description=__doc__.split("\n")[0])
     p.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture and its tokenizer's conventions")
     p.add_argument("--out", required=True, help="the model directory to write")
@@ -124,5 +124,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import cli
+    from plumbing import cli
     cli.cli_guard(main)()

@@ -24,6 +24,7 @@ import atexit
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -95,7 +96,7 @@ def engine_config(config_path: str, zero_stage: int, bf16: bool, micro_batch: in
     """DeepSpeed JSON of a trained model: the file at `config_path`, or scale.deepspeed_config from the flags (ZeRO
     stage, bf16, gradient_clipping). Either way one optimizer step is one micro batch of `micro_batch` sequences per
     rank: no gradient accumulation."""
-    import scale
+    from plumbing import scale
     if config_path:
         try:
             ds = json.loads(Path(config_path).read_text())
@@ -115,6 +116,11 @@ def engine_config(config_path: str, zero_stage: int, bf16: bool, micro_batch: in
     return ds
 
 
+def trainable(model) -> list[torch.nn.Parameter]:
+    """What an optimizer steps: every parameter for full fine-tuning, the adapters (and head) under LoRA."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def wrap(model, optimizer, ds: dict | None, lr: float):
     """One trained model, ready for its stage: (engine, its optimizer) from deepspeed.initialize when `ds` is a
     DeepSpeed config (with our AdamW, or with the JSON's own optimizer block, e.g. DeepSpeed's CPU Adam for offload,
@@ -123,11 +129,10 @@ def wrap(model, optimizer, ds: dict | None, lr: float):
         return model, optimizer
     import deepspeed
 
-    import lora
     if "optimizer" in ds:
         block = ds["optimizer"]
         ds = {**ds, "optimizer": {**block, "params": {**block.get("params", {}), "lr": lr}}}
-        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=lora.trainable(model), config=ds)
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model), config=ds)
     else:
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return engine, opt
@@ -268,3 +273,37 @@ def close_distributed() -> None:
     if world_size() > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What every supervised stage (SFT, the reward model, DPO) sets up before its first step
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Stage:
+    """A supervised stage's moving parts: the model to call (its DeepSpeed engine under DeepSpeed), its optimizer,
+    the seeded batches (row indices, then the collated tensors on the model's device), the number of steps, the
+    device and this process's rank."""
+    trained: torch.nn.Module
+    opt: object
+    batches: object
+    steps: int
+    device: torch.device
+    rank: int
+
+
+def supervised_stage(model, encoded: list, epochs: float, batch: int, lr: float, seed: int, collate, pad_id,
+                     ds: dict | None) -> Stage:
+    """The set-up SFT, the reward model and DPO share: epochs × len(encoded) / batch steps (at least one), dropout
+    off for good (but --lora-dropout) so the same batch gives the same loss anywhere, AdamW (no weight decay) on what
+    trains (under LoRA: the adapters, and a scalar head), the model wrapped into a DeepSpeed engine when `ds` is a
+    config, and seeded epochs of batches, each rank taking its slice of every batch (data.minibatches)."""
+    from plumbing import data
+    from plumbing.models import disable_dropout
+    steps = max(1, int(epochs * len(encoded) / batch))
+    disable_dropout(model, keep="lora_dropout")
+    opt = torch.optim.AdamW(trainable(model), lr=lr, weight_decay=0.0)
+    trained, opt = wrap(model, opt, ds, lr)
+    device = next(model.parameters()).device
+    rank_, world = rank(), world_size()
+    batches = data.minibatches(encoded, batch, steps, seed, collate, pad_id, device, rank_, world)
+    return Stage(trained, opt, batches, steps, device, rank_)

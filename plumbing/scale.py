@@ -413,7 +413,7 @@ def _lora_targets(cfg, spec: str) -> dict:
     on the output head itself), "modules", "model_type", "hidden_size"} for --lora-targets on cfg's architecture
     (what model_config takes), counted by lora.count_trainable on a meta-device copy (no weights), once per
     architecture and spec. Each name of a comma-separated spec must match a linear layer, as training requires."""
-    import lora
+    from plumbing import lora
 
     config = model_config(cfg)
     key = (config.to_json_string(use_diff=False), spec)
@@ -1188,7 +1188,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def plan_settings(args: argparse.Namespace, **run) -> dict:
     """plan_memory's keywords from the plan's flags, each in its range (else one line naming the flag, exit 2);
     `run` (train.py --plan: the run's own choices) wins."""
-    from cli import check_flags
+    from plumbing.cli import check_flags
     check_flags(args, {"num_gpus": ">=1", "gpu_mem": ">0", "micro_batch": ">=1", "rollout_batch_per_gpu": ">=1",
                        "ptx_batch_per_gpu": ">=0", "prompt_len": ">=1", "response_len": ">=1", "overhead_gb": ">=0",
                        "lora_r": ">=0", "lora_bits": "4|8|16"})

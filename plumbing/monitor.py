@@ -48,6 +48,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
+import torch
+from torch import Tensor
+
+from plumbing.engine import all_mean, any_rank
+from ppo_loss import entropy, masked_mean
+
 
 KL_KEY, LENGTH_KEY, PPL_KEY = "kl/ref", "response/length", "policy/perplexity"
 
@@ -387,6 +393,67 @@ class Tracker:
             self.writer.finish()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The logged numbers of steps (2)-(6) and the non-finite check every rank agrees on (ppo_max.py calls them;
+# nothing here changes what is trained)
+# ---------------------------------------------------------------------------------------------------------
+def check_finite(named: dict[str, Tensor | None]) -> str | None:
+    """The name of the first tensor holding a NaN/inf (None when all are finite; None entries are skipped), the same
+    on every rank: a rank that skipped an update alone would deadlock the others ("on another rank" where only
+    another one saw it)."""
+    named = {k: x for k, x in named.items() if x is not None}
+    device = next(iter(named.values())).device
+    bad = next((name for name, x in named.items() if not torch.isfinite(x).all()), None)
+    return (bad or "on another rank") if any_rank(bad is not None, device) else None
+
+
+def experience_stats(exp: dict, logits: Tensor, kl_exact: Tensor, rewards_seq: Tensor, rewards: Tensor) -> dict:
+    """metrics.jsonl's numbers of steps (2)-(5) (docs/metrics.md defines each), averaged over the ranks; called
+    inside make_experience's torch.no_grad()."""
+    mask, all_scores, advantages = exp["mask"], exp["all_scores"], exp["advantages"]
+    stats = {
+        "reward/score": all_scores.mean().item(),
+        "reward/score_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
+        "reward/normalized": rewards_seq.mean().item(),
+        "reward/total": (rewards * mask).sum(1).mean().item(),
+        "kl/ref": masked_mean(kl_exact, mask).item(),
+        "kl/ref_k1": masked_mean(exp["logprobs"] - exp["ref_logprobs"], mask).item(),
+        "kl/ref_seq": (kl_exact * mask).sum(1).mean().item(),
+        "policy/perplexity": math.exp(-masked_mean(exp["logprobs"], mask).item()),
+        "policy/entropy": masked_mean(entropy(logits), mask).item(),
+        "response/length": mask.sum(1).mean().item(),
+        "adv/mean": masked_mean(advantages, mask).item(),
+        "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),
+        "returns/mean": masked_mean(exp["returns"], mask).item(),
+    }
+    if exp["values"] is not None:  # a critic-free estimator has no values
+        stats["values/mean"] = masked_mean(exp["values"], mask).item()
+    return all_mean(stats, mask.device)
+
+
+def minibatch_stats(pg_loss, vf_loss, ptx, kl_loss, pg_stats: dict, grad_norm, cfg) -> dict:
+    """Step (6)'s numbers of one minibatch; loss/vf only with a critic, loss/kl only with --kl-in loss."""
+    stats = {"loss/pg": pg_loss.item(), **({"loss/vf": vf_loss.item()} if vf_loss is not None else {}),
+             "loss/ptx": ptx.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/approx_kl": pg_stats["approx_kl"],
+             "ppo/ratio": pg_stats["ratio"], "grad/norm": float(grad_norm)}
+    if cfg.kl_in == "loss":
+        stats["loss/kl"] = kl_loss.item()
+    if "dual_clipfrac" in pg_stats:
+        stats["ppo/dual_clipfrac"] = pg_stats["dual_clipfrac"]
+    return stats  # the same numbers on every rank (the KL controller and the logs read them)
+
+
+def update_stats(per_minibatch: list[dict], nonfinite: list[str], device) -> dict:
+    """Step (6)'s logged numbers: each averaged over the minibatches and over the ranks, the count of skipped
+    optimizer steps, and "guard/nonfinite" (what was NaN/inf, on any rank) when there were some."""
+    stats = {k: sum(s[k] for s in per_minibatch) / len(per_minibatch) for k in per_minibatch[0]}
+    stats["guard/skipped_updates"] = float(len(nonfinite))
+    stats = all_mean(stats, device)
+    if any_rank(bool(nonfinite), device):
+        return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
+    return stats
+
+
 def progress(iterable, desc: str, total: int | None = None, initial: int = 0, disable: bool = False,
              leave: bool = True, every: float = 10.0):
     """`iterable` under tqdm's progress bar. When stderr is not a terminal (a log file, a pipe) the bar is drawn at
@@ -430,17 +497,19 @@ class RunLog:
         self.tracker = tracker if main_rank and tracker is not None else Tracker("none", out, "")
         self.alarm_info: dict | None = None
         if main_rank:  # atomic: a crash here loses nothing, and another rank reading metrics.jsonl never sees it torn
-            from checkpoint import atomic_write_text
+            from plumbing.checkpoint import atomic_write_text
             atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
             atomic_write_text(out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
         import os
         self.metrics_f = open(out / "metrics.jsonl" if main_rank else os.devnull, "a")
         self.samples_f = open(out / "samples.jsonl" if main_rank else os.devnull, "a")
 
-    def steps(self, start: int, total: int):
-        """range(start, total) under a progress bar (rank 0 only) that starts at `start` of `total`."""
+    def steps(self, start: int, total: int, bar: bool = True):
+        """range(start, total) under a progress bar (rank 0 only; none with bar=False) that starts at `start` of
+        `total`."""
         self.total = total
-        self.bar = progress(range(start, total), "4. PPO", total=total, initial=start, disable=not self.main_rank)
+        self.bar = progress(range(start, total), "4. PPO", total=total, initial=start,
+                            disable=not (self.main_rank and bar))
         return self.bar
 
     def record(self, step: int, m: dict, scores: list[float], judged: list[float] | None, prompts: list[str],
@@ -483,7 +552,7 @@ class RunLog:
 def parse_args(argv: list[str]):
     """The flags of `replay` and `sweep`, every threshold and grid value checked against THRESHOLD_RANGES: one line
     `error: …` naming the flag, exit 2 (cli.fail), before any run is read. The grids become lists."""
-    import cli
+    from plumbing import cli
     p = cli.OneLineParser(prog="monitor.py",
                           description="Replay finished runs' logs through the collapse alarm, without retraining: when "
                                       "would it have fired, and was that before the gold reward had fallen halfway "
@@ -507,7 +576,7 @@ def parse_args(argv: list[str]):
 def parse_grid(flag: str, text: str, kind: type, spec: str) -> list:
     """A comma-separated grid flag ("0.05,0.1") as a list of `kind`, each value within `spec`; else one line naming
     the flag and the value."""
-    import cli
+    from plumbing import cli
     values = []
     for item in text.split(","):
         try:
@@ -526,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     """`python monitor.py`: the worked example. `replay RUN_DIR ...`: each run's first alarm against its gold-halfway
     step. `sweep RUN_DIR ...`: a grid of kl_max × patience over the same runs. Other thresholds: flags. A bad flag,
     a wrong path or a damaged log is one line `error: …`, exit 2."""
-    import cli
+    from plumbing import cli
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         return worked_example()

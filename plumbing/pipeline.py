@@ -34,19 +34,20 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import data
-import engine
+from plumbing import checkpoint
+from plumbing import data
+from plumbing import engine
 import eval as evaluation
-import lm
-import lora
-import ppo_max
-import scale
+from plumbing import models
+from plumbing import lora
+
+from plumbing import scale
 import toy_world
-from cli import fail
-from reward_model import (RMConfig, ScalarHeadModel, not_a_reward_model, reward_model_kind, score_pairs,
-                          train_reward_model)
-from sft import SFTConfig, pretrained_model, tiny_llama, train_sft
+from plumbing.cli import fail
+from plumbing.config import PPOConfig, RMConfig, SFTConfig
+from plumbing.models import not_a_reward_model, reward_model_kind
+from reward_model import ScalarHeadModel, score_pairs, train_reward_model
+from sft import pretrained_model, tiny_llama, train_sft
 
 
 STAGES = ("sft", "rm", "critic", "ppo")
@@ -81,7 +82,7 @@ def base_dir(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
 
 
 def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-               rebuild: bool = False, cfg: ppo_max.PPOConfig | None = None) -> tuple[Path, bool]:
+               rebuild: bool = False, cfg: PPOConfig | None = None) -> tuple[Path, bool]:
     """(the base, whether this process built it): stages 1-2 into runs/_base/<name>-<hash>/: data/*.jsonl and the
     tokenizer, sft/ and reward_model/ (Hugging Face directories), sft_log.json, rm_log.json (Fig. 3),
     rm_heldout_scores.json (Fig. 2), timings.json, config.json; in the synthetic world also rm_length_bias.json, with
@@ -279,7 +280,7 @@ def run_records(run, tokenizer, report: data.DataReport | None = None, splits: d
 CONSUMERS = ("heldout", "judge", "sft", "rm", "critic", "ppo", "ptx", "eval")  # the keys of records.json
 
 
-def stage_records(records: dict[str, list[dict]], run, cfg: ppo_max.PPOConfig) -> dict[str, list[dict]]:
+def stage_records(records: dict[str, list[dict]], run, cfg: PPOConfig) -> dict[str, list[dict]]:
     """What each consumer of the run reads, by name: the one place where each stage takes its part of the run's
     records (run_records, or the synthetic world's), so that records.json (write_stage_records) says what trained.
 
@@ -385,7 +386,7 @@ def reward_model_dir(sft_dir, tokenizer, pairs: list[dict], heldout: list[dict],
                                          quantization=lora.quantization(run) if adapters else None)
     rm = rm if adapters and run.lora_bits != 16 else rm.to(device)
     if grad_ckpt:
-        lm.gradient_checkpointing(rm)
+        models.gradient_checkpointing(rm)
     if adapters:
         rm = lora.add_adapters(rm, run, seed=seed)
     log = train_reward_model(rm, tokenizer, pairs, heldout, rm_cfg, seed, ds=ds, out_dir=out_dir)
@@ -411,7 +412,7 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def resolve_real_models(run, cfg: ppo_max.PPOConfig) -> dict[str, str | None]:
+def resolve_real_models(run, cfg: PPOConfig) -> dict[str, str | None]:
     """Local directories of a real --model and of the models given for the stages it skips (--sft-model,
     --reward-model, --critic-model; None where a stage trains it here). A name not on this machine ends the run with
     scale.py's message (download it, or pass a local directory); so does a stage that has no data to train on."""
@@ -501,7 +502,7 @@ def check_models(dirs: dict) -> None:
                  f"(model.resize_token_embeddings) and save it, or use the tokenizer it was trained with")
 
 
-def fit_context(run, cfg: ppo_max.PPOConfig, dirs: dict) -> tuple:
+def fit_context(run, cfg: PPOConfig, dirs: dict) -> tuple:
     """(run, cfg) with --max-prompt-tokens, --max-response-tokens and --max-new-tokens lowered, where they must be, to
     fit the shortest context among the models that read the run's sequences (data.context_limits): every text a
     stage builds then fits every model, learned position tables and rotary ones alike. Printed when it changes them;
@@ -546,7 +547,7 @@ def real_model_records(run, dirs: dict) -> dict[str, list[dict]]:
     return run_records(run, data.load_tokenizer(dirs["sft"] or dirs["model"]))
 
 
-def real_model_stages(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, dirs: dict,
+def real_model_stages(run, cfg: PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, dirs: dict,
                       rank: int, world: int, device: torch.device, timings: dict, records: dict) -> dict:
     """Stages 1-2 on a real Hugging Face model (the same sft.train_sft and reward_model.train_reward_model as the
     tiny world), each into --out/<stage>/ unless a directory for it was given, on their parts of `records`
@@ -598,14 +599,14 @@ def load_lm(path, bf16: bool, device: torch.device, grad_ckpt: bool, run=None):
     adapters = run is not None and lora.enabled(run)
     kw = lora.load_kwargs(run, bf16)
     try:
-        model = lm.causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kw)
+        model = models.causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kw)
     except (OSError, ValueError, RuntimeError) as e:  # no weights, a damaged file, a config no causal LM takes
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         fail(f"{path}: cannot load a causal LM from it ({first})")
     model = model if "quantization_config" in kw else model.to(device)
-    lm.check_causal(model, path)
+    models.check_causal(model, path)
     if grad_ckpt:
-        lm.gradient_checkpointing(model)
+        models.gradient_checkpointing(model)
     return lora.add_adapters(model, run, seed=run.seed) if adapters else model
 
 
@@ -652,7 +653,7 @@ class Inputs:
     rows: dict = dataclasses.field(default_factory=dict)  # stage_records(data): what PPO, ptx and the evaluation read
 
 
-def ppo_inputs(run, cfg: ppo_max.PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
+def ppo_inputs(run, cfg: PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
                world_cfg: toy_world.WorldConfig, dirs: dict | None, main_rank: bool,
                records: dict | None = None) -> Inputs:
     """A real --model: its directories and its parts of the run's records (real_model_records: PPO's prompts, the
@@ -697,7 +698,7 @@ def preference_pairs(run, inp: Inputs, dirs: dict | None) -> tuple[list[dict], l
 
 
 def stop_after_stages(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-                      dirs: dict | None, rank: int, cfg: ppo_max.PPOConfig) -> dict:
+                      dirs: dict | None, rank: int, cfg: PPOConfig) -> dict:
     """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base, and
     --out/records.json from it)."""
     if dirs is None:

@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli import OneLineParser, UserError, cli_guard
+from plumbing.cli import OneLineParser, UserError, cli_guard
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"

@@ -29,7 +29,7 @@ weights would learn nothing useful; there LoRA applies to the critic and the pol
 it applies to SFT, the reward model, the critic and the policy.
 
 Dropout: --lora-dropout acts on the adapters' input in SFT and reward-model training only; PPO switches it off
-with every other dropout (lm.disable_dropout), since the ratio ρ must be exactly 1 on the first minibatch.
+with every other dropout (models.disable_dropout), since the ratio ρ must be exactly 1 on the first minibatch.
 
 References: Hu et al. 2021 (LoRA); Dettmers et al. 2023 (QLoRA: 4-bit NF4 frozen weights); peft's documentation
 (LoraConfig, PeftModel.disable_adapter, merge_and_unload); TRL's PPO with peft (reference = adapters off).
@@ -89,7 +89,7 @@ def _check_targets(model: torch.nn.Module, run, targets) -> None:
               if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
     missing = [t for t in targets if t.rsplit(".", 1)[-1] not in linear]
     if missing:
-        from cli import fail
+        from plumbing.cli import fail
         fail(f"--lora-targets {run.lora_targets}: {', '.join(missing)} matches no linear layer of this "
              f"{model.config.model_type} model (its layers: {', '.join(sorted(linear))})")
 
@@ -141,11 +141,6 @@ def peft_model(model):
     """The PeftModel inside a (DeepSpeed-wrapped) causal LM or ScalarHeadModel."""
     model = getattr(model, "module", model)
     return getattr(model, "lm", model)
-
-
-def trainable(model) -> list[torch.nn.Parameter]:
-    """What an optimizer steps: every parameter for full fine-tuning, the adapters (and head) under LoRA."""
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -265,7 +260,7 @@ def merge(adapter_dir, out_dir, base_dir=None, dtype: torch.dtype | None = None)
     the merge is done in fp32 and the result written in `dtype`; without, in the base's dtype as saved."""
     from peft import PeftConfig, PeftModel
 
-    from lm import causal_lm_class
+    from plumbing.models import causal_lm_class
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     base_dir = Path(base_dir or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path)
     from transformers import AutoTokenizer
@@ -312,7 +307,7 @@ def check_bits(run, device_type: str) -> None:
     any other machine, one line saying so, before any work."""
     if run.lora_bits == 16:
         return
-    from cli import fail
+    from plumbing.cli import fail
     if not run.lora_r:
         fail(f"--lora-bits {run.lora_bits}: quantized frozen weights are for LoRA; add --lora-r R (e.g. 16)")
     if device_type != "cuda":
@@ -341,7 +336,7 @@ def quantization(run) -> dict:
 # Command line: merge an adapter directory (the trainable-parameter counts: `python scale.py --lora-r R`)
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    from cli import OneLineParser, fail
+    from plumbing.cli import OneLineParser, fail
     p = OneLineParser(prog="lora.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="write an adapter directory merged into its base as a plain HF directory")
@@ -373,5 +368,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from cli import cli_guard
+    from plumbing.cli import cli_guard
     cli_guard(main)()

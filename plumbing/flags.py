@@ -1,0 +1,424 @@
+"""The flags of train.py: the parser built from plumbing/config.py's dataclasses, every value and combination checked
+before any work, the presets layered in, the run's record for --resume, and --plan's memory bill.
+
+Implements (no equation):
+    configure(argv)        → the run's argv (with --resume: the recorded flags too) and its six configurations,
+                             every layer of plumbing/config.py applied, every flag checked (validate)
+    build_parser(full)     → argparse from the dataclasses: `--help` shows config.FIRST_READING, `--help-all` all
+    startup_line(...)      → what a run prints first: its preset and what differs from it
+    write_record(...)      → run_config.json: the flags and the resolved configuration, read back by --resume
+    print_plan(argv)       → --plan: plumbing/scale.py's per-GPU memory plan of the run these flags describe
+A mistake is one line `error: …`, exit 2 (cli.fail), before anything is trained, loaded or written.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+import critic_free
+import toy_world
+from plumbing import checkpoint, cli, data, lora, scale
+from plumbing.cli import fail
+from plumbing.pipeline import STAGES, data_source, write_json
+from sft import tiny_llama_config
+from plumbing.config import (FIRST_READING, PRESETS, DPOConfig, PPOConfig, RMConfig, RunConfig, SFTConfig,
+                             apply_preset, context_presets, implied)
+
+CONFIGS = (("run", RunConfig), ("SFT", SFTConfig), ("reward model", RMConfig), ("PPO", PPOConfig),
+           ("DPO (--method dpo; dpo.py)", DPOConfig))
+
+
+FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be existing files when given
+
+
+def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfig,
+             world_cfg: toy_world.WorldConfig, dpo_cfg: DPOConfig) -> None:
+    """Every flag against its range or choices, the files it names, and the combinations the loop needs: one line
+    naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written."""
+    for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-"), (dpo_cfg, "")):
+        for name, spec in cli.allowed(type(obj)).items():
+            value = getattr(obj, name)
+            problem = cli.check_value(value, spec)
+            if problem:
+                fail(f"--{prefix}{name.replace('_', '-')} {value!r}: {problem}")
+    for name in FILE_FLAGS:  # a data flag may also name a save_to_disk folder or a hub dataset id (data.source)
+        path = getattr(run, name)
+        if path and not Path(path).exists() and (name == "deepspeed_config" or data.looks_like_a_path(path)):
+            fail(f"--{name.replace('_', '-')} {path}: no such file")
+    if run.deepspeed_config:
+        try:
+            ds = json.loads(Path(run.deepspeed_config).read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            fail(f"--deepspeed_config {run.deepspeed_config}: not valid JSON ({str(e).splitlines()[0]})")
+        zero = ds.get("zero_optimization", {}) if isinstance(ds, dict) else None
+        if not isinstance(zero, dict):
+            fail(f"--deepspeed_config {run.deepspeed_config}: expected a JSON object with a zero_optimization "
+                 f"object, if any, got {type(ds if zero is None else zero).__name__}")
+        if zero.get("stage", 0) not in (0, 1, 2):
+            fail(f"--deepspeed_config {run.deepspeed_config}: zero_optimization.stage {zero.get('stage')!r}: the loop "
+                 f"runs ZeRO stages 0, 1 and 2")
+        if not run.deepspeed and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # one process: no engine reads it
+            fail(f"--deepspeed_config {run.deepspeed_config}: DeepSpeed engines run under the `deepspeed` launcher "
+                 f"with more than one process, or with --deepspeed")
+    if run.resume and not Path(run.resume).exists():
+        fail(f"--resume {run.resume}: no such run or checkpoint directory")
+    if cfg.minibatch > cfg.rollout_batch:
+        fail(f"--minibatch {cfg.minibatch}: must be ≤ --rollout-batch {cfg.rollout_batch} (a minibatch is a part of "
+             f"the rollout batch)")
+    validate_estimator(run, cfg)
+    if run.method != "ppo" and run.resume:
+        fail(f"--resume with --method {run.method}: only the PPO loop checkpoints; a {run.method} run is one short "
+             f"stage, start it again")
+    if sft_cfg.sft_hidden % sft_cfg.sft_heads:
+        fail(f"--sft-hidden {sft_cfg.sft_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    if rm_cfg.rm_hidden % sft_cfg.sft_heads:
+        fail(f"--rm-hidden {rm_cfg.rm_hidden}: must be divisible by --sft-heads {sft_cfg.sft_heads}")
+    sized = [f for f in ("rm_hidden", "rm_layers", "rm_pairs") if getattr(rm_cfg, f)]
+    if sized and run.model != "tiny":
+        fail(f"--{sized[0].replace('_', '-')}: sizes the reward model the synthetic world and --data train here; a "
+             f"real --model's reward model is its own (pass it with --reward-model DIR)")
+    if run.bf16 and run.fp32:
+        fail("--bf16 and --fp32: choose one")
+    if run.log_with == "wandb":
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            fail("--log-with wandb: wandb is not installed here (pip install wandb; with WANDB_MODE=offline it needs "
+                 "no network); metrics.jsonl is written either way, and --log-with tensorboard needs nothing more")
+    if run.lora_r:
+        try:
+            lora.target_modules("", run.lora_targets)
+        except ValueError as e:
+            fail(str(e))
+    if run.lora_bits != 16:  # bitsandbytes: a CUDA GPU, one process
+        lora.check_bits(run, "cuda" if torch.cuda.is_available() else "cpu")
+        if run.deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            fail(f"--lora-bits {run.lora_bits}: quantized frozen weights run in one process here, not under DeepSpeed "
+                 f"engines; drop --deepspeed / the launcher, or use --lora-bits 16")
+    if Path(run.out).exists() and not Path(run.out).is_dir():
+        fail(f"--out {run.out}: exists and is not a directory")
+
+
+def validate_estimator(run: RunConfig, cfg: PPOConfig) -> None:
+    """--advantage, --group-size, --kl-in and the peers' conventions: the combinations that cannot work, one line."""
+    a, G = cfg.advantage, cfg.group_size
+    if a in critic_free.GROUPED and G < 2:
+        fail(f"--advantage {a}: needs --group-size G ≥ 2 (its baseline comes from the other responses to the same "
+             f"prompt); e.g. --group-size 4")
+    if cfg.rollout_batch % G:
+        fail(f"--rollout-batch {cfg.rollout_batch}: must be a multiple of --group-size {G} (it counts responses: "
+             f"prompts × G)")
+    if a == "dr-grpo" and cfg.loss_agg != "seq-mean-token-sum-norm":
+        fail(f"--advantage dr-grpo with --loss-agg {cfg.loss_agg}: Dr. GRPO is its advantage r − mean_G r AND its loss "
+             f"divided by the constant batch × --max-new-tokens (seq-mean-token-sum-norm), which it implies: leave "
+             f"--loss-agg out")
+    if cfg.kl_in == "loss" and cfg.kl_estimator in ("k1", "full"):
+        why = ("k1 = log π/π_SFT has zero expected gradient on samples of π (E_π[∇ log π] = 0)" if cfg.kl_estimator == "k1"
+               else "the exact KL in the loss would need the reference's logits in every minibatch")
+        fail(f"--kl-in loss with --kl-estimator {cfg.kl_estimator}: {why}; use k3 (GRPO's) or k2")
+    if cfg.dual_clip and cfg.dual_clip <= 1:
+        fail(f"--dual-clip {cfg.dual_clip:g}: must be > 1 (for Â < 0 the objective is bounded below by c·Â) or 0 = off")
+    if a != "gae":
+        if run.critic_model:
+            fail(f"--critic-model {run.critic_model}: --advantage {a} trains no critic (drop one of them)")
+        if [x.strip() for x in run.stages.split(",") if x.strip()][-1:] == ["critic"]:
+            fail(f"--stages {run.stages}: --advantage {a} has no critic to pre-train; end the stages with ppo or rm")
+
+
+class HelpAll(argparse.Action):
+    """--help-all: every flag of every configuration, then exit (as --help does)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        build_parser(full=True).print_help()
+        parser.exit()
+
+
+def build_parser(full: bool = False) -> argparse.ArgumentParser:
+    """Every field of config.py's dataclasses as a flag (`--field-name`), with its help, allowed range and default.
+    `--help` shows the flags of config.FIRST_READING grouped by stage; `--help-all` (full=True) every flag, grouped by
+    configuration. PPO's parser defaults are None: its defaults come from the preset (config.py's layers)."""
+    p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0] if full else
+                          "RLHF with PPO-max: SFT -> reward model -> critic pre-training -> PPO (arXiv 2307.04964)",
+                          epilog=None if full else "--help-all lists every flag (about 130); defaults and presets: "
+                                                   "plumbing/config.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--help-all", action=HelpAll, nargs=0, default=argparse.SUPPRESS,
+                   help="every flag, by configuration, and exit")
+    first = {name: title for title, names in FIRST_READING.items() for name in names}
+    stage_groups = {} if full else {title: p.add_argument_group(title) for title in FIRST_READING}
+    for title, cls in CONFIGS:
+        group = p.add_argument_group(title) if full else None
+        for f in dataclasses.fields(cls):
+            flags = ["--" + f.name.replace("_", "-")]
+            if f.name == "deepspeed_config":
+                flags.append("--deepspeed_config")  # DeepSpeed's own spelling of the flag
+            help_ = f.metadata.get("help", "")
+            spec = f.metadata.get("allowed")
+            if spec:
+                help_ += f" (allowed: {spec.replace('|', ', ')})"
+            if cls is PPOConfig:  # PPO defaults come from the preset, so the parser's default is None
+                kw = dict(default=None, help=f"{help_} [PPO-max: {f.default}]")
+            else:
+                kw = dict(default=f.default, help=help_)
+            target = group or stage_groups.get(first.get(f.name)) or p
+            if not full and f.name not in first:
+                kw["help"] = argparse.SUPPRESS  # still a flag; listed by --help-all
+            if f.type in (bool, "bool"):
+                target.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+                target.add_argument(*flags, type=typ, **kw)
+    g = p.add_argument_group("synthetic world (toy_world.WorldConfig)") if full else p
+    for f in dataclasses.fields(toy_world.WorldConfig):
+        if f.name != "seed":
+            spec = f.metadata.get("allowed")
+            g.add_argument("--world-" + f.name.replace("_", "-"), dest="world_" + f.name, type=type(f.default),
+                           default=f.default, help=(f.metadata.get("help", "") + (
+                               f" (allowed: {spec.replace('|', ', ')})" if spec else "")) if full else argparse.SUPPRESS)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p
+
+
+def given_flags(argv) -> set[str]:
+    """The dest names of the flags actually on the command line."""
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS      # parse again: only the flags actually given survive
+    return set(vars(p.parse_args(argv)))
+
+
+def parse_configs(argv=None):
+    """(RunConfig, SFTConfig, RMConfig, PPOConfig, WorldConfig, DPOConfig) of a command line: config.py's layers
+    (field defaults, the preset, the presets of what the run trains on, the implied flags) under the flags given, and
+    --out defaulting to runs/<name>-seed<seed> (or the resumed run's directory); every value checked (validate)."""
+    args = build_parser().parse_args(argv)
+    given = given_flags(argv)
+    pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # noqa: E731
+    run, sft_cfg, rm_cfg, dpo_cfg = pick(RunConfig), pick(SFTConfig), pick(RMConfig), pick(DPOConfig)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(PPOConfig) if f.name in given}
+    try:
+        ppo = apply_preset(run.preset, **overrides)                                          # layers 1-2
+    except ValueError as e:
+        fail(f"--preset: {e}")
+    for _, preset in context_presets(run.data, run.model):                                   # layer 3
+        run, sft_cfg, rm_cfg, ppo = (dataclasses.replace(c, **{k: v for k, v in preset.items() if k not in given and
+                                                                k in {f.name for f in dataclasses.fields(c)}})
+                                     for c in (run, sft_cfg, rm_cfg, ppo))
+    ppo = implied(ppo, given | set(PRESETS[run.preset]))                                     # layer 4
+    world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
+                                                     for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
+    if run.resume and not run.out:  # --resume alone continues in the run's own directory
+        p = Path(run.resume)
+        if p.exists() and not p.is_dir():
+            fail(f"--resume {run.resume}: not a run or checkpoint directory (a file)")
+        run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
+    if not run.out:  # runs of other estimators, data or LoRA never share a directory with the default run
+        data_tag = f"-{Path(run.data).name.split('.')[0]}" if run.data and run.model == "tiny" else ""
+        run.out = f"runs/{run_name(run, ppo)}{data_tag}{lora_tag(run)}-seed{run.seed}"
+    validate(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg)
+    return run, sft_cfg, rm_cfg, ppo, world, dpo_cfg
+
+
+def startup_line(run: RunConfig, configs: tuple) -> str:
+    """What a run prints first: its preset, the presets of what it trains on, and every flag whose value differs
+    from the preset's (config.py), not every field."""
+    base = (RunConfig(), SFTConfig(), RMConfig(), apply_preset(run.preset), toy_world.WorldConfig(seed=run.seed),
+            DPOConfig())
+    changed = {}
+    for prefix, old, new in zip(("", "", "", "", "world-", ""), base, configs):
+        for name, value in dataclasses.asdict(new).items():
+            if value != getattr(old, name) and name not in ("preset", "out", "seed"):
+                changed[prefix + name.replace("_", "-")] = value
+    layers = [name for name, _ in context_presets(run.data, run.model)]
+    return (f"preset {run.preset!r}" + "".join(f" + {name!r}" for name in layers) + f", seed {run.seed}, out "
+            f"{run.out} (plumbing/config.py); changed: " + (json.dumps(changed, ensure_ascii=False) if changed else
+                                                            "nothing"))
+
+
+def run_name(run: RunConfig, cfg: PPOConfig) -> str:
+    """The default --out's name: the method (dpo, best-of-16), or the preset and the estimator and group size when
+    they are not GAE's (runs/ppo-max-grpo-g4-seed0)."""
+    if run.method == "dpo":
+        return "dpo"
+    if run.method == "best-of-n":
+        return f"best-of-{run.bon_n}"
+    name = run.preset
+    if cfg.advantage != "gae":
+        name += f"-{cfg.advantage}"
+    return name + (f"-g{cfg.group_size}" if cfg.group_size > 1 else "")
+
+
+def lora_tag(run: RunConfig) -> str:
+    """The default --out's mark of a LoRA run ("-lora8"), empty for full weights."""
+    return f"-lora{run.lora_r}" if run.lora_r else ""
+
+
+RUN_RECORD = "run_config.json"  # in the run directory: the flags and the resolved configuration of the run
+SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps",
+                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
+
+
+def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfig, toy_world.WorldConfig,
+                              DPOConfig]:
+    """The run's flags and every configuration, presets and defaults applied. With --resume DIR the flags are the
+    run's recorded ones (RUN_RECORD) plus those given now, which may only change SAFE_ON_RESUME."""
+    run = parse_configs(argv)[0]
+    if run.resume:
+        try:  # before anything is built: a resume with nothing intact to resume from stops now
+            if checkpoint.find_intact(run.resume, log=lambda line: None) is None:
+                fail(f"--resume {run.resume}: no intact checkpoint there")
+        except ValueError as e:
+            fail(str(e))
+        argv = resumed_argv(argv, run)
+    return (argv, *resolve(argv))
+
+
+def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
+    """The resumed run's recorded flags, then the ones given with --resume (argparse: the last one wins). A given
+    flag that changes anything but SAFE_ON_RESUME is refused with one line naming it."""
+    record = Path(run.out) / RUN_RECORD
+    if not record.is_file():
+        print(f"[resume] no {record} (a run from before runs recorded their flags): using the flags given now")
+        return argv
+    try:
+        recorded = json.loads(record.read_text())["argv"]
+        if not (isinstance(recorded, list) and all(isinstance(a, str) for a in recorded)):
+            raise ValueError("argv is not a list of strings")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        fail(f"{record}: damaged run record ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+             f"restore it, or delete it to resume with the flags given now")
+    combined = recorded + argv + ["--out", run.out]
+    before, after = resolve(recorded + ["--out", run.out]), resolve(combined)
+    for prefix, old, new in zip(("", "", "", "", "world-", ""), before, after):
+        for name, value in dataclasses.asdict(new).items():
+            if value != getattr(old, name) and name not in SAFE_ON_RESUME:
+                flag = f"--{prefix}{name.replace('_', '-')}"
+                fail(f"{flag} {value!r} contradicts the run's {flag} {getattr(old, name)!r} (recorded in {record}): "
+                     f"--resume continues the run as configured; leave it out (only "
+                     f"{', '.join('--' + s.replace('_', '-') for s in sorted(SAFE_ON_RESUME - {'resume', 'out'}))} "
+                     f"may change)")
+    return combined
+
+
+def resolve(argv):
+    """(run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg) of a command line, presets and defaults applied and checked."""
+    run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = parse_configs(argv)
+    if cfg.policy_init != "sft" and (run.data or run.model != "tiny"):
+        fail("--policy-init pretrained needs the synthetic world")
+    if cfg.ptx_data != "sft" and (run.data or run.model != "tiny"):
+        fail("--ptx-data pretrain needs the synthetic world (its pretraining text); on real data ptx uses --sft-data "
+             "or --data")
+    stages = [s.strip() for s in run.stages.split(",") if s.strip()]
+    if not stages or any(s not in STAGES for s in stages) or stages != sorted(set(stages), key=STAGES.index):
+        fail(f"--stages {run.stages}: expected stages from {','.join(STAGES)}, each once, in that order (e.g. sft,rm)")
+    if run.model == "tiny":  # the synthetic world (or --data's tiny model) trains every model it uses itself
+        for name in ("sft_model", "reward_model", "critic_model"):
+            if getattr(run, name):
+                fail(f"--{name.replace('_', '-')} {getattr(run, name)}: needs a real --model DIR; the tiny model "
+                     f"trains its own")
+        for name in ("prompts", "sft_data"):
+            if getattr(run, name) and not run.data:
+                fail(f"--{name.replace('_', '-')} {getattr(run, name)}: needs --data or a real --model; the "
+                     f"synthetic world makes its own prompts and demonstrations")
+    return run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg
+
+
+
+def write_record(out: Path, argv: list[str], *configs) -> None:
+    """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
+    flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
+    write_json(out / RUN_RECORD, {"argv": flags, "configs": {name: dataclasses.asdict(c) for name, c in
+                                                             zip(("run", "sft", "rm", "ppo", "world", "dpo"), configs)}})
+
+
+def check_data_files(run: RunConfig) -> None:
+    """Read every data file once now, so a bad line stops the run (one line naming file and line, exit 2) before any
+    stage; the stages read them again, which costs well under a second for files of this size."""
+    if run.data:
+        data.load_pairs(data_source(run, run.data), skip_bad=run.skip_bad)
+    if run.sft_data:
+        data.load_texts(data_source(run, run.sft_data), skip_bad=run.skip_bad)
+    if run.prompts:
+        data.load_prompts(data_source(run, run.prompts), skip_bad=run.skip_bad)
+
+
+def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
+    """--lora-targets must name layers of the model (the tiny LLaMA, or the real --model's architecture)."""
+    if not lora.enabled(run):
+        return
+    if dirs is None:
+        print("[lora] stages 1-2 train the tiny model from scratch, in full (adapters on random weights learn nothing "
+              "useful); the critic and the policy train adapters")
+        config = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+    else:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(dirs["sft"] or dirs["model"], trust_remote_code=False)
+    lora.check_targets(config, run)
+
+
+
+def print_plan(argv: list[str]) -> "scale.MemoryPlan":
+    """--plan: scale.py's per-GPU memory plan of the run these flags describe, loading no weights: --model (for
+    `tiny`, its LlamaConfig) and its reward model, the critic's start (--critic-init, --critic-model), the judge (on
+    real data with --judge-frac > 0), LoRA and the sharing load_models does, DeepSpeed engines (more than one GPU, or
+    --deepspeed) or one process with torch AdamW, and the weights' dtype as the run loads them (--bf16 or DeepSpeed's
+    bf16; else as saved). The shapes are the plan's flags (--micro-batch, --rollout-batch-per-gpu, --prompt-len, ...,
+    the paper's set-up by default), or this run's own --minibatch, --rollout-batch, --ptx-batch, --max-prompt-tokens,
+    --max-new-tokens, --sft-batch and --rm-batch (over the GPUs) when those are on the command line. The plan comes
+    back with its stages 1-2 in plan.stages."""
+    plan_args, rest = scale.add_plan_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
+    run, sft_cfg, rm_cfg, cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
+    real = run.model != "tiny"
+    if real:
+        model, reward, critic_model = run.sft_model or run.model, run.reward_model or None, run.critic_model or None
+    else:
+        model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+        critic_model = None
+    G = plan_args.num_gpus
+    engines = run.deepspeed or G > 1 if plan_args.engine == "auto" else plan_args.engine == "deepspeed"
+    if plan_args.fp32:
+        beta = 4
+    elif run.bf16 or engines:  # DeepSpeed on an accelerator with bf16 (pipeline.use_bf16)
+        beta = 2
+    else:  # one process without --bf16: from_pretrained loads the weights as saved (the tiny world trains in fp32)
+        beta = scale.saved_dtype_bytes(model) if real else 4
+    given, shapes = given_flags(rest), {}
+    for flag, key, per_gpu in (("minibatch", "micro_batch", True), ("rollout_batch", "rollout_batch_per_gpu", True),
+                               ("ptx_batch", "ptx_batch_per_gpu", True), ("max_prompt_tokens", "prompt_len", False),
+                               ("max_new_tokens", "response_len", False)):
+        if flag in given and f"--{key.replace('_', '-')}" not in argv:  # the plan's own flag wins
+            value = getattr(cfg if hasattr(cfg, flag) else run, flag)
+            shapes[key] = max(1, value // G) if per_gpu else value
+    stage_batch = {f"{k}_batch": max(1, getattr(c, f"{k}_batch") // G) if f"{k}_batch" in given else None
+                   for k, c in (("sft", sft_cfg), ("rm", rm_cfg))}  # stages 1-2: sequences / pairs per GPU per step
+    judge = bool(run.data and run.judge_frac) and (not real or "rm" in run.stages.split(","))
+    settings = scale.plan_settings(plan_args, engine="deepspeed" if engines else "torch", dtype_bytes=beta,
+                                   critic_init="model" if critic_model else cfg.critic_init,
+                                   policy_init=cfg.policy_init, judge=judge, critic=cfg.advantage == "gae", **shapes)
+    if not cfg.ptx_coef:
+        settings["ptx_batch_per_gpu"] = 0
+    try:
+        plan = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, **settings)
+        # the tiny world and --data alone train stages 1-2 from scratch, in full (lora.py)
+        plan.stages = scale.stage_plans(model, settings if real else {**settings, "lora_r": 0, "lora_bits": 16},
+                                        **stage_batch)
+    except (scale.ModelNotFound, ValueError) as e:
+        fail(str(e))
+    if run.model == "tiny":
+        plan.name = "tiny (the synthetic world's LLaMA)"
+    print(scale.format_stage_plans(plan.stages))
+    print(scale.format_plan(plan))
+    other = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, suggest=False,
+                              **{**settings, "critic": not settings["critic"]})  # the same run with / without a critic
+    if settings["critic"]:
+        print(f"A critic-free run (--advantage {'|'.join(critic_free.CRITIC_FREE)}) holds no critic: "
+              f"{other.total_bytes / scale.GiB:.2f} GiB per GPU, {(plan.total_bytes - other.total_bytes) / scale.GiB:.2f} "
+              f"GiB less")
+    else:
+        print(f"--advantage {cfg.advantage} holds no critic: {(other.total_bytes - plan.total_bytes) / scale.GiB:.2f} GiB "
+              f"per GPU less than PPO with GAE's critic ({other.total_bytes / scale.GiB:.2f} GiB)")
+    return plan
+

@@ -1,0 +1,672 @@
+"""The run around the stages (skip on a first reading): start-up, the PPO stage's models and judge, the loop's state
+and its plumbing, the evaluation and summary, resume, and the other methods' stage. Nothing here changes what is
+trained; train.py calls each piece once, by name.
+
+Implements (no equation):
+    start(argv)                → flags checked, real models and data read once, --out made, processes started
+    Models, load_models(...)   → PPO's four models (policy and critic trained; reference and reward model frozen)
+    Judge, make_judge(...)     → gold in the synthetic world, a held-out reward model on real data
+    LoopState                  → what a resumed run restores besides weights: moments, η, the alarm, the guard
+    LoopPlumbing               → the loop's three plumbing calls: steps(), skip(), end_step()
+    critic_stage(...)          → stage 3's call and its log
+    evaluate(...), write_summary(...)  → the held-out comparison with SFT, summary.json
+    other_method(...)          → --method dpo | best-of-n in the place of stages 3-4
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import best_of_n
+import dpo
+import eval as evaluation
+import ppo_max
+import toy_world
+from plumbing import checkpoint, data, engine, flags, models, lora
+from plumbing import monitor as collapse
+from plumbing.cli import fail
+from plumbing.config import DPOConfig, PPOConfig, RunConfig
+from plumbing.pipeline import (Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
+                               real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
+                               stop_after_stages, use_bf16, write_json, write_stage_records)
+from reward_model import ScalarHeadModel
+
+
+# =========================================================================================================
+# Start-up and stages 1-2
+# =========================================================================================================
+@dataclass
+class Setup:
+    """What start() settled, passed to every later piece: the configurations, the real models' directories (None in
+    the synthetic world and with --data alone), the run's directory, this process's rank, the number of ranks and
+    its device; `done` and `result` once a --stages list ends the run early."""
+    argv: list[str]
+    run: RunConfig
+    sft: object                     # config.SFTConfig
+    rm: object                      # config.RMConfig
+    ppo: PPOConfig
+    world_cfg: object               # toy_world.WorldConfig
+    dpo: DPOConfig
+    dirs: dict | None
+    out: Path
+    rank: int
+    world: int
+    device: torch.device
+    t_start: float = 0.0
+    timings: dict = dataclasses.field(default_factory=dict)
+    records: dict | None = None     # a real model's split of --data (pipeline.run_records)
+    inp: Inputs | None = None       # what the PPO stage reads (pipeline.ppo_inputs)
+    judge: "Judge | None" = None
+    logs: tuple = dataclasses.field(default_factory=lambda: ([], []))  # a resumed run's earlier metrics.jsonl
+    # and samples.jsonl rows
+    done: bool = False
+    result: dict | None = None
+
+
+def start(argv: list[str]) -> Setup:
+    """Every flag and combination checked (plumbing/flags.py), real models resolved and read, the data files read
+    once, --out made and probed, the processes started, an earlier finished run in --out replaced, the run's record
+    written and its start-up line printed: all before any stage trains."""
+    argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = flags.configure(argv)  # with --resume: the recorded flags
+    dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
+    if dirs:  # every id of the tokenizer must have an embedding, every text a stage builds fit every model's positions
+        check_models(dirs)
+        run, cfg = fit_context(run, cfg, dirs)
+    flags.check_data_files(run)
+    flags.check_lora(run, sft_cfg, dirs)
+    out = make_out_dir(run)
+    rank, world, device = start_processes(run, cfg)
+    replace_earlier_run(run, out, rank)
+    if rank == 0:  # --resume DIR alone continues from this record
+        flags.write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
+    print(flags.startup_line(run, (run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)))
+    return Setup(argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg, dirs, out, rank, world, device, time.time())
+
+
+def stages_1_2(s: Setup) -> Inputs | None:
+    """Stages 1-2: a real model's SFT and reward model trained into --out (or given), or the synthetic world's (and
+    --data's) cached base; then what the PPO stage reads (pipeline.ppo_inputs). None, with s.done, when --stages
+    ends the run after sft or rm."""
+    if s.dirs:  # one split of --data for every stage (pipeline.run_records); the tiny model's: in the cached base
+        s.records = real_model_records(s.run, s.dirs)
+        if s.rank == 0:  # records.json: what each stage reads (pipeline.stage_records), before the first one runs
+            write_stage_records(s.out, stage_records(s.records, s.run, s.ppo))
+        s.dirs = real_model_stages(s.run, s.ppo, s.sft, s.rm, s.dirs, s.rank, s.world, s.device, s.timings, s.records)
+    if last_stage(s.run) in ("sft", "rm"):
+        s.done, s.result = True, stop_after_stages(s.run, s.sft, s.rm, s.world_cfg, s.dirs, s.rank, s.ppo)
+        return None
+    inp = ppo_inputs(s.run, s.ppo, s.sft, s.rm, s.world_cfg, s.dirs, s.rank == 0, s.records)
+    inp.timings.update(s.timings)
+    s.inp = inp
+    return inp
+
+
+def ppo_setup(s: Setup, inp: Inputs) -> tuple["Models", data.RolloutBatches, "LoopState",
+                                                checkpoint.RunCheckpoints]:
+    """Stages 3-4's inputs: the four models (load_models), the judge (s.judge), the prompt and ptx streams of the
+    training split (as records.json lists them), the loop's state and the run's checkpoints."""
+    if s.ppo.ptx_coef and not inp.rows["ptx"]:
+        print("[ptx] no SFT text (--prompts only): the ptx term (Eq. 17) is off; pass --data pairs to keep it")
+        s.ppo = dataclasses.replace(s.ppo, ptx_coef=0.0)
+    checkpoint.seed_everything(s.run.seed + s.rank)  # rank r samples its own stream; rank 0's: the one-process one
+    m = load_models(inp, s.run, s.ppo, s.device, deepspeed_config(s.run, s.ppo, s.world, s.device))
+    s.judge = make_judge(inp, not (s.run.data or s.dirs), m.bf16, s.device, lora.quantization(s.run))  # gold
+    batches = data.RolloutBatches([r["prompt"] for r in inp.rows["ppo"]],
+                                  [(r["prompt"], r["response"]) for r in inp.rows["ptx"]], inp.tokenizer,
+                                  seed=s.run.seed, rank=s.rank, world=s.world, device=s.device)
+    state = LoopState.new(s.run, s.ppo)
+    s.timings = dict(inp.timings)
+    return m, batches, state, run_checkpoints(m, s.out, batches, s.run, s.rank)
+
+
+def resume(s: Setup, ckpts: checkpoint.RunCheckpoints, state: "LoopState") -> int:
+    """--resume: the newest intact checkpoint restored into the models, optimizers, RNG streams and `state`; its
+    step is returned, and the metrics.jsonl and samples.jsonl rows of the steps before it kept in s.logs."""
+    try:
+        ckpt, saved = ckpts.resume(s.run.resume)
+    except ValueError as e:
+        fail(str(e))
+    state.load_state_dict(saved["extra_state"])
+    print(f"[resume] {ckpt}: continuing at step {saved['step']}")
+    if saved["step"] >= s.run.steps:
+        print(f"[resume] the run has {saved['step']} steps and --steps is {s.run.steps}: no step left to train, "
+              f"only the evaluation (a larger --steps continues the run)")
+    step, logs = saved["step"], [s.out / "metrics.jsonl", s.out / "samples.jsonl"]
+    metrics, samples = (data.read_records(f) if f.is_file() else [] for f in logs)
+    s.logs = (metrics[:step], [x for x in samples if x["step"] < step])
+    return step
+
+
+def critic_stage(s: Setup, m: "Models", batches: data.RolloutBatches, state: "LoopState") -> int:
+    """Stage 3, critic pre-training (§5.3.3): ppo_max.pretrain_critic, timed, its log in critic_pretrain.json; nothing
+    (and no line) without a critic, without `critic` in --stages or with --critic-pretrain-steps 0. With --stages
+    ending in critic, the pre-trained critic is saved as the run's result (s.done). Returns PPO's first step, 0."""
+    cfg, tokenizer = s.ppo, batches.tokenizer
+    if m.critic is None or "critic" not in s.run.stages.split(","):  # a critic-free --advantage has no stage 3
+        return 0
+    if cfg.critic_pretrain_steps:
+        t0 = time.time()
+        critic_log = ppo_max.pretrain_critic(
+            m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
+            lambda: batches.prompts(cfg.rollout_batch, cfg.group_size), cfg, data.stop_id(tokenizer),
+            tokenizer.pad_token_id, state.kl_ctl.value,
+            progress=lambda r: collapse.progress(r, "3. critic pre-training", leave=False, disable=s.rank != 0))
+        s.timings["critic_pretrain"] = time.time() - t0
+        print(f"[3. critic pre-training] {s.timings['critic_pretrain']:.1f} s")
+        if s.rank == 0:
+            write_json(s.out / "critic_pretrain.json", critic_log)
+    if last_stage(s.run) == "critic":  # --stages ...,critic: the pre-trained critic is the result
+        if s.rank == 0:
+            lora.save(m.critic, s.out / "critic", tokenizer, s.inp.critic)
+            print(f"[stages] {s.run.stages}: the pre-trained critic is in {s.out / 'critic'}")
+        s.done, s.result = True, {"stages": s.run.stages, "critic": str(s.out / "critic")}
+    return 0
+
+
+def run_checkpoints(m: Models, out: Path, batches: data.RolloutBatches, run: RunConfig,
+                    rank: int) -> checkpoint.RunCheckpoints:
+    """The run's checkpoints: what trains (the policy, and the critic when there is one) with its optimizer, and the
+    prompt stream; a critic-free run checkpoints no critic."""
+    trained = {k: v for k, v in {"policy": (m.policy, m.policy_opt), "critic": (m.critic, m.critic_opt)}.items()
+               if v[0] is not None}
+    return checkpoint.RunCheckpoints(out, {k: v[0] for k, v in trained.items()}, {k: v[1] for k, v in trained.items()},
+                                     {"prompt": batches.rng}, batches.tokenizer, run.keep_last, rank, engine.barrier)
+
+
+def tracker(run: RunConfig, inp: Inputs, out: Path, rank: int) -> collapse.Tracker:
+    """--log-with: the external log of this run, with stages 1-2's curves first (SFT loss per step; the reward
+    model's held-out accuracy and Eq. 2 terms), read from the logs those stages wrote."""
+    t = collapse.Tracker(run.log_with if rank == 0 else "none", out, out.name)
+    sft_log = (inp.base or Path(inp.ref)) / "sft_log.json"
+    rm_log = (inp.base or Path(inp.reward)) / "rm_log.json"
+    if sft_log.is_file():
+        for i, loss in enumerate(json.loads(sft_log.read_text())["loss"]):
+            t.log({"sft/loss": loss}, i)
+    if rm_log.is_file():
+        n = 0
+        for row in json.loads(rm_log.read_text()):
+            t.log({"rm/heldout_accuracy": row["heldout_accuracy"]}, row["step"])
+            for stats in row.get("train", []):
+                t.log({f"rm/{k}": v for k, v in stats.items()}, n)
+                n += 1
+    return t
+
+
+
+def replace_earlier_run(run: RunConfig, out: Path, rank: int) -> None:
+    """A new run (no --resume) in a directory that holds an earlier run's checkpoints: a finished earlier run (its
+    summary.json written) is replaced, its checkpoints removed so that a later --resume can only continue this run;
+    an unfinished one is refused with one line, since --resume would continue it and starting afresh would lose it."""
+    steps = sorted((out / checkpoint.CKPT_SUBDIR).glob("step-*")) if not run.resume else []
+    if not steps:
+        return
+    if not (out / "summary.json").is_file():
+        fail(f"--out {out} holds an unfinished run (newest checkpoint {steps[-1].name}): --resume {out} continues "
+             f"it; to start afresh delete that directory or pass another --out")
+    if rank == 0:
+        print(f"[out] {out} held a finished run: this run replaces it (its checkpoints and summary are removed)")
+        shutil.rmtree(out / checkpoint.CKPT_SUBDIR)
+        (out / "summary.json").unlink()  # until this run writes its own, the directory holds no finished run
+    engine.barrier()
+
+
+def make_out_dir(run: RunConfig) -> Path:
+    """The run's own directory, the first thing written, so that an unwritable --out fails before any stage."""
+    try:
+        Path(run.out).mkdir(parents=True, exist_ok=True)
+        # a probe of its own: under the launcher every rank probes the same --out at once, and with one shared name
+        # one rank's unlink removed the other's probe (FileNotFoundError, read as "cannot write": exit 2)
+        with tempfile.NamedTemporaryFile(dir=run.out, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        fail(f"--out {run.out}: cannot write there ({e.strerror or e})")
+    return Path(run.out)
+
+
+
+@dataclass
+class Models:
+    """PPO's four models: policy and critic trained (DeepSpeed engines under the launcher), reference and reward
+    model frozen (replicated on every rank for inference), and the two optimizers. A critic-free --advantage has
+    three: critic and critic_opt are None."""
+    policy: object
+    ref: object
+    reward_model: object
+    critic: object
+    policy_opt: object
+    critic_opt: object
+    bf16: bool = False
+
+
+def load_models(inp: Inputs, run: RunConfig, cfg: PPOConfig, device: torch.device, ds: dict | None) -> Models:
+    """The four models from their directories, in bf16 when the DeepSpeed config (or --bf16) says so, else as
+    saved, with dropout off in every one of them (rollouts, experience and updates see one deterministic network).
+    With --lora-r the policy and the critic train adapters on frozen weights, and the frozen models are those same
+    weights with the adapters off (lora.AdaptersOff): the reference is the policy's base when both start from one
+    directory (π_SFT), the reward model the critic's when the critic starts from it (PPO-max); no second copy."""
+    bf16 = bool(ds.get("bf16", {}).get("enabled", False)) if ds else run.bf16
+    kw = lora.load_kwargs(run, bf16)  # dtype, and --lora-bits' quantization of frozen weights
+    place = (lambda m: m) if "quantization_config" in kw else (lambda m: m.to(device))  # quantized: placed on load
+    with_critic = cfg.advantage == "gae"  # the critic-free estimators build no critic at all (critic_free.py)
+    share_ref = lora.enabled(run) and Path(inp.ref) == Path(inp.policy)
+    share_rm = with_critic and lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
+    load = lambda path: place(models.causal_lm_class(path).from_pretrained(path, **kw))  # noqa: E731 (Mllama, Emu3: lm.py)
+    policy = load(inp.policy)
+    ref = None if share_ref else load(inp.ref).eval().requires_grad_(False)
+    head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    frozen_q = {} if with_critic else {"quantization": lora.quantization(run)}  # no critic: the RM is frozen alone
+    try:  # a reward model without a trained head stops here: it never becomes a random one
+        reward_model = None if share_rm else ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw,
+                                                                             **frozen_q)
+        critic = ScalarHeadModel.from_pretrained(inp.critic, require_head=share_rm, **head_kw,
+                                                 quantization=lora.quantization(run)) if with_critic else None
+    except ValueError as e:
+        fail(f"--reward-model {e}")
+    critic = place(critic) if critic is not None else None
+    if reward_model is not None:
+        reward_model = reward_model.eval().requires_grad_(False)
+        reward_model = reward_model if frozen_q.get("quantization") else reward_model.to(device)
+    if run.grad_ckpt:  # recompute activations in backward (the paper trains with it); generation is unaffected
+        for m in (policy, critic):
+            if m is not None:
+                models.gradient_checkpointing(m)
+    if lora.enabled(run):  # adapters (B = 0: the models start as their directories), dropout 0 as everywhere in PPO
+        policy = lora.add_adapters(policy, run, seed=run.seed, dropout=0.0)
+        ref = ref or lora.AdaptersOff(policy)
+        if with_critic:
+            reward_head = copy.deepcopy(critic.head)  # the reward model's own head; the critic's head trains
+            critic = lora.add_adapters(critic, run, seed=run.seed + 1, dropout=0.0)
+            reward_model = reward_model or lora.reward_beside_critic(critic, reward_head)
+    for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
+        if model is not None and not isinstance(model, lora.AdaptersOff):  # (the policy's and critic's own weights)
+            models.disable_dropout(model)
+    policy_opt = torch.optim.AdamW(engine.trainable(policy), lr=cfg.policy_lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(engine.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0) if critic else None
+    if ds is not None:
+        print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, policy and critic engines: "
+              f"{json.dumps(ds)}")
+        print("[deepspeed] reference and reward model: inference only, replicated on every rank (if they do not fit: "
+              "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
+    if lora.enabled(run):
+        critic_n = f" / critic {sum(p.numel() for p in engine.trainable(critic)):,}" if critic else ""
+        print(f"[lora] r {run.lora_r}, α {run.lora_alpha:g}, targets {run.lora_targets}: policy "
+              f"{sum(p.numel() for p in engine.trainable(policy)):,}{critic_n} "
+              f"trainable parameters; reference = {'the policy with adapters off' if share_ref else inp.ref}, reward "
+              f"model = {'the critic with adapters off' if share_rm else inp.reward}")
+    if critic is None:
+        print(f"[advantage {cfg.advantage}] no critic: not built, not pre-trained (stage 3), no value loss, not "
+              f"checkpointed")
+    policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
+    if critic is not None:
+        critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
+    return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16)
+
+
+@dataclass
+class Judge:
+    """What decides "better" in the logs and the win rate, never optimised by PPO: the synthetic world's gold
+    reward, or on real data a second reward model trained on pairs the proxy never saw."""
+    name: str                                   # "gold" | "held-out reward model"
+    key: str                                    # its metrics.jsonl key: "reward/gold" | "reward/judge"
+    score: Callable                             # an eval.py judge: (prompts, texts, finished, ids, mask) → rewards
+    model: object | None = None                 # the judge's reward model, if it is one
+
+
+def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None
+               ) -> Judge | None:
+    """Gold in the synthetic world; on real data the held-out reward model, one more frozen model (quantized like
+    the others under --lora-bits)."""
+    if synthetic:
+        return Judge("gold", "reward/gold", toy_world.gold_judge)
+    if not inp.judge:
+        return None
+    rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
+                                         quantization=quantization)
+    rm = models.disable_dropout(rm).eval().requires_grad_(False)
+    rm = rm if quantization else rm.to(device)
+    return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm), rm)
+
+
+@dataclass
+class LoopState:
+    """What a resumed run restores besides weights, optimizers and RNG streams, to continue exactly."""
+    moments: ppo_max.RunningMoments
+    kl_ctl: ppo_max.AdaptiveKLController
+    monitor: collapse.CollapseMonitor
+    guard: checkpoint.NonFiniteGuard
+
+    @classmethod
+    def new(cls, run: RunConfig, cfg: PPOConfig) -> "LoopState":
+        return cls(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
+                   collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
+                   checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
+
+    def state_dict(self) -> dict:
+        return {"moments": self.moments.state_dict(), "kl_coef": self.kl_ctl.value,
+                "monitor": self.monitor.state_dict(), "guard": self.guard.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.moments.load_state_dict(d["moments"])
+        self.kl_ctl.value = d["kl_coef"]
+        self.monitor.load_state_dict(d["monitor"])
+        self.guard.load_state_dict(d["guard"])
+
+
+
+class LoopPlumbing:
+    """What a PPO step does besides the algorithm, behind three calls: steps() (the progress bar and the stopping
+    rules), skip() (the non-finite guard) and end_step() (the judge, gathering across ranks, metrics.jsonl and
+    samples.jsonl, the §5.2 collapse alarm, signals, checkpoints). As a context manager it opens the logs and takes
+    SIGINT/SIGTERM for the loop (a signal finishes the step, checkpoints and exits; under pdb Ctrl-C stays pdb's);
+    finish() ends the run after it. Time spent under a debugger is not counted as the PPO stage's."""
+
+    def __init__(self, s: Setup, m: Models, state: LoopState, ckpts: checkpoint.RunCheckpoints, inp: Inputs,
+                 start: int):
+        self.s, self.m, self.state, self.ckpts, self.inp, self.judge = s, m, state, ckpts, inp, s.judge
+        self.run, self.start, self.tokenizer, self.device, self.group = s.run, start, inp.tokenizer, s.device, \
+            s.ppo.group_size
+        self.point, self.debugged = {}, 0.0  # the step's held-out point; seconds of steps spent under a debugger
+        self.ended = {"stop_reason": None, "signal": None, "path": None}
+
+    def __enter__(self) -> "LoopPlumbing":
+        s = self.s
+        self.t_stage = time.time()
+        self.log = collapse.RunLog(s.out, self.state.monitor, *s.logs, main_rank=s.rank == 0,
+                                   tracker=tracker(s.run, self.inp, s.out, s.rank))
+        self.interrupt = checkpoint.GracefulExit().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, exit
+        self.heldout = heldout_points(self.m, self.inp, s.run, s.ppo, self.judge)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.interrupt.__exit__(*exc)
+        self.log.close()
+        self.s.timings["ppo"] = time.time() - self.t_stage - self.debugged
+
+    def steps(self):
+        """start … steps − 1 under the progress bar (none with --break-at: it would draw over pdb's prompt), until
+        a stop reason or a signal ends the loop; at every --heldout-every step, first the held-out point of the
+        policy as it is (logged with that step)."""
+        for step in self.log.steps(self.start, self.run.steps, bar=self.run.break_at < 0):
+            if self.ended["stop_reason"] or self.ended["signal"]:
+                return
+            every = self.run.heldout_every
+            self.point = self.heldout(step) if self.heldout and every and step % every == 0 else {}
+            self.t0 = time.time()
+            yield step
+            if checkpoint.debugger_active():  # the step ran under pdb: its time is the reader's, not training's
+                self.debugged += time.time() - self.t0
+
+    def skip(self, step: int, bad: str | None) -> bool:
+        """The non-finite guard: True when `bad` names a NaN/inf of this step (its update is, or was, skipped);
+        after --max-bad-steps such steps in a row, stop with the last good checkpoint intact."""
+        if bad is None or not self.state.guard.step(step, bad):
+            return False
+        if self.state.guard.should_stop:
+            self.ended["stop_reason"] = (f"{self.run.max_bad_steps} consecutive steps with non-finite values; last "
+                                         f"good checkpoint: {checkpoint.find_latest(self.run.out)}")
+        return True
+
+    def end_step(self, step: int, exp: dict, upd: dict, prompts: list[str], finished: torch.Tensor) -> None:
+        """Step (7): the judge's rewards, every metric (lists are the global batch), the alarm; then a signal or
+        --save-every checkpoints the run."""
+        if self.skip(step, (upd.get("guard/nonfinite") or [None])[0]):  # an optimizer step was NaN/inf
+            return
+        self.state.guard.ok()  # a step with everything finite: the count of bad steps in a row starts again
+        judge, m = self.judge, self.m
+        texts = [self.tokenizer.decode(r[k.bool()], skip_special_tokens=True)
+                 for r, k in zip(exp["response"], exp["mask"])]
+        with torch.no_grad():  # a reward-model judge reads the very ids (B, L) the proxy scored, with the same mask
+            judged = judge.score(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
+                                 torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
+        G = self.group  # the global batch in prompt order, each group of G responses whole
+        prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
+        judged = engine.gather_list(judged, G) if judge else None
+        gold = judged if judge and judge.key == "reward/gold" else None
+        metrics = {"step": step, **exp["stats"], **upd, **self.point,
+                   "reward/gold": float(np.mean(gold)) if gold else None,
+                   "kl/coef": self.state.kl_ctl.value, "lr/policy": m.policy_opt.param_groups[0]["lr"],
+                   "response/finished": engine.gather_batch(finished.float()).mean().item(),
+                   "time/step": time.time() - self.t0}
+        if judge and not gold:
+            metrics[judge.key] = float(np.mean(judged))  # the proxy's score vs the judge's: over-optimisation
+        alarm = self.log.record(step, metrics, exp["all_scores"].tolist(), judged, prompts, texts,
+                                judge.key if judge else "reward/gold")
+        if alarm is not None and self.run.on_collapse == "stop":
+            self.ended["stop_reason"] = f"collapse alarm at step {step}"
+        if engine.any_rank(self.interrupt.requested, self.device):  # every rank stops at the same step
+            self.ended["signal"] = self.interrupt.signal_name or "signal on another rank"
+        done = step + 1
+        every = self.run.save_every
+        if self.ended["stop_reason"] or self.ended["signal"] or (every and done % every == 0):
+            self.ended["path"] = self.ckpts.save(done, self.state.state_dict())
+
+    def finish(self, ended: dict) -> dict | None:
+        """After the loop: a signal exits 0 with its checkpoint written (--resume continues); non-finite values stop
+        with the last good checkpoint intact (exit 1); else the final checkpoint, then rank 0 saves the final models,
+        evaluates on the held-out prompts and writes summary.json (returned)."""
+        s = self.s
+        if ended["signal"]:
+            print(f"[{ended['signal']}] checkpoint written to {ended['path']}; continue with: "
+                  f"{'deepspeed' if s.world > 1 else 'python'} train.py --resume {s.out}")
+            raise SystemExit(0)
+        if ended["stop_reason"] and not self.log.alarm_info:  # non-finite values: the last good checkpoint stays
+            print(f"error: stopped: {ended['stop_reason']}", file=sys.stderr)
+            raise SystemExit(1)
+        if not ended["stop_reason"] and (not s.run.save_every or s.run.steps % s.run.save_every):
+            self.ckpts.save(s.run.steps, self.state.state_dict())
+        if self.debugged:
+            print(f"[debugger] {self.debugged:.1f} s of PPO steps under the debugger, not counted in its time")
+        engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
+        if s.rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
+            return None
+        return write_summary(self.m, self.inp, s.run, s.ppo, self.log, ended, s.timings, s.t_start, s.dirs,
+                             self.judge, s.device)
+
+
+def heldout_points(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, judge: Judge | None
+                   ) -> Callable[[int], dict]:
+    """The held-out curve's point at a step (--heldout-every): the policy sampled on the held-out prompts as the
+    final evaluation samples (top-p 0.9, temperature 0.8; --heldout-samples each, from a seed of the step's own),
+    judged like it: the judge's mean (heldout/gold or heldout/judge), the proxy's (heldout/score), KL to the
+    reference per token (heldout/kl) and the response length (heldout/length)."""
+    prompts = [r["prompt"] for r in inp.rows["eval"]]
+    proxy = evaluation.rm_judge(m.reward_model)
+    key = {"reward/gold": "heldout/gold", "reward/judge": "heldout/judge"}[judge.key] if judge else None
+
+    def point(step: int) -> dict:
+        policy = engine.unwrap(m.policy)
+        was_training = policy.training
+        policy.eval()
+        samples = evaluation.sample(policy, inp.tokenizer, prompts, run.heldout_samples, 10_007 * run.seed + step + 1,
+                                    cfg.max_new_tokens)
+        r, _ = evaluation.measure(policy, m.ref, m.reward_model, samples, judge.score if judge else proxy)
+        policy.train(was_training)
+        return {**({key: r["gold_reward"]} if key else {}), "heldout/score": r["reward"], "heldout/kl": r["kl"],
+                "heldout/length": r["response_length"]}
+    return point
+
+
+def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: list[dict],
+             judge: Judge | None, device: torch.device) -> dict:
+    """The held-out comparison of the final policy with the SFT model, sampled as the paper evaluates, judged by
+    gold in the synthetic world; on real data by the held-out judge and, side by side, by the proxy reward model
+    PPO optimised (optimistic by construction); the summary's numbers. Only the held-out part of the run's one
+    split is sampled (inp.rows["eval"], pipeline.stage_records), and every judge scores the sampled ids with the
+    masks of training, as in step (2) of the loop."""
+    from transformers import AutoModelForCausalLM
+    sft_model = AutoModelForCausalLM.from_pretrained(inp.base / "sft").to(device).eval() if inp.base else m.ref
+    heldout = [r["prompt"] for r in inp.rows["eval"]]
+    proxy = evaluation.rm_judge(m.reward_model)
+    report = evaluation.compare(engine.unwrap(m.policy).eval(), sft_model, m.ref, m.reward_model, inp.tokenizer,
+                                heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
+                                judge=judge.score if judge else proxy,
+                                extra_judges={"reward model (proxy)": proxy} if judge and judge.name != "gold" else None)
+    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" and history else None
+    out = {"sft": report["sft"], "final": report["policy"],
+           "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
+           "win_rate_vs_sft": report["win_rate"], "judge": judge.name if judge else "reward model"}
+    if report.get("win_rates"):
+        out["win_rate_vs_sft_by_judge"] = {out["judge"]: report["win_rate"], **report["win_rates"]}
+        out["judge_model"] = str(inp.judge)
+    # the policy as itself (temperature 1): gold and proxy against d = √KL(π ‖ π_SFT), the over-optimisation curve
+    out["frontier"] = evaluation.frontier_point(engine.unwrap(m.policy).eval(), sft_model, m.reward_model,
+                                                inp.tokenizer, heldout, run.eval_samples, run.seed + 1,
+                                                cfg.max_new_tokens, judge.score if judge else proxy)
+    return out
+
+
+def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
+    """What summary.json says of stages 1-2: the RM's held-out accuracy (and length bias), or the given models."""
+    dirs = {k: str(v) if v else None for k, v in (dirs or {}).items()}
+    rm_log = (inp.base or Path(inp.reward)) / "rm_log.json"  # a real model's stage 2 keeps it in reward_model/
+    if not rm_log.is_file():
+        return {"models": dirs}
+    rm = {"accuracy": json.loads(rm_log.read_text())[-1]["heldout_accuracy"]}
+    if not inp.base:
+        return {"models": dirs, "rm": rm}
+    if not run.data:
+        bias = json.loads((inp.base / "rm_length_bias.json").read_text())
+        rm.update(length_slope=bias["rm_slope"], gold_length_slope=bias["gold_slope"])
+    return {"rm": rm}
+
+
+
+def start_processes(run: RunConfig, cfg: PPOConfig) -> tuple[int, int, torch.device]:
+    """Threads, quiet libraries, and data parallelism: (rank, world size W, device); W = 1 and the CPU without the
+    `deepspeed` launcher. Only rank 0 prints."""
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards": one bar per model, every stage
+    disable_progress_bars()
+    if not (run.deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        # without DeepSpeed, accelerate still imports it when a model is saved, and DeepSpeed then warns that it
+        # found no GPU: say which accelerator it is (what it would pick itself) so that it stays quiet
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = engine.setup_distributed(run.deepspeed)
+    if rank != 0:  # only rank 0 prints (and later: writes files, evaluates)
+        sys.stdout = open(os.devnull, "w")
+    for name, n in (("rollout_batch", cfg.rollout_batch), ("minibatch", cfg.minibatch)):
+        if n % world:
+            fail(f"--{name.replace('_', '-')} {n} must be divisible by the number of processes ({world}): the global "
+                 f"batch is split evenly across ranks")
+    if cfg.rollout_batch % (cfg.group_size * world):
+        fail(f"--rollout-batch {cfg.rollout_batch} must be divisible by --group-size × processes ({cfg.group_size} × "
+             f"{world}): each rank takes whole groups, so no group of G responses is split across ranks")
+    return rank, world, device
+
+
+def deepspeed_config(run: RunConfig, cfg: PPOConfig, world: int, device: torch.device) -> dict | None:
+    """The engines' DeepSpeed JSON under the launcher or --deepspeed (None otherwise). It decides the dtype of the
+    engines, and so of the frozen models beside them: bf16 where the accelerator has it, unless --fp32."""
+    if not (run.deepspeed or world > 1):
+        return None
+    try:
+        return engine.engine_config(run.deepspeed_config, run.zero_stage, use_bf16(run, device), cfg.minibatch // world,
+                                    cfg.grad_clip)
+    except engine.ConfigError as e:
+        fail(str(e))
+
+
+
+
+def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, log: collapse.RunLog,
+                  ended: dict, timings: dict, t_start: float, dirs: dict | None, judge: Judge | None,
+                  device) -> dict:
+    """Rank 0 at the end: the final policy and critic as Hugging Face directories, the held-out evaluation, and
+    summary.json (printed as a table)."""
+    out = Path(run.out)
+    lora.save(m.policy, out / "policy", inp.tokenizer, inp.policy)  # LoRA: adapter/ and the merged model
+    if m.critic is not None:
+        lora.save(m.critic, out / "critic", inp.tokenizer, inp.critic)
+    t0 = time.time()
+    report = evaluate(m, inp, run, cfg, log.history, judge, device)
+    timings["eval"] = time.time() - t0
+    pretrain = out / "critic_pretrain.json"  # what the run sampled: critic pre-training rounds and PPO steps
+    rounds = len(json.loads(pretrain.read_text())) if pretrain.is_file() else 0
+    summary = {"method": "ppo", "preset": run.preset, "seed": run.seed, "steps": run.steps,
+               "seconds": time.time() - t_start, "config": dataclasses.asdict(cfg),
+               "base": str(inp.base) if inp.base else None, "timings": timings,
+               **base_summary(inp, run, dirs), **report,
+               "budget": {"policy_samples": (rounds + len(log.history)) * cfg.rollout_batch, "preference_pairs": 0},
+               "collapse_alarm": log.alarm_info, "stopped": ended["stop_reason"]}
+    if run.data and inp.base:
+        summary["data"] = json.loads((inp.base / "data_report.json").read_text())
+    write_json(out / "summary.json", summary)
+    print(evaluation.format_table(summary))
+    print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    print(f"curves: python eval.py plot {out} --out {out / 'curves.png'}")
+    if run.data and inp.base:
+        print(f"[data] {run.data}: {summary['data']['summary']}")
+    return summary
+
+
+def other_method(s: Setup, inp: Inputs) -> dict | None:
+    """--method dpo (dpo.train_dpo on the reward model's own pairs, from the SFT model) or best-of-n (no training),
+    then the held-out evaluation PPO gets: the same judge, prompts, sampling and summary.json layout."""
+    run, cfg, dpo_cfg, dirs, rank, world, device = s.run, s.ppo, s.dpo, s.dirs, s.rank, s.world, s.device
+    checkpoint.seed_everything(run.seed + rank)
+    out, timings, bf16 = Path(run.out), dict(inp.timings), use_bf16(run, device)
+    head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
+    reward_model = models.disable_dropout(ScalarHeadModel.from_pretrained(inp.reward, require_head=True, **head_kw))
+    reward_model = reward_model.eval().requires_grad_(False).to(device)
+    sft = models.disable_dropout(models.causal_lm_class(inp.ref).from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
+    sft = sft.to(device).eval().requires_grad_(False)
+    judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run))
+    heldout = [r["prompt"] for r in inp.rows["eval"]]
+    t0 = time.time()
+    if run.method == "dpo":
+        pairs, heldout_pairs = preference_pairs(run, inp, dirs)
+        policy = load_lm(inp.policy, bf16, device, run.grad_ckpt, run)
+        log = dpo.train_dpo(policy, inp.tokenizer, pairs, heldout_pairs, dpo_cfg, run.seed,
+                            ds=stage_ds(run, dpo_cfg.dpo_batch // world, device), out_dir=out / "policy",
+                            progress=lambda r, d: collapse.progress(r, d, leave=False, disable=rank != 0))
+        timings["dpo"] = time.time() - t0
+        print(f"[DPO] {timings['dpo']:.1f} s; held-out implicit-reward accuracy {log[-1]['heldout_accuracy']:.3f}")
+        if rank != 0:
+            return None
+        write_json(out / "dpo_log.json", log)
+        t0 = time.time()
+        report = evaluate(Models(policy, sft, reward_model, None, None, None), inp, run, cfg, [], judge, device)
+        config, budget = {**dataclasses.asdict(dpo_cfg), "max_new_tokens": cfg.max_new_tokens}, {
+            "policy_samples": 0, "preference_pairs": len(pairs), "pair_epochs": dpo_cfg.dpo_epochs}
+    else:
+        if rank != 0:
+            return None
+        score = judge.score if judge else evaluation.rm_judge(reward_model)
+        rep = best_of_n.evaluate(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed,
+                                 cfg.max_new_tokens, score)
+        plain = best_of_n.sample(sft, reward_model, inp.tokenizer, heldout, run.bon_n, run.eval_samples, run.seed + 1,
+                                 cfg.max_new_tokens, evaluation.PLAIN_SAMPLING)
+        m_plain, _ = evaluation.measure(sft, sft, reward_model, plain, score)
+        kl = best_of_n.bon_kl(run.bon_n)  # exact for continuous scores: no per-token KL to estimate
+        report = {"sft": rep["sft"], "final": rep["policy"], "peak": None, "win_rate_vs_sft": rep["win_rate"],
+                  "judge": judge.name if judge else "reward model",
+                  "frontier": {"gold_reward": m_plain["gold_reward"], "reward": m_plain["reward"], "kl_seq": kl,
+                               "d": kl ** 0.5, "response_length": m_plain["response_length"],
+                               "samples": len(plain["texts"])}}
+        config, budget = {"bon_n": run.bon_n, "max_new_tokens": cfg.max_new_tokens}, {
+            "policy_samples": 0, "preference_pairs": 0, "samples_per_response": run.bon_n}
+    timings["eval"] = time.time() - t0
+    summary = {"method": run.method, "preset": run.method, "seed": run.seed, "steps": 0,
+               "seconds": time.time() - s.t_start, "config": config, "base": str(inp.base) if inp.base else None,
+               "timings": timings, **base_summary(inp, run, dirs), **report, "budget": budget}
+    write_json(out / "summary.json", summary)
+    print(evaluation.format_table(summary))
+    print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    return summary
