@@ -5,6 +5,7 @@ Implements: no equation; the monitoring metrics of §5.2 and the win rate of Fig
   measure()       reward-model score, gold reward, per-token KL to the reference, perplexity, length
   compare()       the above for a policy and the SFT model, plus win / tie / lose judged by gold (synthetic world)
                   or by a reward model (real data, where no gold judge exists: rm_judge(), on the sampled ids)
+  heldout_point() the held-out curve's point of a PPO step (--heldout-every): judge, proxy, KL, length
   frontier_point() gold and proxy reward against d = √KL(π ‖ π_SFT) per response, sampled at temperature 1: one
                   point of the over-optimisation curve (Gao et al. 2022)
   score()         r(x, y) of every pair or response of a data file with a saved reward model: pairwise accuracy
@@ -149,6 +150,21 @@ def frontier_point(policy, sft, reward_model, tokenizer, prompts: list[str], n: 
     m, _ = measure(policy, sft, reward_model, s, judge)
     return {"gold_reward": m["gold_reward"], "reward": m["reward"], "kl_seq": m["kl_seq"],
             "d": math.sqrt(max(m["kl_seq"], 0.0)), "response_length": m["response_length"], "samples": len(s["texts"])}
+
+
+def heldout_point(policy, ref, reward_model, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int,
+                  judge, key: str | None, step: int) -> dict:
+    """One point of the held-out curve at PPO step `step` (--heldout-every): the policy sampled on the held-out
+    prompts as the final evaluation samples (EVAL_SAMPLING; n each, from seed + step), judged like it: the judge's
+    mean under `key` (heldout/gold or heldout/judge), the proxy's (heldout/score), KL to the reference per token
+    (heldout/kl) and the response length (heldout/length). The policy's train/eval mode is left as it was."""
+    was_training = policy.training
+    policy.eval()
+    samples = sample(policy, tokenizer, prompts, n, seed + step, max_new_tokens)
+    r, _ = measure(policy, ref, reward_model, samples, judge)
+    policy.train(was_training)
+    return {**({key: r["gold_reward"]} if key else {}), "heldout/score": r["reward"], "heldout/kl": r["kl"],
+            "heldout/length": r["response_length"]}
 
 
 @torch.no_grad()

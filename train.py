@@ -33,6 +33,7 @@ import sys
 import ppo_max
 from plumbing import cli, flags
 from plumbing import run as plumbing
+from plumbing.monitor import LoopPlumbing, LoopState
 
 
 def main(argv=None) -> dict | None:
@@ -58,16 +59,15 @@ def main(argv=None) -> dict | None:
         return s.result
 
     # 4. PPO
-    with plumbing.LoopPlumbing(s, m, state, ckpts, inp, start) as loop:  # logs, alarm, signals, held-out curve
+    with plumbing.loop(s, m, state, ckpts, inp, start) as loop:  # logs, alarm, signals, the held-out curve
         ended = ppo(m, batches, state, loop, s.ppo, s.run)
-    return loop.finish(ended)  # the last checkpoint, the final models, the held-out evaluation, summary.json
+    return plumbing.finish(s, loop, m, ended)  # the last checkpoint, final models, held-out evaluation, summary
 
 
-def ppo(m: plumbing.Models, batches, state: plumbing.LoopState, loop: plumbing.LoopPlumbing,
-        cfg: ppo_max.PPOConfig, run) -> dict:
+def ppo(m: plumbing.Models, batches, state: LoopState, loop: LoopPlumbing, cfg: ppo_max.PPOConfig, run) -> dict:
     """Steps start … run.steps − 1 of PPO-max, each the paper's steps (0)-(7). Everything that is not the
     algorithm — the progress bar, the non-finite guard, the judge, gathering across ranks, metrics, the collapse
-    alarm, signals, checkpoints — sits behind the `loop` calls (plumbing.LoopPlumbing), each one line.
+    alarm, signals, checkpoints — sits behind the `loop` calls (plumbing/monitor.py: LoopPlumbing), each one line.
     Returns how the loop ended: {"stop_reason", "signal", "path"}."""
     tokenizer = batches.tokenizer
     eos, pad_id = batches.stop_id, tokenizer.pad_token_id  # eos: EOS or the template's end of turn (data.stop_id)

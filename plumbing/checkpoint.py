@@ -52,14 +52,11 @@ References:
 """
 import contextlib
 import json
-import math
 import os
 import random
 import re
 import shutil
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -479,132 +476,6 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, *, models: Mapping[str, torch.n
         set_rng_state(torch.load(d / RNG, map_location="cpu", weights_only=True), rngs)
     state["path"] = str(d)
     return state
-
-
-# ======================================================================================================
-# Stopping cleanly: signals and non-finite values
-# ======================================================================================================
-class GracefulExit:
-    """SIGINT / SIGTERM set `.requested` instead of killing the process, so the loop can finish (or abandon) the
-    current step, write a checkpoint and exit 0. A second signal restores the old handlers and re-delivers itself
-    (Ctrl-C twice still interrupts at once). Under a debugger (debugger_active()) Ctrl-C stays the debugger's, so it
-    breaks into pdb; SIGTERM is still caught.
-
-        with GracefulExit() as stop:
-            for step in ...:
-                ...
-                if stop.requested: save_checkpoint(...); break
-    """
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
-        self.signals = signals
-        self.requested = False
-        self.signal_name: str | None = None
-        self.installed = False
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> "GracefulExit":
-        if threading.current_thread() is not threading.main_thread():  # Python only allows handlers there
-            return self
-        for s in self.signals:
-            if s == signal.SIGINT and debugger_active():  # pdb's Ctrl-C breaks into the debugger: leave it there
-                continue
-            self._old[s] = signal.signal(s, self._handler)
-        self.installed = True
-        return self
-
-    def _handler(self, signum: int, frame) -> None:
-        if self.requested:  # second signal: behave as if we had never been installed
-            self.restore()
-            signal.raise_signal(signum)
-            return
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-        # os.write, not print: a handler can run in the middle of another print (buffered IO is not reentrant)
-        os.write(2, f"\n{self.signal_name} received: finishing this step, then checkpoint and exit "
-                    f"(send it again to stop at once)\n".encode())
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-        self._old.clear()
-        self.installed = False
-
-    def __enter__(self) -> "GracefulExit":
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-
-def debugger_active() -> bool:
-    """A debugger is tracing this process (sys.gettrace(): pdb stepping, an IDE) or owns Ctrl-C (pdb after
-    `continue` with no breakpoint traces nothing, but its SIGINT handler is installed)."""
-    import bdb
-    return sys.gettrace() is not None or isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), bdb.Bdb)
-
-
-def _is_finite(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return bool(torch.isfinite(v.detach()).all().item()) if v.is_floating_point() or v.is_complex() else True
-    if isinstance(v, (int, float)):
-        return math.isfinite(v)
-    return bool(np.isfinite(np.asarray(v, dtype=np.float64)).all())
-
-
-class NonFiniteGuard:
-    """Skip an update whose scores / loss / advantages / gradient norm hold NaN or ±inf; stop after K in a row.
-
-    check(step, {"scores": …, "loss": …}) → the name of the first non-finite value (its step is skipped and must
-    not reach a checkpoint) or None. Call it as often as needed within a step; the step counts once. Call ok()
-    when a step completed with everything finite: that resets the consecutive count. `.should_stop` once K
-    consecutive steps were bad; the last good checkpoint is then the one to resume from.
-    """
-
-    def __init__(self, max_consecutive: int = 3, log: Callable[[str], Any] = print):
-        if max_consecutive < 1:
-            raise ValueError(f"NonFiniteGuard: max_consecutive must be ≥ 1, got {max_consecutive}")
-        self.max_consecutive = max_consecutive
-        self.log = log
-        self.consecutive = 0
-        self.skipped = 0  # bad steps over the whole run
-        self.last_bad: tuple[int, str] | None = None
-
-    def check(self, step: int, tensors: Mapping[str, Any]) -> str | None:
-        for name, v in tensors.items():
-            if v is None or _is_finite(v):
-                continue
-            if self.last_bad is None or self.last_bad[0] != step:  # a step counts once
-                self.consecutive += 1
-                self.skipped += 1
-            self.last_bad = (step, name)
-            self.log(f"step {step}: non-finite {name}; update skipped "
-                     f"({self.consecutive}/{self.max_consecutive} consecutive)")
-            return name
-        return None
-
-    def ok(self) -> None:
-        self.consecutive = 0
-
-    def step(self, step: int, bad: str | None) -> bool:
-        """The loop's one call: `bad` names the first non-finite value of this step (or None). True when the
-        step's update was skipped (logged, counted, never checkpointed as if it were fine); False resets the count."""
-        if bad is None:
-            self.ok()
-            return False
-        self.check(step, {bad: float("nan")})
-        return True
-
-    @property
-    def should_stop(self) -> bool:
-        return self.consecutive >= self.max_consecutive
-
-    def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "skipped": self.skipped}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.consecutive, self.skipped = int(d["consecutive"]), int(d["skipped"])
-
 
 
 # ======================================================================================================

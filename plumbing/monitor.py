@@ -43,14 +43,21 @@ References:
 import io
 import json
 import math
+import os
 import re
+import signal
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from plumbing import engine
+from plumbing.checkpoint import find_latest
 from plumbing.engine import all_mean, any_rank
 from ppo_loss import entropy, masked_mean
 
@@ -547,6 +554,240 @@ class RunLog:
         self.metrics_f.close()
         self.samples_f.close()
         self.tracker.close()
+
+
+# =========================================================================================================
+# The loop's plumbing, behind one call each in train.ppo: the progress bar and the stopping rules, the non-finite
+# guard, the judge, gathering across ranks, the logs, the alarm, signals, checkpoints (nothing here changes what is
+# trained)
+# =========================================================================================================
+@dataclass
+class LoopState:
+    """What a resumed run restores besides weights, optimizers and RNG streams, to continue exactly."""
+    moments: Any              # ppo_max.RunningMoments: Eq. 18's history
+    kl_ctl: Any               # ppo_max.AdaptiveKLController: η of Eq. 19
+    monitor: "CollapseMonitor"
+    guard: "NonFiniteGuard"
+
+    def state_dict(self) -> dict:
+        return {"moments": self.moments.state_dict(), "kl_coef": self.kl_ctl.value,
+                "monitor": self.monitor.state_dict(), "guard": self.guard.state_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.moments.load_state_dict(d["moments"])
+        self.kl_ctl.value = d["kl_coef"]
+        self.monitor.load_state_dict(d["monitor"])
+        self.guard.load_state_dict(d["guard"])
+
+
+class LoopPlumbing:
+    """What a PPO step does besides the algorithm, behind three calls: steps() (the progress bar and the stopping
+    rules), skip() (the non-finite guard) and end_step() (the judge, gathering across ranks, metrics.jsonl and
+    samples.jsonl, the §5.2 collapse alarm, signals, checkpoints). As a context manager it opens the logs and takes
+    SIGINT/SIGTERM for the loop (a signal finishes the step, checkpoints and exits; under pdb Ctrl-C stays pdb's);
+    finish() ends the run after it. Time spent under a debugger is not counted as the PPO stage's."""
+
+    def __init__(self, run, log: "RunLog", state: LoopState, ckpts, judge, policy_opt, tokenizer, device,
+                 start: int, group: int = 1, heldout: Callable[[int], dict] | None = None):
+        """run: the RunConfig; log: the run's RunLog; ckpts: its checkpoint.RunCheckpoints; judge: the judge
+        (plumbing.run.Judge: .score, .key) or None; policy_opt: the policy's optimizer (its learning rate is logged);
+        heldout: the held-out point of a step (eval.heldout_point with the run's arguments), or None."""
+        self.run, self.log, self.state, self.ckpts, self.judge, self.policy_opt = run, log, state, ckpts, judge, \
+            policy_opt
+        self.tokenizer, self.device, self.start, self.group, self.heldout = tokenizer, device, start, group, heldout
+        self.point, self.debugged = {}, 0.0  # the step's held-out point; seconds of steps spent under a debugger
+        self.ended = {"stop_reason": None, "signal": None, "path": None}
+        self.seconds = 0.0                   # the PPO stage's time, set on exit (debugged time left out)
+
+    def __enter__(self) -> "LoopPlumbing":
+        self.t_stage = time.time()
+        self.interrupt = GracefulExit().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, exit
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.interrupt.__exit__(*exc)
+        self.log.close()
+        self.seconds = time.time() - self.t_stage - self.debugged
+
+    def steps(self):
+        """start … steps − 1 under the progress bar (none with --break-at: it would draw over pdb's prompt), until
+        a stop reason or a signal ends the loop; at every --heldout-every step, first the held-out point of the
+        policy as it is (logged with that step)."""
+        for step in self.log.steps(self.start, self.run.steps, bar=self.run.break_at < 0):
+            if self.ended["stop_reason"] or self.ended["signal"]:
+                return
+            every = self.run.heldout_every
+            self.point = self.heldout(step) if self.heldout and every and step % every == 0 else {}
+            self.t0 = time.time()
+            yield step
+            if debugger_active():  # the step ran under pdb: its time is the reader's, not training's
+                self.debugged += time.time() - self.t0
+
+    def skip(self, step: int, bad: str | None) -> bool:
+        """The non-finite guard: True when `bad` names a NaN/inf of this step (its update is, or was, skipped);
+        after --max-bad-steps such steps in a row, stop with the last good checkpoint intact."""
+        if bad is None or not self.state.guard.step(step, bad):
+            return False
+        if self.state.guard.should_stop:
+            self.ended["stop_reason"] = (f"{self.run.max_bad_steps} consecutive steps with non-finite values; last "
+                                         f"good checkpoint: {find_latest(self.run.out)}")
+        return True
+
+    def end_step(self, step: int, exp: dict, upd: dict, prompts: list[str], finished: torch.Tensor) -> None:
+        """Step (7): the judge's rewards, every metric (lists are the global batch), the alarm; then a signal or
+        --save-every checkpoints the run."""
+        if self.skip(step, (upd.get("guard/nonfinite") or [None])[0]):  # an optimizer step was NaN/inf
+            return
+        self.state.guard.ok()  # a step with everything finite: the count of bad steps in a row starts again
+        judge = self.judge
+        texts = [self.tokenizer.decode(r[k.bool()], skip_special_tokens=True)
+                 for r, k in zip(exp["response"], exp["mask"])]
+        with torch.no_grad():  # a reward-model judge reads the very ids (B, L) the proxy scored, with the same mask
+            judged = judge.score(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
+                                 torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
+        G = self.group  # the global batch in prompt order, each group of G responses whole
+        prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
+        judged = engine.gather_list(judged, G) if judge else None
+        gold = judged if judge and judge.key == "reward/gold" else None
+        metrics = {"step": step, **exp["stats"], **upd, **self.point,
+                   "reward/gold": float(np.mean(gold)) if gold else None,
+                   "kl/coef": self.state.kl_ctl.value, "lr/policy": self.policy_opt.param_groups[0]["lr"],
+                   "response/finished": engine.gather_batch(finished.float()).mean().item(),
+                   "time/step": time.time() - self.t0}
+        if judge and not gold:
+            metrics[judge.key] = float(np.mean(judged))  # the proxy's score vs the judge's: over-optimisation
+        alarm = self.log.record(step, metrics, exp["all_scores"].tolist(), judged, prompts, texts,
+                                judge.key if judge else "reward/gold")
+        if alarm is not None and self.run.on_collapse == "stop":
+            self.ended["stop_reason"] = f"collapse alarm at step {step}"
+        if engine.any_rank(self.interrupt.requested, self.device):  # every rank stops at the same step
+            self.ended["signal"] = self.interrupt.signal_name or "signal on another rank"
+        done = step + 1
+        every = self.run.save_every
+        if self.ended["stop_reason"] or self.ended["signal"] or (every and done % every == 0):
+            self.ended["path"] = self.ckpts.save(done, self.state.state_dict())
+
+
+class GracefulExit:
+    """SIGINT / SIGTERM set `.requested` instead of killing the process, so the loop can finish (or abandon) the
+    current step, write a checkpoint and exit 0. A second signal restores the old handlers and re-delivers itself
+    (Ctrl-C twice still interrupts at once). Under a debugger (debugger_active()) Ctrl-C stays the debugger's, so it
+    breaks into pdb; SIGTERM is still caught.
+
+        with GracefulExit() as stop:
+            for step in ...:
+                ...
+                if stop.requested: save_checkpoint(...); break
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+        self.signals = signals
+        self.requested = False
+        self.signal_name: str | None = None
+        self.installed = False
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> "GracefulExit":
+        if threading.current_thread() is not threading.main_thread():  # Python only allows handlers there
+            return self
+        for s in self.signals:
+            if s == signal.SIGINT and debugger_active():  # pdb's Ctrl-C breaks into the debugger: leave it there
+                continue
+            self._old[s] = signal.signal(s, self._handler)
+        self.installed = True
+        return self
+
+    def _handler(self, signum: int, frame) -> None:
+        if self.requested:  # second signal: behave as if we had never been installed
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        # os.write, not print: a handler can run in the middle of another print (buffered IO is not reentrant)
+        os.write(2, f"\n{self.signal_name} received: finishing this step, then checkpoint and exit "
+                    f"(send it again to stop at once)\n".encode())
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._old.clear()
+        self.installed = False
+
+    def __enter__(self) -> "GracefulExit":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def debugger_active() -> bool:
+    """A debugger is tracing this process (sys.gettrace(): pdb stepping, an IDE) or owns Ctrl-C (pdb after
+    `continue` with no breakpoint traces nothing, but its SIGINT handler is installed)."""
+    import bdb
+    return sys.gettrace() is not None or isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), bdb.Bdb)
+
+
+def _is_finite(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return bool(torch.isfinite(v.detach()).all().item()) if v.is_floating_point() or v.is_complex() else True
+    if isinstance(v, (int, float)):
+        return math.isfinite(v)
+    return bool(np.isfinite(np.asarray(v, dtype=np.float64)).all())
+
+
+class NonFiniteGuard:
+    """Skip an update whose scores / loss / advantages / gradient norm hold NaN or ±inf; stop after K in a row.
+
+    check(step, {"scores": …, "loss": …}) → the name of the first non-finite value (its step is skipped and must
+    not reach a checkpoint) or None. Call it as often as needed within a step; the step counts once. Call ok()
+    when a step completed with everything finite: that resets the consecutive count. `.should_stop` once K
+    consecutive steps were bad; the last good checkpoint is then the one to resume from.
+    """
+
+    def __init__(self, max_consecutive: int = 3, log: Callable[[str], Any] = print):
+        if max_consecutive < 1:
+            raise ValueError(f"NonFiniteGuard: max_consecutive must be ≥ 1, got {max_consecutive}")
+        self.max_consecutive = max_consecutive
+        self.log = log
+        self.consecutive = 0
+        self.skipped = 0  # bad steps over the whole run
+        self.last_bad: tuple[int, str] | None = None
+
+    def check(self, step: int, tensors: Mapping[str, Any]) -> str | None:
+        for name, v in tensors.items():
+            if v is None or _is_finite(v):
+                continue
+            if self.last_bad is None or self.last_bad[0] != step:  # a step counts once
+                self.consecutive += 1
+                self.skipped += 1
+            self.last_bad = (step, name)
+            self.log(f"step {step}: non-finite {name}; update skipped "
+                     f"({self.consecutive}/{self.max_consecutive} consecutive)")
+            return name
+        return None
+
+    def ok(self) -> None:
+        self.consecutive = 0
+
+    def step(self, step: int, bad: str | None) -> bool:
+        """The loop's one call: `bad` names the first non-finite value of this step (or None). True when the
+        step's update was skipped (logged, counted, never checkpointed as if it were fine); False resets the count."""
+        if bad is None:
+            self.ok()
+            return False
+        self.check(step, {bad: float("nan")})
+        return True
+
+    @property
+    def should_stop(self) -> bool:
+        return self.consecutive >= self.max_consecutive
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "skipped": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.consecutive, self.skipped = int(d["consecutive"]), int(d["skipped"])
 
 
 def parse_args(argv: list[str]):

@@ -15,6 +15,7 @@ Implements (no equation):
 from __future__ import annotations
 
 import copy
+import functools
 import dataclasses
 import json
 import os
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -37,6 +37,7 @@ import ppo_max
 import toy_world
 from plumbing import checkpoint, data, engine, flags, models, lora
 from plumbing import monitor as collapse
+from plumbing.monitor import LoopPlumbing, LoopState
 from plumbing.cli import fail
 from plumbing.config import DPOConfig, PPOConfig, RunConfig
 from plumbing.pipeline import (Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
@@ -127,7 +128,7 @@ def ppo_setup(s: Setup, inp: Inputs) -> tuple["Models", data.RolloutBatches, "Lo
     batches = data.RolloutBatches([r["prompt"] for r in inp.rows["ppo"]],
                                   [(r["prompt"], r["response"]) for r in inp.rows["ptx"]], inp.tokenizer,
                                   seed=s.run.seed, rank=s.rank, world=s.world, device=s.device)
-    state = LoopState.new(s.run, s.ppo)
+    state = new_state(s.run, s.ppo)
     s.timings = dict(inp.timings)
     return m, batches, state, run_checkpoints(m, s.out, batches, s.run, s.rank)
 
@@ -340,163 +341,49 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, q
     return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm), rm)
 
 
-@dataclass
-class LoopState:
-    """What a resumed run restores besides weights, optimizers and RNG streams, to continue exactly."""
-    moments: ppo_max.RunningMoments
-    kl_ctl: ppo_max.AdaptiveKLController
-    monitor: collapse.CollapseMonitor
-    guard: checkpoint.NonFiniteGuard
-
-    @classmethod
-    def new(cls, run: RunConfig, cfg: PPOConfig) -> "LoopState":
-        return cls(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
-                   collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
-                   checkpoint.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
-
-    def state_dict(self) -> dict:
-        return {"moments": self.moments.state_dict(), "kl_coef": self.kl_ctl.value,
-                "monitor": self.monitor.state_dict(), "guard": self.guard.state_dict()}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.moments.load_state_dict(d["moments"])
-        self.kl_ctl.value = d["kl_coef"]
-        self.monitor.load_state_dict(d["monitor"])
-        self.guard.load_state_dict(d["guard"])
+def new_state(run: RunConfig, cfg: PPOConfig) -> LoopState:
+    """A new run's loop state: Eq. 18's moments, η of Eq. 19, the §5.2 alarm and the non-finite guard."""
+    return LoopState(ppo_max.RunningMoments(), ppo_max.AdaptiveKLController(cfg.kl_coef, cfg.kl_target,
+                                                                              cfg.kl_horizon),
+                     collapse.CollapseMonitor(kl_max=run.alarm_kl_max, patience=run.alarm_patience),
+                     collapse.NonFiniteGuard(run.max_bad_steps, log=tqdm.write))
 
 
-
-class LoopPlumbing:
-    """What a PPO step does besides the algorithm, behind three calls: steps() (the progress bar and the stopping
-    rules), skip() (the non-finite guard) and end_step() (the judge, gathering across ranks, metrics.jsonl and
-    samples.jsonl, the §5.2 collapse alarm, signals, checkpoints). As a context manager it opens the logs and takes
-    SIGINT/SIGTERM for the loop (a signal finishes the step, checkpoints and exits; under pdb Ctrl-C stays pdb's);
-    finish() ends the run after it. Time spent under a debugger is not counted as the PPO stage's."""
-
-    def __init__(self, s: Setup, m: Models, state: LoopState, ckpts: checkpoint.RunCheckpoints, inp: Inputs,
-                 start: int):
-        self.s, self.m, self.state, self.ckpts, self.inp, self.judge = s, m, state, ckpts, inp, s.judge
-        self.run, self.start, self.tokenizer, self.device, self.group = s.run, start, inp.tokenizer, s.device, \
-            s.ppo.group_size
-        self.point, self.debugged = {}, 0.0  # the step's held-out point; seconds of steps spent under a debugger
-        self.ended = {"stop_reason": None, "signal": None, "path": None}
-
-    def __enter__(self) -> "LoopPlumbing":
-        s = self.s
-        self.t_stage = time.time()
-        self.log = collapse.RunLog(s.out, self.state.monitor, *s.logs, main_rank=s.rank == 0,
-                                   tracker=tracker(s.run, self.inp, s.out, s.rank))
-        self.interrupt = checkpoint.GracefulExit().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, exit
-        self.heldout = heldout_points(self.m, self.inp, s.run, s.ppo, self.judge)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.interrupt.__exit__(*exc)
-        self.log.close()
-        self.s.timings["ppo"] = time.time() - self.t_stage - self.debugged
-
-    def steps(self):
-        """start … steps − 1 under the progress bar (none with --break-at: it would draw over pdb's prompt), until
-        a stop reason or a signal ends the loop; at every --heldout-every step, first the held-out point of the
-        policy as it is (logged with that step)."""
-        for step in self.log.steps(self.start, self.run.steps, bar=self.run.break_at < 0):
-            if self.ended["stop_reason"] or self.ended["signal"]:
-                return
-            every = self.run.heldout_every
-            self.point = self.heldout(step) if self.heldout and every and step % every == 0 else {}
-            self.t0 = time.time()
-            yield step
-            if checkpoint.debugger_active():  # the step ran under pdb: its time is the reader's, not training's
-                self.debugged += time.time() - self.t0
-
-    def skip(self, step: int, bad: str | None) -> bool:
-        """The non-finite guard: True when `bad` names a NaN/inf of this step (its update is, or was, skipped);
-        after --max-bad-steps such steps in a row, stop with the last good checkpoint intact."""
-        if bad is None or not self.state.guard.step(step, bad):
-            return False
-        if self.state.guard.should_stop:
-            self.ended["stop_reason"] = (f"{self.run.max_bad_steps} consecutive steps with non-finite values; last "
-                                         f"good checkpoint: {checkpoint.find_latest(self.run.out)}")
-        return True
-
-    def end_step(self, step: int, exp: dict, upd: dict, prompts: list[str], finished: torch.Tensor) -> None:
-        """Step (7): the judge's rewards, every metric (lists are the global batch), the alarm; then a signal or
-        --save-every checkpoints the run."""
-        if self.skip(step, (upd.get("guard/nonfinite") or [None])[0]):  # an optimizer step was NaN/inf
-            return
-        self.state.guard.ok()  # a step with everything finite: the count of bad steps in a row starts again
-        judge, m = self.judge, self.m
-        texts = [self.tokenizer.decode(r[k.bool()], skip_special_tokens=True)
-                 for r, k in zip(exp["response"], exp["mask"])]
-        with torch.no_grad():  # a reward-model judge reads the very ids (B, L) the proxy scored, with the same mask
-            judged = judge.score(prompts, texts, finished, torch.cat([exp["query"], exp["response"]], 1),
-                                 torch.cat([exp["query_mask"], exp["mask"]], 1)) if judge else None
-        G = self.group  # the global batch in prompt order, each group of G responses whole
-        prompts, texts = engine.gather_list(prompts, G), engine.gather_list(texts, G)
-        judged = engine.gather_list(judged, G) if judge else None
-        gold = judged if judge and judge.key == "reward/gold" else None
-        metrics = {"step": step, **exp["stats"], **upd, **self.point,
-                   "reward/gold": float(np.mean(gold)) if gold else None,
-                   "kl/coef": self.state.kl_ctl.value, "lr/policy": m.policy_opt.param_groups[0]["lr"],
-                   "response/finished": engine.gather_batch(finished.float()).mean().item(),
-                   "time/step": time.time() - self.t0}
-        if judge and not gold:
-            metrics[judge.key] = float(np.mean(judged))  # the proxy's score vs the judge's: over-optimisation
-        alarm = self.log.record(step, metrics, exp["all_scores"].tolist(), judged, prompts, texts,
-                                judge.key if judge else "reward/gold")
-        if alarm is not None and self.run.on_collapse == "stop":
-            self.ended["stop_reason"] = f"collapse alarm at step {step}"
-        if engine.any_rank(self.interrupt.requested, self.device):  # every rank stops at the same step
-            self.ended["signal"] = self.interrupt.signal_name or "signal on another rank"
-        done = step + 1
-        every = self.run.save_every
-        if self.ended["stop_reason"] or self.ended["signal"] or (every and done % every == 0):
-            self.ended["path"] = self.ckpts.save(done, self.state.state_dict())
-
-    def finish(self, ended: dict) -> dict | None:
-        """After the loop: a signal exits 0 with its checkpoint written (--resume continues); non-finite values stop
-        with the last good checkpoint intact (exit 1); else the final checkpoint, then rank 0 saves the final models,
-        evaluates on the held-out prompts and writes summary.json (returned)."""
-        s = self.s
-        if ended["signal"]:
-            print(f"[{ended['signal']}] checkpoint written to {ended['path']}; continue with: "
-                  f"{'deepspeed' if s.world > 1 else 'python'} train.py --resume {s.out}")
-            raise SystemExit(0)
-        if ended["stop_reason"] and not self.log.alarm_info:  # non-finite values: the last good checkpoint stays
-            print(f"error: stopped: {ended['stop_reason']}", file=sys.stderr)
-            raise SystemExit(1)
-        if not ended["stop_reason"] and (not s.run.save_every or s.run.steps % s.run.save_every):
-            self.ckpts.save(s.run.steps, self.state.state_dict())
-        if self.debugged:
-            print(f"[debugger] {self.debugged:.1f} s of PPO steps under the debugger, not counted in its time")
-        engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
-        if s.rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
-            return None
-        return write_summary(self.m, self.inp, s.run, s.ppo, self.log, ended, s.timings, s.t_start, s.dirs,
-                             self.judge, s.device)
-
-
-def heldout_points(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, judge: Judge | None
-                   ) -> Callable[[int], dict]:
-    """The held-out curve's point at a step (--heldout-every): the policy sampled on the held-out prompts as the
-    final evaluation samples (top-p 0.9, temperature 0.8; --heldout-samples each, from a seed of the step's own),
-    judged like it: the judge's mean (heldout/gold or heldout/judge), the proxy's (heldout/score), KL to the
-    reference per token (heldout/kl) and the response length (heldout/length)."""
-    prompts = [r["prompt"] for r in inp.rows["eval"]]
-    proxy = evaluation.rm_judge(m.reward_model)
+def loop(s: Setup, m: "Models", state: LoopState, ckpts: checkpoint.RunCheckpoints, inp: Inputs,
+         start: int) -> LoopPlumbing:
+    """Stage 4's plumbing (monitor.LoopPlumbing): the run's logs (metrics.jsonl, samples.jsonl, --log-with), the
+    judge, the checkpoints and the held-out curve's point of a step (eval.heldout_point, --heldout-every)."""
+    log = collapse.RunLog(s.out, state.monitor, *s.logs, main_rank=s.rank == 0,
+                          tracker=tracker(s.run, inp, s.out, s.rank))
+    judge, proxy = s.judge, evaluation.rm_judge(m.reward_model)
     key = {"reward/gold": "heldout/gold", "reward/judge": "heldout/judge"}[judge.key] if judge else None
+    heldout = functools.partial(evaluation.heldout_point, engine.unwrap(m.policy), m.ref, m.reward_model,
+                                inp.tokenizer, [r["prompt"] for r in inp.rows["eval"]], s.run.heldout_samples,
+                                10_007 * s.run.seed + 1, s.ppo.max_new_tokens, judge.score if judge else proxy, key)
+    return LoopPlumbing(s.run, log, state, ckpts, judge, m.policy_opt, inp.tokenizer, s.device, start,
+                        s.ppo.group_size, heldout)
 
-    def point(step: int) -> dict:
-        policy = engine.unwrap(m.policy)
-        was_training = policy.training
-        policy.eval()
-        samples = evaluation.sample(policy, inp.tokenizer, prompts, run.heldout_samples, 10_007 * run.seed + step + 1,
-                                    cfg.max_new_tokens)
-        r, _ = evaluation.measure(policy, m.ref, m.reward_model, samples, judge.score if judge else proxy)
-        policy.train(was_training)
-        return {**({key: r["gold_reward"]} if key else {}), "heldout/score": r["reward"], "heldout/kl": r["kl"],
-                "heldout/length": r["response_length"]}
-    return point
+
+def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | None:
+    """After the loop: a signal exits 0 with its checkpoint written (--resume continues); non-finite values stop
+    with the last good checkpoint intact (exit 1); else the final checkpoint, then rank 0 saves the final models,
+    evaluates on the held-out prompts and writes summary.json (returned)."""
+    if ended["signal"]:
+        print(f"[{ended['signal']}] checkpoint written to {ended['path']}; continue with: "
+              f"{'deepspeed' if s.world > 1 else 'python'} train.py --resume {s.out}")
+        raise SystemExit(0)
+    if ended["stop_reason"] and not loop.log.alarm_info:  # non-finite values: the last good checkpoint stays
+        print(f"error: stopped: {ended['stop_reason']}", file=sys.stderr)
+        raise SystemExit(1)
+    if not ended["stop_reason"] and (not s.run.save_every or s.run.steps % s.run.save_every):
+        loop.ckpts.save(s.run.steps, loop.state.state_dict())
+    s.timings["ppo"] = loop.seconds
+    if loop.debugged:
+        print(f"[debugger] {loop.debugged:.1f} s of PPO steps under the debugger, not counted in its time")
+    engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
+    if s.rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
+        return None
+    return write_summary(m, s.inp, s.run, s.ppo, loop.log, ended, s.timings, s.t_start, s.dirs, s.judge, s.device)
 
 
 def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: list[dict],

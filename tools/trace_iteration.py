@@ -136,7 +136,11 @@ def classify(repo: Path, sources: dict, file: str, line: int) -> str:
     functions = src.function_at.get(line, [])
     name = functions[-1] if functions else ""
     module = Path(file).stem
-    if module == "monitor":
+    if module == "monitor":  # plumbing/monitor.py: the loop's plumbing, the guard and signals, the logs and alarm
+        if functions and functions[0] in ("LoopPlumbing", "LoopState"):
+            return "loop plumbing"
+        if functions and functions[0] in ("NonFiniteGuard", "GracefulExit", "debugger_active", "_is_finite"):
+            return "checkpoints, signals, the guard"
         return "logging and the alarm"
     if module in ("toy_world", "eval"):
         return "the judge"  # gold (the synthetic human) scores every sample for the logs; training never sees it
