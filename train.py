@@ -87,8 +87,8 @@ def ppo(m: plumbing.Models, batches, state: LoopState, loop: LoopPlumbing, cfg: 
         response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, **sampling)
         # (2)-(5) score, normalise and clip (Eq. 18), KL-shape (Eq. 19) with η = kl_coef, values and GAE (Eq. 9) or,
         #         without a critic, the group's or the batch's baseline (critic_free.py)
-        exp = ppo_max.make_experience(*models, query, query_mask, response, response_mask, state.moments, cfg,
-                                      state.kl_ctl.value)
+        kl_coef = state.kl_ctl.value  # η of Eq. 19 (it adapts only with --kl-target)
+        exp = ppo_max.make_experience(*models, query, query_mask, response, response_mask, state.moments, cfg, kl_coef)
         if loop.skip(step, exp["nonfinite"]):  # PLUMBING: a NaN/inf in (2)-(5) skips the update (the guard)
             continue
         # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global gradient clip; then

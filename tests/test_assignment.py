@@ -125,12 +125,14 @@ def test_make_refuses_to_overwrite_the_repo_or_a_students_file(tmp_path):
 
 
 def test_make_copies_what_the_files_import_and_stubs_an_assigned_dependency(tmp_path):
-    assignment.make(tmp_path, ["ppo_max"])  # ppo_max.py imports cli, engine, data, critic_free and two assigned ones
-    assert {p.name for p in tmp_path.iterdir()} == {"ppo_max.py", "gae.py", "ppo_loss.py", "cli.py", "engine.py",
-                                                   "data.py", "critic_free.py"}
-    for given in ("cli.py", "engine.py", "data.py", "critic_free.py"):
-        assert (tmp_path / given).read_text() == (ROOT / given).read_text()
-    for module in ("gae", "ppo_loss"):  # never a solution in a hand-out, even of a module not assigned this time
+    assignment.make(tmp_path, ["ppo_max"])  # ppo_max.py imports critic_free, the package and three assigned ones
+    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py")}
+    deps = assignment.dependencies(["ppo_max"])
+    assert written == {"ppo_max.py", "plumbing/__init__.py", *(assignment.module_file(d) for d in deps)}
+    assert {"gae", "ppo_loss", "reward_model", "critic_free", "plumbing.config", "plumbing.engine"} <= set(deps)
+    for given in written - {"ppo_max.py", "gae.py", "ppo_loss.py", "reward_model.py"}:
+        assert (tmp_path / given).read_text() == (ROOT / given).read_text(), given
+    for module in ("gae", "ppo_loss", "reward_model"):  # never a solution in a hand-out, even of one not assigned now
         text = (tmp_path / f"{module}.py").read_text()
         assert all(f"exercise: implement {module}.{f} " in text for f in assignment.ASSIGNMENT[module])
 

@@ -1,8 +1,10 @@
 """Stepping through one PPO iteration in pdb, as the README's "Step through one iteration" says: `python -m pdb
 train.py --break-at 0 --critic-pretrain-steps 0 ...` stops at the top of iteration 0, `n` walks steps (0)-(7) with one
 stop per statement (each numbered call on one line, its result printable right after it), and Ctrl-C inside a step
-breaks into pdb instead of checkpointing and exiting (checkpoint.GracefulExit leaves SIGINT to a debugger). pdb is
-driven through its stdin, as a person would type."""
+breaks into pdb instead of checkpointing and exiting (monitor.GracefulExit leaves SIGINT to a debugger); `s` on a
+numbered call enters the recipe's function at once (no decorator between), and the steps spent under the debugger
+are not counted as the PPO stage's time. pdb is driven through its stdin, as a person would type, in a folder of the
+test's own (the README's commands never touch a user's runs/)."""
 import ast
 import os
 import re
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from plumbing import checkpoint
+from plumbing import monitor
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
@@ -76,19 +78,20 @@ def statement_starts(function: str) -> set[int]:
 
 # the README's table ("Step through one iteration"): the line of train.ppo that carries each numbered step, and what
 # to print once `n` has run it
-STEPS = {"(0)": ("lr_scale = ", None), "(1)": ("ppo_max.rollout(", ("p response.shape", "torch.Size([16, ")),
+STEPS = {"(0)": ("lr_scale = ", ("p lr_scale", "1.0")), "(1)": ("ppo_max.rollout(", ("p response.shape", "torch.Size([16, ")),
          "(2)-(5)": ("ppo_max.make_experience(", ('p exp["advantages"].shape', "torch.Size([16, ")),
-         "(6)": ("ppo_max.ppo_update(", ('p "loss/pg" in upd', "True")), "(7)": ("plumbing.end_step(", None)}
+         "(6)": ("ppo_max.ppo_update(", ('p "loss/pg" in upd', "True")), "(7)": ("loop.end_step(", None)}
 
 
 @pytest.mark.slow
 def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
-    base = subprocess.run([sys.executable, "train.py", *SMALL, "--stages", "sft,rm"], cwd=ROOT, capture_output=True,
+    train = str(ROOT / "train.py")
+    base = subprocess.run([sys.executable, train, *SMALL, "--stages", "sft,rm"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)  # the cached base, so the timed part is what a second run costs
     assert base.returncode == 0, base.stderr[-2000:]
     out = tmp_path / "run"
-    s = Session([sys.executable, "-m", "pdb", "train.py", *SMALL, "--steps", "50", "--critic-pretrain-steps", "0",
-                 "--break-at", "0", "--save-every", "0", "--out", str(out)], ROOT)
+    s = Session([sys.executable, "-m", "pdb", train, *SMALL, "--steps", "50", "--critic-pretrain-steps", "0",
+                 "--break-at", "0", "--save-every", "0", "--out", str(out)], tmp_path)
     try:
         s.wait_for("(Pdb)")                                   # pdb's first stop: train.py's first line
         t0 = time.time()
@@ -103,23 +106,28 @@ def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
         # `n` from (0) to the next iteration's loop head: one stop per statement, none on a continuation line, and
         # one stop at each line of the README's table, after which its values print
         stops = [where(stop)]
-        while "plumbing.end_step(" not in stops[-1][1] and len(stops) < 40:
+        while "loop.end_step(" not in stops[-1][1] and len(stops) < 40:
             stops.append(where(s.stop_after("n")))
             for name, (line, printed) in STEPS.items():
                 if printed and line in stops[-2][1]:
                     assert printed[1] in s.stop_after(printed[0]), (name, s.text[-2000:])
         stops.append(where(s.stop_after("n")))
-        assert "for step in plumbing.steps()" in stops[-1][1], stops
+        assert "for step in loop.steps()" in stops[-1][1], stops
         assert {line for line, _ in stops} <= statement_starts("ppo"), stops
         assert len({line for line, _ in stops}) == len(stops), stops
         named = [name for _, code in stops for name, (line, _) in STEPS.items() if line in code]
         assert named == list(STEPS), stops
+        # `s` on the (2)-(5) line of the next iteration enters ppo_max.make_experience in one press
+        while "ppo_max.make_experience(" not in stops[-1][1] and len(stops) < 60:
+            stops.append(where(s.stop_after("n")))
+        entered = s.stop_after("s")
+        assert re.search(r"ppo_max\.py\(\d+\)make_experience\(\)", entered), entered
     finally:
         s.proc.kill()
         s.proc.wait(30)
     # Ctrl-C with no breakpoint set: pdb's own SIGINT handler, installed by `c`, must still be the one that runs
-    s = Session([sys.executable, "-m", "pdb", "train.py", *SMALL, "--steps", "200", "--critic-pretrain-steps", "0",
-                 "--save-every", "0", "--out", str(out)], ROOT)
+    s = Session([sys.executable, "-m", "pdb", train, *SMALL, "--steps", "200", "--critic-pretrain-steps", "0",
+                 "--save-every", "0", "--out", str(out)], tmp_path)
     try:
         s.wait_for("(Pdb)")
         s.type("c")
@@ -142,13 +150,37 @@ def test_graceful_exit_leaves_ctrl_c_to_a_debugger():
     old_trace = sys.gettrace()
     sys.settrace(lambda *a: None)
     try:
-        assert checkpoint.debugger_active()
-        with checkpoint.GracefulExit() as stop:
+        assert monitor.debugger_active()
+        with monitor.GracefulExit() as stop:
             assert signal.getsignal(signal.SIGINT) is before
             assert signal.getsignal(signal.SIGTERM) == stop._handler
     finally:
         sys.settrace(old_trace)
     if old_trace is None and not isinstance(getattr(before, "__self__", None), __import__("bdb").Bdb):
-        assert not checkpoint.debugger_active()
-        with checkpoint.GracefulExit() as stop:               # no debugger: Ctrl-C is ours
+        assert not monitor.debugger_active()
+        with monitor.GracefulExit() as stop:               # no debugger: Ctrl-C is ours
             assert signal.getsignal(signal.SIGINT) == stop._handler
+
+
+def test_steps_under_a_debugger_are_not_counted_as_the_stage_time():
+    """A step during which a debugger traces the process (pdb stepping) is left out of the PPO stage's seconds."""
+    import types
+
+    class Log:  # what LoopPlumbing reads of a RunLog
+        def steps(self, start, total, bar=True):
+            return range(start, total)
+
+        def close(self):
+            pass
+
+    run = types.SimpleNamespace(steps=3, break_at=-1, heldout_every=0)
+    loop = monitor.LoopPlumbing(run, Log(), None, None, None, None, None, "cpu", start=0)
+    old = sys.gettrace()
+    with loop:
+        for step in loop.steps():
+            if step == 1:                      # pdb steps through iteration 1 for a while
+                sys.settrace(lambda *a: None)
+                time.sleep(0.5)
+            elif step == 2:
+                sys.settrace(old)
+    assert loop.debugged >= 0.5 and loop.seconds < 0.4, (loop.debugged, loop.seconds)

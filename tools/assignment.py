@@ -142,16 +142,22 @@ def stub_source(source: str, module: str, functions: list[str]) -> str:
     return "".join(lines)
 
 
+def module_file(module: str) -> str:
+    """A project module's file, relative to the repository: "gae" → gae.py, "plumbing.data" → plumbing/data.py."""
+    return module.replace(".", "/") + ".py"
+
+
 def project_imports(module: str) -> set[str]:
-    """The project modules (top-level .py files) `module` imports at load time (top-level import statements)."""
-    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    """The project modules `module` imports at load time (top-level import statements): concept files ("gae") and
+    the package's modules ("plumbing.data")."""
+    tree = ast.parse((ROOT / module_file(module)).read_text())
     names = set()
     for node in tree.body:
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return {n for n in names if (ROOT / f"{n}.py").is_file()}
+            names |= {f"plumbing.{a.name}" for a in node.names} if node.module == "plumbing" else {node.module}
+    return {n for n in names if (ROOT / module_file(n)).is_file()}
 
 
 def dependencies(modules: list[str]) -> list[str]:
@@ -184,18 +190,21 @@ def make(out: Path, modules: list[str], force: bool = False) -> list[Path]:
     deps = dependencies(modules)
     files = {f"{m}.py": stub_source((ROOT / f"{m}.py").read_text(), m, list(ASSIGNMENT[m]))
              for m in modules + [d for d in deps if d in ASSIGNMENT]}
-    files |= {f"{d}.py": (ROOT / f"{d}.py").read_text() for d in deps if d not in ASSIGNMENT}
+    files |= {module_file(d): (ROOT / module_file(d)).read_text() for d in deps if d not in ASSIGNMENT}
+    if any(d.startswith("plumbing.") for d in deps):  # the package's own file, so `from plumbing import …` works
+        files["plumbing/__init__.py"] = (ROOT / "plumbing" / "__init__.py").read_text()
     existing = [name for name in files if (out / name).exists()]
     if existing and not force:
         raise UserError(f"make: {out / existing[0]} exists (a student's work?); pass --force to overwrite")
     out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     for m in modules:
         print(f"wrote {out / (m + '.py')}  (implement: {', '.join(ASSIGNMENT[m])})")
     for d in deps:
         why = "stubbed too, not assigned here" if d in ASSIGNMENT else "given, imported by the files above"
-        print(f"wrote {out / (d + '.py')}  ({why})")
+        print(f"wrote {out / module_file(d)}  ({why})")
     return [out / name for name in files]
 
 
