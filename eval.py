@@ -516,7 +516,7 @@ def evaluate(argv) -> None:
             cli.fail(f"{flag} {path}: not a model directory (no config.json); pass --run RUN_DIR or the directories")
     from plumbing.models import not_a_reward_model, reward_model_kind
     from reward_model import ScalarHeadModel
-    # a scorer without a trained head would score with a random one: refused as train.py refuses it (pipeline.py)
+    # a scorer without a trained head would score with a random one: refused as train.py refuses it (plumbing/pipeline.py)
     for flag, path in (("--reward-model", a.reward_model), (f"--run {a.run}: judge_model", judge_dir)):
         if path and not Path(path, "config.json").is_file():  # only the judge is still unchecked here
             cli.fail(f"{flag} {path}: not a model directory (no config.json)")

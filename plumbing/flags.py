@@ -361,7 +361,7 @@ def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
 
 
 def print_plan(argv: list[str]) -> "scale.MemoryPlan":
-    """--plan: scale.py's per-GPU memory plan of the run these flags describe, loading no weights: --model (for
+    """--plan: plumbing/scale.py's per-GPU memory plan of the run these flags describe, loading no weights: --model (for
     `tiny`, its LlamaConfig) and its reward model, the critic's start (--critic-init, --critic-model), the judge (on
     real data with --judge-frac > 0), LoRA and the sharing load_models does, DeepSpeed engines (more than one GPU, or
     --deepspeed) or one process with torch AdamW, and the weights' dtype as the run loads them (--bf16 or DeepSpeed's
@@ -402,7 +402,7 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
         settings["ptx_batch_per_gpu"] = 0
     try:
         plan = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, **settings)
-        # the tiny world and --data alone train stages 1-2 from scratch, in full (lora.py)
+        # the tiny world and --data alone train stages 1-2 from scratch, in full (plumbing/lora.py)
         plan.stages = scale.stage_plans(model, settings if real else {**settings, "lora_r": 0, "lora_bits": 16},
                                         **stage_batch)
     except (scale.ModelNotFound, ValueError) as e:

@@ -1,6 +1,6 @@
 """The causal LM as every stage sets it up: dropout off for good, and gradient checkpointing by either of
 transformers' names. SFT, the reward model, the critic and PPO all call these; none of them needs the PPO recipe
-to do so. (Position ids from the attention mask are data.py's, with the padding they undo.)
+to do so. (Position ids from the attention mask are plumbing/data.py's, with the padding they undo.)
 
 Implements (no equation: what the equations' token bookkeeping relies on):
     disable_dropout(model, keep)            → every dropout, LayerDrop and MoE-router jitter probability 0, so
@@ -173,18 +173,47 @@ def not_a_reward_model(path) -> str:
             f"AutoModelForSequenceClassification (config.json's architectures); it would get a random head")
 
 
+class TransformedScoreHead(torch.nn.Sequential):
+    """dense → activation → norm → score, per token: (…, H) → (…, 1). The head of a sequence classifier that
+    transforms the hidden state before its Linear: ModernBERT-decoder's ModernBertDecoderPredictionHead (dense,
+    activation, LayerNorm), then its dropout (0 here, as every dropout) and its `classifier`. The same modules in the
+    same order, so the same numbers; `spec` is what value_head.json records to build it again (build_head)."""
+    KIND = "dense-activation-norm-linear"
+
+    def __init__(self, hidden: int, activation: str, dense_bias: bool, norm_eps: float, norm_bias: bool):
+        from collections import OrderedDict
+
+        from transformers.activations import ACT2FN
+        super().__init__(OrderedDict(dense=torch.nn.Linear(hidden, hidden, bias=dense_bias), act=ACT2FN[activation],
+                                     norm=torch.nn.LayerNorm(hidden, eps=norm_eps, bias=norm_bias),
+                                     score=torch.nn.Linear(hidden, 1)))
+        self.in_features = hidden  # the width it reads, as nn.Linear names it
+        self.spec = {"kind": self.KIND, "activation": activation, "dense_bias": dense_bias, "norm_eps": norm_eps,
+                     "norm_bias": norm_bias}
+
+
+def build_head(spec: dict, hidden: int, where) -> torch.nn.Module:
+    """The head value_head.json's "head" describes (a head that is more than nn.Linear(H, 1)), freshly initialised."""
+    if spec.get("kind") == TransformedScoreHead.KIND:
+        return TransformedScoreHead(hidden, spec["activation"], spec["dense_bias"], spec["norm_eps"], spec["norm_bias"])
+    raise ValueError(f"ScalarHeadModel.from_pretrained: {str(where)!r} names a head of kind {spec.get('kind')!r}; "
+                     f"known: nn.Linear (no \"head\" entry) and {TransformedScoreHead.KIND!r}")
+
+
 def load_scalar_head_model(cls, path: str | os.PathLike, torch_dtype: torch.dtype | None = None,
                     seed: int | None = 0, require_head: bool = False,
                     quantization: dict | None = None) -> torch.nn.Module:
     """Load from a local Hugging Face directory: the LM, and the head from value_head.safetensors.
 
     A reward model saved by other libraries as AutoModelForSequenceClassification (num_labels = 1) loads with its
-    own score head (weight copied, bias 0 where it has none) on the same backbone, and score() reads it where
-    transformers does (score_index: the last real token that is not config.pad_token_id, so before a final EOS
-    that is also the pad id): its scores equal transformers' own forward on each sequence, whatever the padding
-    (tested to 1e-5). Without either head (a reward model or critic initialised from an
+    own score head on the same backbone (from_sequence_classification), and score() reads it where transformers does
+    (score_index: the last real token that is not config.pad_token_id, so before a final EOS that is also the pad
+    id): its scores equal transformers' own forward on each sequence, whatever the padding (tested to 1e-5); a head
+    this cannot reproduce is refused. Without either head (a reward model or critic initialised from an
     SFT directory) the head is fresh: N(0, 1/(H+1)) weights, zero bias, drawn with `seed` (None: torch's global
     RNG); with require_head=True (a --reward-model) that is a ValueError instead, never a random head.
+    value_head.safetensors holds weight (1, H) and bias (1,) of an nn.Linear(H, 1); a head that is more than that
+    (a sequence classifier's, kept by its critic) is named by value_head.json's "head" and built again (build_head).
     `torch_dtype` is passed to transformers as `dtype`, `quantization` (lora.quantization: 8-/4-bit frozen
     weights) as it is; the head takes the LM's dtype and device.
     Only local directories are accepted (no Hub download, no remote code).
@@ -200,8 +229,7 @@ def load_scalar_head_model(cls, path: str | os.PathLike, torch_dtype: torch.dtyp
     head_file = path / VALUE_HEAD_WEIGHTS
     kind = reward_model_kind(path)
     if kind == "sequence-classification":
-        lm, head, pad_id = from_sequence_classification(path, kwargs)
-        return cls(lm, head=head, score_pad_id=pad_id)
+        return from_sequence_classification(cls, path, kwargs)
     if kind is None and require_head:
         raise ValueError(not_a_reward_model(path))
     lm = causal_lm_class(path).from_pretrained(path, trust_remote_code=False, **kwargs)
@@ -209,31 +237,95 @@ def load_scalar_head_model(cls, path: str | os.PathLike, torch_dtype: torch.dtyp
     if not head_file.is_file():
         return cls(lm, head=None, seed=seed)
     state = safetensors.torch.load_file(str(head_file))
-    if set(state) != {"weight", "bias"} or tuple(state["weight"].shape) != (1, hidden):
+    meta_file = path / VALUE_HEAD_CONFIG  # where a sequence-classification RM saved here reads its score; its head
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    head = build_head(meta["head"], hidden, meta_file) if "head" in meta else torch.nn.Linear(hidden, 1)
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    if {k: tuple(v.shape) for k, v in state.items()} != expected:
+        what = "; ".join(f"{k} {s}" for k, s in expected.items()) if "head" in meta else \
+            f"weight (1, {hidden}) and bias (1,)"
         raise ValueError(f"ScalarHeadModel.from_pretrained: {str(head_file)!r} holds "
-                         f"{ {k: tuple(v.shape) for k, v in state.items()} }; expected weight (1, {hidden}) "
-                         f"and bias (1,) for the model's hidden size {hidden}")
-    head = torch.nn.Linear(hidden, 1)
+                         f"{ {k: tuple(v.shape) for k, v in state.items()} }; expected {what} for the model's hidden "
+                         f"size {hidden}")
     head.load_state_dict(state)
-    meta = path / VALUE_HEAD_CONFIG  # a sequence-classification RM saved here keeps where it reads its score
-    pad_id = json.loads(meta.read_text()).get("score_pad_id") if meta.is_file() else None
-    return cls(lm, head=head, score_pad_id=pad_id)
+    return cls(lm, head=head, score_pad_id=meta.get("score_pad_id"))
 
 
-def from_sequence_classification(path: Path, kwargs: dict) -> tuple:
-    """An AutoModelForSequenceClassification reward model as (causal LM, head, score pad id), ScalarHeadModel's
-    arguments: its backbone inside a causal LM of the same architecture (the LM head is unused by score() and
-    forward(); Eq. 2 would need one), its score head."""
+def from_sequence_classification(cls, path: Path, kwargs: dict) -> torch.nn.Module:
+    """An AutoModelForSequenceClassification reward model as a ScalarHeadModel (`cls`): its backbone inside a causal
+    LM of the same architecture (the LM head is unused by score() and forward(); Eq. 2 would need one), its score head
+    (sequence_classification_head), read where transformers reads it (config.pad_token_id). Checked before it is
+    returned: its score of a probe row must be the classifier's own (check_scores_as_transformers)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     seq = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False, **kwargs)
     if seq.config.num_labels != 1:
         raise ValueError(f"{path}: a sequence-classification model with num_labels = {seq.config.num_labels}; a "
                          f"reward model has one output (num_labels = 1)")
-    score = next(m for name, m in seq.named_children() if name in ("score", "classifier", "v_head"))
+    head = sequence_classification_head(seq, path)
     lm = AutoModelForCausalLM.from_config(seq.config, **kwargs)
     lm.base_model.load_state_dict(seq.base_model.state_dict())
-    head = torch.nn.Linear(lm.config.hidden_size, 1)
+    model = cls(lm.to(seq.dtype), head=head, score_pad_id=seq.config.get_text_config().pad_token_id)
+    check_scores_as_transformers(model, seq, path)
+    return model
+
+
+def unsupported_head(path, seq, why: str) -> str:
+    return f"{path}: {type(seq).__name__}'s head is not supported as a reward model's: {why}"
+
+
+def sequence_classification_head(seq, path) -> torch.nn.Module:
+    """The score head of a transformers sequence classifier as a module (…, H) → (…, 1) applied per token, in float32
+    (ScalarHeadModel casts it to the LM's dtype): nn.Linear(H, 1) from its Linear `score` / `classifier` / `v_head`
+    (bias 0 where it has none), or, where a `head` of dense, activation and norm comes first (ModernBERT-decoder), a
+    TransformedScoreHead with those weights too. Anything else: a ValueError naming the directory and the class."""
+    children = dict(seq.named_children())
+    score = next((children[n] for n in ("score", "classifier", "v_head") if isinstance(children.get(n), torch.nn.Linear)),
+                 None)
+    if score is None:
+        raise ValueError(unsupported_head(path, seq, f"no Linear score head (score, classifier or v_head) among its "
+                                                     f"modules {', '.join(children)}"))
+    hidden = score.in_features
+    pre = children.get("head")
+    if pre is None:
+        head = torch.nn.Linear(hidden, 1)
+        final = head
+    elif (isinstance(getattr(pre, "dense", None), torch.nn.Linear) and isinstance(getattr(pre, "norm", None), torch.nn.LayerNorm)
+          and isinstance(getattr(seq.config, "classifier_activation", None), str)):
+        head = TransformedScoreHead(hidden, seq.config.classifier_activation, pre.dense.bias is not None, pre.norm.eps,
+                                    pre.norm.bias is not None)
+        with torch.no_grad():
+            head.dense.load_state_dict({k: v.float() for k, v in pre.dense.state_dict().items()})
+            head.norm.load_state_dict({k: v.float() for k, v in pre.norm.state_dict().items()})
+        final = head.score
+    else:
+        raise ValueError(unsupported_head(path, seq, f"its score reads `head` ({type(pre).__name__}), which is not a "
+                                                     f"dense layer, an activation and a norm"))
     with torch.no_grad():
-        head.weight.copy_(score.weight.float())
-        head.bias.copy_(score.bias.float() if getattr(score, "bias", None) is not None else torch.zeros(1))
-    return lm.to(seq.dtype), head, seq.config.get_text_config().pad_token_id  # ScalarHeadModel's arguments
+        final.weight.copy_(score.weight.float())
+        final.bias.copy_(score.bias.float() if getattr(score, "bias", None) is not None else torch.zeros(1))
+    return head
+
+
+@torch.no_grad()
+def check_scores_as_transformers(model, seq, path) -> None:
+    """ValueError (one line: the directory, the class, the two scores) unless model.score of a probe row, one unpadded
+    row of 8 ids, equals the sequence classifier's own forward on it: a head or pooling that ScalarHeadModel does not
+    reproduce is refused, never scored silently wrong. Tolerance: 1e-3·max(1, |r|) in float32 and float64 (the two
+    agree to ~1e-6), 5e-2·max(1, |r|) in half precision. Both models are left in the mode they were in; torch's RNG
+    is not touched."""
+    vocab = seq.config.get_text_config().vocab_size
+    ids = torch.randint(vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+    training = model.training, seq.training
+    model.eval()
+    seq.eval()
+    try:
+        theirs = seq(input_ids=ids.to(seq.device)).logits[0, 0].float().item()
+        ours = model.score(ids.to(model.lm.device), torch.ones_like(ids, device=model.lm.device))[0].float().item()
+    finally:
+        model.train(training[0])
+        seq.train(training[1])
+    tol = (1e-3 if seq.dtype in (torch.float32, torch.float64) else 5e-2) * max(1.0, abs(theirs))
+    if not abs(ours - theirs) <= tol:
+        raise ValueError(unsupported_head(path, seq, f"on a probe row transformers scores {theirs:.6g} and "
+                                                     f"ScalarHeadModel {ours:.6g} (a head or pooling it does not "
+                                                     f"reproduce)"))

@@ -264,7 +264,7 @@ def load_models(inp: Inputs, run: RunConfig, cfg: PPOConfig, device: torch.devic
     with_critic = cfg.advantage == "gae"  # the critic-free estimators build no critic at all (critic_free.py)
     share_ref = lora.enabled(run) and Path(inp.ref) == Path(inp.policy)
     share_rm = with_critic and lora.enabled(run) and Path(inp.critic) == Path(inp.reward)
-    load = lambda path: place(models.causal_lm_class(path).from_pretrained(path, **kw))  # noqa: E731 (Mllama, Emu3: lm.py)
+    load = lambda path: place(models.causal_lm_class(path).from_pretrained(path, **kw))  # noqa: E731 (Mllama, Emu3: plumbing/models.py)
     policy = load(inp.policy)
     ref = None if share_ref else load(inp.ref).eval().requires_grad_(False)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}

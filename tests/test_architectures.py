@@ -22,7 +22,7 @@ import transformers
 from torch.testing import assert_close
 
 from plumbing import data
-from plumbing import models
+from plumbing import models as lm
 import ppo_max
 from ppo_loss import logprobs_from_logits
 from reward_model import ScalarHeadModel
@@ -92,7 +92,7 @@ def experience(arch: str, temperature: float, drop: bool = True):
     policy, ref, reward_model, critic = models(arch)
     if drop:
         for m in (policy, ref, reward_model, critic):
-            models.disable_dropout(m)
+            lm.disable_dropout(m)
     query, query_mask = prompts(arch)
     cfg = ppo_max.PPOConfig(temperature=temperature)
     torch.manual_seed(2)
@@ -145,7 +145,7 @@ def test_logprobs_are_those_of_the_tempered_distribution(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_position_ids_follow_the_mask_under_left_padding(arch):
     policy, *_ = models(arch)
-    models.disable_dropout(policy).eval()
+    lm.disable_dropout(policy).eval()
     query, query_mask = prompts(arch)
     response = torch.randint(3, V, (3, 4))
     response_mask = torch.ones(3, 4)
@@ -170,7 +170,7 @@ def test_eos_ends_and_scores_a_response_even_when_it_is_the_pad_id(arch):
         assert n == (eos_at[0] + 1 if eos_at else response.shape[1])
         assert mask[b, :n].all() and not mask[b, n:].any()
     _, _, reward_model, _ = models(arch)
-    models.disable_dropout(reward_model)
+    lm.disable_dropout(reward_model)
     ids, attn = torch.cat([exp["query"], response], 1), torch.cat([exp["query_mask"], mask], 1)
     with torch.no_grad():
         scores, values = reward_model.score(ids, attn), reward_model(ids, attn)                     # (B,), (B, L)
@@ -203,7 +203,7 @@ def test_the_models_generation_config_does_not_change_what_rollout_samples(arch)
     length, typical-p, a forced EOS) would sample from a distribution other than π^(1/T), whose log-probs PPO
     stores; rollout sets them aside, draws what it draws without them, and leaves the model's own as they were."""
     policy, *_ = models(arch)
-    models.disable_dropout(policy).eval()
+    lm.disable_dropout(policy).eval()
     query, query_mask = prompts(arch)
 
     def draw():
@@ -224,15 +224,15 @@ def test_the_models_generation_config_does_not_change_what_rollout_samples(arch)
 
 def test_a_model_that_reads_later_tokens_is_not_a_causal_lm():
     """BERT saved without is_decoder=True loads as BertLMHeadModel with bidirectional attention: every stage would
-    train it on tokens it has not seen yet. models.check_causal refuses it; as a decoder, and every family here, pass."""
+    train it on tokens it has not seen yet. lm.check_causal refuses it; as a decoder, and every family here, pass."""
     from plumbing.cli import UserError
     bert = dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     torch.manual_seed(0)
     with pytest.raises(UserError, match="bert-dir: not a causal LM: BertLMHeadModel's logits at earlier positions"):
-        models.check_causal(transformers.BertLMHeadModel(transformers.BertConfig(**bert)), "bert-dir")
-    models.check_causal(transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True)), "bert-dir")
+        lm.check_causal(transformers.BertLMHeadModel(transformers.BertConfig(**bert)), "bert-dir")
+    lm.check_causal(transformers.BertLMHeadModel(transformers.BertConfig(**bert, is_decoder=True)), "bert-dir")
     for arch in ARCHS:
-        models.check_causal(models(arch)[0], arch)
+        lm.check_causal(models(arch)[0], arch)
 
 
 def test_train_load_models_turns_dropout_off_in_all_four(tmp_path):
@@ -261,13 +261,13 @@ def test_disable_dropout_turns_off_layerdrop_and_router_jitter_but_not_what_eval
         model = transformers.AutoModelForCausalLM.from_config(cfg).train()
         with torch.no_grad():
             assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits), arch  # the noise is real
-            models.disable_dropout(model)
+            lm.disable_dropout(model)
             assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits), arch
         assert getattr(model.config, field) == (0.0 if field == "layerdrop" else 0.1)
     phimoe = transformers.PhimoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                        num_key_value_heads=2, num_local_experts=4, vocab_size=V, input_jitter_noise=0.1)
     with torch.device("meta"):
-        model = models.disable_dropout(transformers.AutoModelForCausalLM.from_config(phimoe))
+        model = lm.disable_dropout(transformers.AutoModelForCausalLM.from_config(phimoe))
     routers = [m for m in model.modules() if hasattr(m, "router_jitter_noise")]
     assert routers and all(m.router_jitter_noise == 0.01 for m in routers)
     inputs = [m.input_jitter_noise for m in model.modules() if hasattr(m, "input_jitter_noise")]
@@ -353,7 +353,7 @@ def test_value_head_reads_what_the_backbone_hands_the_lm_head(name):
 
 def test_causal_lm_class_loads_what_automodel_cannot_load_back(tmp_path):
     """AutoModelForCausalLM builds MllamaForCausalLM from an `mllama` config, saves an `mllama_text_model` config, and
-    cannot load that back; models.causal_lm_class names the class that can (config.json's architectures)."""
+    cannot load that back; lm.causal_lm_class names the class that can (config.json's architectures)."""
     text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, cross_attention_layers=[1], bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0)
     cfg = transformers.MllamaConfig(text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
@@ -363,7 +363,7 @@ def test_causal_lm_class_loads_what_automodel_cannot_load_back(tmp_path):
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mllama")
     with pytest.raises(ValueError, match="Unrecognized configuration class"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mllama")
-    assert models.causal_lm_class(tmp_path / "mllama") is transformers.MllamaForCausalLM
-    models.causal_lm_class(tmp_path / "mllama").from_pretrained(tmp_path / "mllama")
+    assert lm.causal_lm_class(tmp_path / "mllama") is transformers.MllamaForCausalLM
+    lm.causal_lm_class(tmp_path / "mllama").from_pretrained(tmp_path / "mllama")
     transformers.AutoModelForCausalLM.from_config(config("llama")).save_pretrained(tmp_path / "llama")
-    assert models.causal_lm_class(tmp_path / "llama") is transformers.AutoModelForCausalLM
+    assert lm.causal_lm_class(tmp_path / "llama") is transformers.AutoModelForCausalLM

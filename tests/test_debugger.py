@@ -83,6 +83,36 @@ STEPS = {"(0)": ("lr_scale = ", ("p lr_scale", "1.0")), "(1)": ("ppo_max.rollout
          "(6)": ("ppo_max.ppo_update(", ('p "loss/pg" in upd', "True")), "(7)": ("loop.end_step(", None)}
 
 
+def step_starts() -> dict[str, int]:
+    """The first statement after each `# (k)` comment of train.ppo: {"(0)": line, "(1)": line, ...}."""
+    lines = (ROOT / "train.py").read_text().splitlines()
+    starts, label = {}, None
+    for i, line in enumerate(lines, 1):
+        found = re.match(r"\s*# (\(\d\)(?:-\(\d\))?) ", line)
+        if found:
+            label = found[1].replace("-", "–")
+        elif label and line.strip() and not line.strip().startswith("#"):
+            starts.setdefault(label, i)
+    return starts
+
+
+def stops_per_step(lines: list[int]) -> dict[str, int]:
+    """How many of pdb's stops (`n`) fall in each numbered step, from its first line to the next step's."""
+    starts = sorted(step_starts().items(), key=lambda kv: kv[1])
+    bounds = [(name, first, nxt) for (name, first), (_, nxt) in zip(starts, starts[1:] + [("", 10 ** 9)])]
+    return {name: sum(first <= line < nxt for line in lines) for name, first, nxt in bounds}
+
+
+def readme_n_column() -> dict[str, int]:
+    """The README's "Step through one iteration" table: {step: its `n` column}."""
+    rows = re.findall(r"^\| (\(\d\)(?:–\(\d\))?) \| (\d+) \|", (ROOT / "README.md").read_text(), re.M)
+    return {name: int(n) for name, n in rows}
+
+
+def test_the_readme_names_every_numbered_step():
+    assert set(readme_n_column()) == set(step_starts()) == {"(0)", "(1)", "(2)–(5)", "(6)", "(7)"}
+
+
 @pytest.mark.slow
 def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
     train = str(ROOT / "train.py")
@@ -117,6 +147,7 @@ def test_pdb_stops_at_iteration_zero_and_ctrl_c_breaks_into_it(tmp_path):
         assert len({line for line, _ in stops}) == len(stops), stops
         named = [name for _, code in stops for name, (line, _) in STEPS.items() if line in code]
         assert named == list(STEPS), stops
+        assert readme_n_column() == stops_per_step([line for line, _ in stops[:-1]]), stops
         # `s` on the (2)-(5) line of the next iteration enters ppo_max.make_experience in one press
         while "ppo_max.make_experience(" not in stops[-1][1] and len(stops) < 60:
             stops.append(where(s.stop_after("n")))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from plumbing import data
-from plumbing import models
+from plumbing import models as lm
 from plumbing import lora
 import ppo_max
 import tiny_model
@@ -105,8 +105,8 @@ def test_lora_reference_and_reward_model_are_the_saved_models_and_the_first_rati
     m, batches, tokenizer, sft_dir, rm_dir = models(arch, tmp_path, CFG)
     ppo_step(m, batches, tokenizer, CFG, ppo_max.RunningMoments())  # the adapters move away from B = 0
     from transformers import AutoModelForCausalLM
-    sft = models.disable_dropout(AutoModelForCausalLM.from_pretrained(sft_dir)).eval()
-    rm = models.disable_dropout(ScalarHeadModel.from_pretrained(rm_dir, require_head=True)).eval()
+    sft = lm.disable_dropout(AutoModelForCausalLM.from_pretrained(sft_dir)).eval()
+    rm = lm.disable_dropout(ScalarHeadModel.from_pretrained(rm_dir, require_head=True)).eval()
     _, query, query_mask = batches.prompts(4)
     response, response_mask, _ = ppo_max.rollout(m.policy, query, query_mask, 6, data.stop_id(tokenizer),
                                                  tokenizer.pad_token_id)

@@ -28,12 +28,12 @@ def tiny_lm(seed: int, cls=None, **config_extra):
     LlamaForSequenceClassification with num_labels in config_extra)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from plumbing import models
+    from plumbing import models as lm
     config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0, **config_extra)
     torch.manual_seed(seed)
-    return models.disable_dropout((cls or LlamaForCausalLM)(config))
+    return lm.disable_dropout((cls or LlamaForCausalLM)(config))
 
 
 def tiny_models():
@@ -616,9 +616,9 @@ def tiny_gpt2(seed: int):
     (LLaMA's rotary attention sees relative positions only, so a uniform shift changes nothing there)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from plumbing import models
+    from plumbing import models as lm
     torch.manual_seed(seed)
-    return models.disable_dropout(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2,
+    return lm.disable_dropout(GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2,
                                                          n_positions=64, bos_token_id=1, eos_token_id=2)))
 
 

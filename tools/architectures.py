@@ -517,9 +517,9 @@ NOT_APPLICABLE: dict[str, str] = {
 }
 NOTES: dict[str, str] = {
     "cpmant": "the architecture's: CPM-Ant lets every token of its input (its context) attend to every other, so a "
-              "position's logits read the tokens after it; models.check_causal refuses it (it trained before the check)",
+              "position's logits read the tokens after it; lm.check_causal refuses it (it trained before the check)",
     "xlnet": "the architecture's: XLNet's permutation LM attends both ways unless a perm_mask is passed, so a "
-             "position's logits read the tokens after it; models.check_causal refuses it (it trained before the check)",
+             "position's logits read the tokens after it; lm.check_causal refuses it (it trained before the check)",
     "reformer": "the architecture's: in training its sequence length must be a multiple of its chunk length (16), and "
                 "the pipeline pads a batch to its longest sequence only",
     "phimoe": "the architecture's: in train mode PhiMoE's SparseMixer router samples the experts (Gumbel noise), so the "
@@ -527,9 +527,9 @@ NOTES: dict[str, str] = {
     "xlstm": "ours: the ptx forward in ppo_max.ppo_update builds a KV cache (no use_cache=False), and xLSTM updates its "
              "cached states in place, which backward then cannot use; with use_cache=False every stage passes",
     "emu3": "ours: plumbing.run.load_models loads with AutoModelForCausalLM, which cannot load back the text config Emu3 "
-            "saves; with models.causal_lm_class every stage passes",
+            "saves; with plumbing.models.causal_lm_class every stage passes",
     "mllama": "ours: plumbing.run.load_models loads with AutoModelForCausalLM, which cannot load back the text config Mllama "
-              "saves; with models.causal_lm_class every stage passes",
+              "saves; with plumbing.models.causal_lm_class every stage passes",
 }
 
 

@@ -14,7 +14,7 @@ stage trained on or generated: SFT steps × batch × mean SFT length; RM steps �
 steps × rollout batch × (prompt + response), forward and update together.
 
 Beside each stage's torch.cuda.max_memory_allocated it prints what `train.py --plan` predicts for the same flags
-(scale.py: plan_stage_memory for SFT and the reward model, plan_memory for PPO), without the plan's flat overhead
+(plumbing/scale.py: plan_stage_memory for SFT and the reward model, plan_memory for PPO), without the plan's flat overhead
 (the CUDA context and NCCL buffers are not the caching allocator's): the first GPU run checks the plan. The plan
 assumes the longest sequences the flags allow (P = --max-prompt-tokens, T = --max-new-tokens); the data's are
 shorter, so measured < planned is expected by about that ratio.

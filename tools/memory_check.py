@@ -1,4 +1,4 @@
-"""The memory of a PPO-max run measured on the CPU, beside scale.py's plan: the tensors each model holds after an
+"""The memory of a PPO-max run measured on the CPU, beside plumbing/scale.py's plan: the tensors each model holds after an
 optimizer step (the plan's static part, to the byte), each phase's peak allocations under the torch profiler (its
 dynamic part), and LLaMA-7B's widths through every stage of train.py.
 

@@ -15,9 +15,9 @@ Implements (no equation: a reading aid, and the check that the loop stays readab
 
 How a line is classified (the same rules for any version of the code, so two versions can be compared):
   - the judge: toy_world.py and eval.py (gold, the synthetic human, scores every sample for the logs);
-  - logging and the alarm: every line of monitor.py;
-  - checkpoints, signals, the guard: every line of checkpoint.py;
-  - ranks and DeepSpeed: engine.py but set_lr and backward_step (the learning rate and the optimizer step are the
+  - logging and the alarm: every line of plumbing/monitor.py;
+  - checkpoints, signals, the guard: every line of plumbing/checkpoint.py;
+  - ranks and DeepSpeed: plumbing/engine.py but set_lr and backward_step (the learning rate and the optimizer step are the
     algorithm's); in backward_step, the `if is_engine(model)` test and the DeepSpeed branch under it;
   - stats: a statement that assigns to, or appends to, a name or subscript containing "stats", "metrics" or "acc";
   - validation: an `assert`, an `if` whose body only raises, an `if` that tests a check_* call (the guard), and
