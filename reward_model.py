@@ -176,17 +176,20 @@ def score_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
 
 
 class ScalarHeadModel(torch.nn.Module):
-    """A causal LM backbone with a linear head H -> 1: r(x, y) for the reward model, V(s_t) for the critic.
+    """A causal LM backbone with a scalar head H -> 1: r(x, y) for the reward model, V(s_t) for the critic.
 
     self.lm    the Hugging Face causal LM, *with* its LM head, so Eq. 2's r'(x, y_w) is the same network
-    self.head  nn.Linear(H, 1), applied to the last hidden layer
+    self.head  nn.Linear(H, 1), applied to the last hidden layer at every position. A reward model loaded from
+               transformers' sequence-classification format keeps its own head, which may be more than a Linear
+               (ModernBERT-decoder: dense, activation, norm, then the Linear; built in plumbing/models.py): any
+               module (…, H) -> (…, 1) with `in_features` H, and a `spec` that value_head.json records
 
     forward() gives one value per token (the critic's V(s_t)); score() reads the value at the last real token
     of each sequence (the reward model's r(x, y)). Both accept left, right or two-sided padding (a left-padded
     prompt followed by a right-padded response), as long as the 1s of each mask row are contiguous.
     """
 
-    def __init__(self, lm: torch.nn.Module, head: torch.nn.Linear | None = None, seed: int | None = 0,
+    def __init__(self, lm: torch.nn.Module, head: torch.nn.Module | None = None, seed: int | None = 0,
                  score_pad_id: int | None = None):
         super().__init__()
         self.lm = lm
@@ -268,24 +271,30 @@ class ScalarHeadModel(torch.nn.Module):
         self.save_head(out_dir)
 
     def save_head(self, out_dir: str | os.PathLike) -> None:
-        """The head alone: value_head.safetensors (weight and bias) and value_head.json (also beside LoRA adapters)."""
+        """The head alone: value_head.safetensors (the head's weights: a Linear's weight and bias) and value_head.json
+        (also beside LoRA adapters). A head that is more than a Linear is named in value_head.json's "head", so that
+        from_pretrained builds it again."""
         out_dir = Path(out_dir)
         state = {k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}
         safetensors.torch.save_file(state, str(out_dir / VALUE_HEAD_WEIGHTS))
         reads = ("score(): the last position where attention_mask == 1" if self.score_pad_id is None else
                  f"score(): the last position where attention_mask == 1 and the id is not {self.score_pad_id} "
                  f"(transformers' sequence-classification pooling)")
-        meta = {"hidden_size": head_width(self.lm), "dtype": str(self.head.weight.dtype).removeprefix("torch."),
+        dtype = next(self.head.parameters()).dtype
+        meta = {"hidden_size": head_width(self.lm), "dtype": str(dtype).removeprefix("torch."),
                 "reads": reads + "; forward(): every position", "score_pad_id": self.score_pad_id,
                 "weights": VALUE_HEAD_WEIGHTS}
+        if not isinstance(self.head, torch.nn.Linear):
+            meta["head"] = self.head.spec  # e.g. {"kind": "dense-activation-norm-linear", "activation": "gelu", ...}
         (out_dir / VALUE_HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, torch_dtype: torch.dtype | None = None, seed: int | None = 0,
                         require_head: bool = False, quantization: dict | None = None) -> "ScalarHeadModel":
         """Load a local Hugging Face directory: ours (value_head.safetensors beside the LM), transformers'
-        AutoModelForSequenceClassification (its score head on the same backbone), or a plain causal LM (a fresh head
-        drawn with `seed`; with require_head=True a ValueError instead). plumbing/models.load_scalar_head_model."""
+        AutoModelForSequenceClassification (its score head on the same backbone; refused in one line where this class
+        does not score as transformers does), or a plain causal LM (a fresh head drawn with `seed`; with
+        require_head=True a ValueError instead). plumbing/models.load_scalar_head_model."""
         return load_scalar_head_model(cls, path, torch_dtype, seed, require_head, quantization)
 
 # ------------------------------------------------------------------------------------------------------

@@ -191,10 +191,11 @@ class AdaptersOff:
         return self
 
 
-def reward_beside_critic(critic, reward_head: torch.nn.Linear):
+def reward_beside_critic(critic, reward_head: torch.nn.Module):
     """The reward model r(x, y) as the critic's backbone with the critic's adapters off and the reward model's own
     frozen head: the critic starts as a copy of the reward model (PPO-max), so under LoRA both share one backbone."""
-    head = reward_head.requires_grad_(False).to(critic.head.weight.dtype)  # reads the same hidden state as the critic
+    dtype = next(critic.head.parameters()).dtype  # the critic's head reads the same hidden state
+    head = reward_head.requires_grad_(False).to(dtype)
     reward_model = type(critic)(critic.lm, head=head,  # a ScalarHeadModel (reward_model.py) on the shared LM,
                                 score_pad_id=critic.score_pad_id)  # reading its score where the reward model does
     reward_model._has_logits_to_keep = critic._has_logits_to_keep  # (PeftModel's own signature hides it)

@@ -274,13 +274,14 @@ def unsupported_head(path, seq, why: str) -> str:
 
 
 def sequence_classification_head(seq, path) -> torch.nn.Module:
-    """The score head of a transformers sequence classifier as a module (…, H) → (…, 1) applied per token, in float32
-    (ScalarHeadModel casts it to the LM's dtype): nn.Linear(H, 1) from its Linear `score` / `classifier` / `v_head`
-    (bias 0 where it has none), or, where a `head` of dense, activation and norm comes first (ModernBERT-decoder), a
-    TransformedScoreHead with those weights too. Anything else: a ValueError naming the directory and the class."""
+    """The score head of a transformers sequence classifier as a module (…, H) → (…, 1) applied per token, in
+    float32 (ScalarHeadModel casts it to the LM's dtype): nn.Linear(H, 1) from its Linear `score` / `classifier` /
+    `v_head` (bias 0 where it has none), or, where a `head` of dense, activation and norm comes first
+    (ModernBERT-decoder), a TransformedScoreHead with those weights too. Anything else: a ValueError naming the
+    directory and the class. What it gives is checked against transformers' forward (check_scores_as_transformers)."""
     children = dict(seq.named_children())
-    score = next((children[n] for n in ("score", "classifier", "v_head") if isinstance(children.get(n), torch.nn.Linear)),
-                 None)
+    score = next((children[n] for n in ("score", "classifier", "v_head")
+                  if isinstance(children.get(n), torch.nn.Linear)), None)
     if score is None:
         raise ValueError(unsupported_head(path, seq, f"no Linear score head (score, classifier or v_head) among its "
                                                      f"modules {', '.join(children)}"))
@@ -289,7 +290,8 @@ def sequence_classification_head(seq, path) -> torch.nn.Module:
     if pre is None:
         head = torch.nn.Linear(hidden, 1)
         final = head
-    elif (isinstance(getattr(pre, "dense", None), torch.nn.Linear) and isinstance(getattr(pre, "norm", None), torch.nn.LayerNorm)
+    elif (isinstance(getattr(pre, "dense", None), torch.nn.Linear)
+          and isinstance(getattr(pre, "norm", None), torch.nn.LayerNorm)
           and isinstance(getattr(seq.config, "classifier_activation", None), str)):
         head = TransformedScoreHead(hidden, seq.config.classifier_activation, pre.dense.bias is not None, pre.norm.eps,
                                     pre.norm.bias is not None)
@@ -311,19 +313,19 @@ def check_scores_as_transformers(model, seq, path) -> None:
     """ValueError (one line: the directory, the class, the two scores) unless model.score of a probe row, one unpadded
     row of 8 ids, equals the sequence classifier's own forward on it: a head or pooling that ScalarHeadModel does not
     reproduce is refused, never scored silently wrong. Tolerance: 1e-3·max(1, |r|) in float32 and float64 (the two
-    agree to ~1e-6), 5e-2·max(1, |r|) in half precision. Both models are left in the mode they were in; torch's RNG
-    is not touched."""
+    agree to ~1e-6), 5e-2·max(1, |r|) in half precision. Every module is left in the mode it was in; torch's RNG is
+    not touched."""
     vocab = seq.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (1, 8), generator=torch.Generator().manual_seed(0))
-    training = model.training, seq.training
+    modes = [(m, m.training) for m in (*model.modules(), *seq.modules())]
     model.eval()
     seq.eval()
     try:
         theirs = seq(input_ids=ids.to(seq.device)).logits[0, 0].float().item()
         ours = model.score(ids.to(model.lm.device), torch.ones_like(ids, device=model.lm.device))[0].float().item()
     finally:
-        model.train(training[0])
-        seq.train(training[1])
+        for m, training in modes:
+            m.training = training
     tol = (1e-3 if seq.dtype in (torch.float32, torch.float64) else 5e-2) * max(1.0, abs(theirs))
     if not abs(ours - theirs) <= tol:
         raise ValueError(unsupported_head(path, seq, f"on a probe row transformers scores {theirs:.6g} and "

@@ -3,6 +3,7 @@
 Every expected value comes from an independent computation: math.log / math.exp by hand, python loops,
 autograd of a hand-written formula, or the same sequence scored unpadded one at a time.
 """
+import json
 import math
 
 import pytest
@@ -354,29 +355,84 @@ def seqcls_texts(tmp_path_factory):
     return rows, [p + r for p, r in rows] * 4
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("pad_is_eos", [True, False])
-def test_sequence_classification_rm_scores_as_transformers_does(arch, pad_is_eos, seqcls_texts, tmp_path):
-    """A reward model saved with AutoModelForSequenceClassification (num_labels 1) scores, through ScalarHeadModel,
-    what transformers' own forward gives for each sequence alone (1e-5), when the pad id is the EOS (read before the
-    final EOS) and when it is not, batched with left, right or two-sided padding and one at a time; and a right-padded
-    batch equals transformers' own batched forward with its attention mask."""
-    from plumbing import data
+# The sequence-classification reward models tested: (architecture, classifier_pooling written in the config). LLaMA,
+# GPT-2 and Qwen2 read a Linear `score` on the backbone's last hidden state; ModernBERT-decoder's classifier reads a
+# prediction head first (dense, activation, norm). transformers 5.24's ModernBertDecoderConfig has no
+# classifier_pooling field and its forward reads the last non-pad token whatever the config says ("mean" is kept in
+# config.json and ignored), so both of its rows are last-token pooling; a classifier that pooled by the mean would be
+# refused (test_a_sequence_classification_rm_whose_head_is_not_reproduced_is_refused_in_one_line).
+SEQCLS = [("llama", None), ("gpt2", None), ("qwen2", None),
+          ("modernbert-decoder", "last"), ("modernbert-decoder", "mean")]
+
+
+def _seqcls_rm(arch, pooling, texts, out, pad_is_stop=True):
+    """A tiny AutoModelForSequenceClassification reward model (num_labels 1, random weights) saved in `out` with its
+    tokenizer: (model, tokenizer). Its score head is drawn anew so that it tells tokens apart (reading one position
+    early shows); ModernBERT-decoder's with every bias on (classifier_bias, norm_bias), so that each weight of its head
+    counts. The pad id is the token that ends a response (data.stop_id: the EOS, Qwen2's <|im_end|>), as when a
+    trainer pads with it, or with pad_is_stop=False another id."""
     import tiny_model
-    rows, texts = seqcls_texts
-    tok = tiny_model.build_tokenizer(arch, texts, tmp_path / "rm", 300)
-    cfg = tiny_model.model_config(arch, tok, hidden=32)
+    from plumbing import data
+    tok = tiny_model.build_tokenizer("llama" if arch == "modernbert-decoder" else arch, texts, out, 300)
+    pad = data.stop_id(tok) if pad_is_stop else len(tok) - 1
+    if arch == "modernbert-decoder":  # sliding windows of 8 tokens on 2 of its 3 layers: shorter than the rows
+        cfg = transformers.ModernBertDecoderConfig(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            local_attention=16, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            cls_token_id=tok.bos_token_id, sep_token_id=tok.eos_token_id, pad_token_id=pad, classifier_bias=True,
+            norm_bias=True, classifier_pooling=pooling)
+    else:
+        cfg = tiny_model.model_config(arch, tok, hidden=32)
+        cfg.pad_token_id = pad
     cfg.num_labels = 1
-    cfg.pad_token_id = tok.eos_token_id if pad_is_eos else len(tok) - 1  # any id that is not the EOS
     torch.manual_seed(0)
     seq = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
     with torch.no_grad():
-        seq.score.weight.normal_()  # a head that tells tokens apart, so reading one position early shows
-    seq.save_pretrained(tmp_path / "rm")
+        if arch == "modernbert-decoder":
+            seq.classifier.weight.normal_()
+            seq.classifier.bias.normal_()
+            seq.head.dense.weight.normal_(std=32 ** -0.5)
+            seq.head.dense.bias.normal_(std=0.5)
+            seq.head.norm.weight.uniform_(0.5, 1.5)
+            seq.head.norm.bias.normal_(std=0.5)
+        else:
+            seq.score.weight.normal_()
+    seq.save_pretrained(out)
+    return seq, tok
+
+
+def _per_token(seq, s):
+    """transformers' own per-token scores of one unpadded row before it pools them, (L,): its modules, in its order."""
+    h = seq.base_model(input_ids=torch.tensor([s])).last_hidden_state                      # (1, L, H)
+    if hasattr(seq, "classifier"):                                                          # ModernBERT-decoder
+        return seq.classifier(seq.drop(seq.head(h)))[0, :, 0]
+    return seq.score(h)[0, :, 0]
+
+
+def _rows(rows, tok, cut_odd=True):
+    from plumbing import data
+    return [data.query_ids(p, tok) + data.response_ids(r, tok)[:None if i % 2 == 0 or not cut_odd else -1]
+            for i, (p, r) in enumerate(rows)]                                               # odd rows: no EOS
+
+
+@pytest.mark.parametrize("arch,pooling", SEQCLS, ids=[a + (f"-{p}" if p else "") for a, p in SEQCLS])
+@pytest.mark.parametrize("pad_is_stop", [True, False])
+def test_sequence_classification_rm_scores_as_transformers_does(arch, pooling, pad_is_stop, seqcls_texts, tmp_path):
+    """A reward model saved with AutoModelForSequenceClassification (num_labels 1) scores, through ScalarHeadModel,
+    what transformers' own forward gives for each sequence alone (1e-5), when the pad id is the token that ends a
+    response (the EOS; Qwen2's <|im_end|>: read before it) and when it is not, batched with left, right or two-sided
+    padding and one at a time; and a right-padded batch equals transformers' own batched forward with its attention
+    mask. ModernBERT-decoder's head (dense, activation, norm before its classifier) is applied as transformers applies
+    it, and kept when saved again as ours."""
+    rows, texts = seqcls_texts
+    seq, tok = _seqcls_rm(arch, pooling, texts, tmp_path / "rm", pad_is_stop)
+    cfg = seq.config
+    if pooling is not None:
+        assert json.loads((tmp_path / "rm" / "config.json").read_text())["classifier_pooling"] == pooling
     ours = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
     assert ours.score_pad_id == cfg.pad_token_id
-    seqs = [data.query_ids(p, tok) + data.response_ids(r, tok)[:None if i % 2 == 0 else -1]  # odd rows: no EOS
-            for i, (p, r) in enumerate(rows)]
+    assert isinstance(ours.head, torch.nn.Linear) == (arch != "modernbert-decoder")
+    seqs = _rows(rows, tok)
     with torch.no_grad():
         theirs = torch.cat([seq(input_ids=torch.tensor([s])).logits[:, 0] for s in seqs])  # each alone
         alone = torch.cat([ours.score(torch.tensor([s]), torch.ones(1, len(s))) for s in seqs])
@@ -390,47 +446,165 @@ def test_sequence_classification_rm_scores_as_transformers_does(arch, pad_is_eos
         ids, mask = _pad(seqs, "right", pad=cfg.pad_token_id, L=L)
         batched = seq(input_ids=ids, attention_mask=mask).logits[:, 0]
         torch.testing.assert_close(batched, theirs, atol=1e-5, rtol=1e-5)
-        # what the last-real-token rule would give instead: a different score wherever the sequence ends with EOS = pad
+        # what the last-real-token rule would give instead: a different score wherever the sequence ends with the pad id
         naive = torch.cat([ours.forward(torch.tensor([s]), torch.ones(1, len(s)))[:, -1] for s in seqs])
         ends_with_pad = torch.tensor([s[-1] == cfg.pad_token_id for s in seqs])
-        assert ends_with_pad.any() == pad_is_eos
+        assert ends_with_pad.any() == pad_is_stop
         assert ((naive - theirs).abs() > 1e-3)[ends_with_pad].all() and torch.allclose(naive[~ends_with_pad],
                                                                                         theirs[~ends_with_pad],
                                                                                         atol=1e-5)
-    # saved again as ours, it keeps reading there
+    # saved again as ours, it keeps reading there, with the same head
     ours.save_pretrained(tmp_path / "again")
     again = rm.ScalarHeadModel.from_pretrained(tmp_path / "again", require_head=True).eval()
+    assert type(again.head) is type(ours.head)
     with torch.no_grad():
         torch.testing.assert_close(torch.cat([again.score(torch.tensor([s]), torch.ones(1, len(s))) for s in seqs]),
                                    theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_sequence_classification_rm_beside_a_lora_critic_reads_where_it_did(seqcls_texts, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "modernbert-decoder"])
+def test_sequence_classification_rm_beside_a_lora_critic_reads_where_it_did(arch, seqcls_texts, tmp_path):
     """PPO-max starts the critic from the reward model; under LoRA the reward model is the critic's backbone with its
     adapters off and its own head (lora.reward_beside_critic). From a sequence-classification RM whose pad id is the
-    EOS, that reward model still reads before the final EOS, as transformers does."""
+    EOS, that reward model still reads before the final EOS, and through its whole head, as transformers does."""
     import copy
     from types import SimpleNamespace
-    from plumbing import data
     from plumbing import lora
-    import tiny_model
     rows, texts = seqcls_texts
-    tok = tiny_model.build_tokenizer("llama", texts, tmp_path / "rm", 300)
-    cfg = tiny_model.model_config("llama", tok, hidden=32)
-    cfg.num_labels, cfg.pad_token_id = 1, tok.eos_token_id
-    torch.manual_seed(0)
-    seq = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
-    seq.save_pretrained(tmp_path / "rm")
+    seq, tok = _seqcls_rm(arch, "last", texts, tmp_path / "rm")
     critic = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
     head = copy.deepcopy(critic.head)
     run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="auto", lora_bits=16)
     critic = lora.add_adapters(critic, run, seed=0, dropout=0.0)
     beside = lora.reward_beside_critic(critic, head)
-    seqs = [data.query_ids(p, tok) + data.response_ids(r, tok) for p, r in rows]
-    ids, mask = _pad(seqs, "right", pad=tok.eos_token_id, L=max(map(len, seqs)))
+    seqs = _rows(rows, tok, cut_odd=False)
+    ids, mask = _pad(seqs, "right", pad=seq.config.pad_token_id, L=max(map(len, seqs)))
     with torch.no_grad():
         theirs = seq(input_ids=ids, attention_mask=mask).logits[:, 0]
         torch.testing.assert_close(beside.score(ids, mask).float(), theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "modernbert-decoder"])
+def test_a_critic_from_a_sequence_classification_rm_trains_saves_and_loads_its_head(arch, seqcls_texts, tmp_path):
+    """--critic-init rm from a sequence-classification RM: the critic's V(s_t) is the classifier's head on every token,
+    as transformers computes it before pooling; its whole head trains (under LoRA too, where add_adapters makes it
+    trainable); saved (save_pretrained, or lora.save's adapters and merged directory) and loaded again, or loaded into
+    a critic built again (checkpoint.load_model_weights, as a resumed run does), it gives the values it had.
+    value_head.json names a head that is more than a Linear; a Linear head keeps the plain file (weight (1, H),
+    bias (1,), no "head" entry)."""
+    import copy
+    from types import SimpleNamespace
+    import safetensors.torch
+    from plumbing import checkpoint, lora
+    rows, texts = seqcls_texts
+    seq, tok = _seqcls_rm(arch, "last", texts, tmp_path / "rm")
+    seqs = _rows(rows, tok)
+    ids, mask = _pad(seqs, "left", pad=seq.config.pad_token_id, L=max(map(len, seqs)) + 1)
+    real = mask.bool()
+
+    def trained(critic, params):  # one AdamW step on (V(s_t) - 1)² over the real tokens; every head weight moves
+        before = copy.deepcopy(critic.head.state_dict())
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        critic.train()
+        loss = (critic(ids, mask) - 1.0)[real].pow(2).mean()
+        loss.backward()
+        opt.step()
+        critic.eval()
+        moved = {k for k, v in critic.head.state_dict().items() if not torch.equal(v, before[k])}
+        assert moved == set(before), f"head weights that did not train: {sorted(set(before) - moved)}"
+        with torch.no_grad():
+            return critic(ids, mask)
+
+    def reloaded(d):
+        with torch.no_grad():
+            return rm.ScalarHeadModel.from_pretrained(d, require_head=True).eval()(ids, mask)
+
+    critic = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()
+    with torch.no_grad():
+        values = critic(ids, mask)                                                   # (B, L) V(s_t)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(values[i, real[i]], _per_token(seq, s), atol=1e-5, rtol=1e-5)
+    after = trained(critic, critic.head.parameters())
+    critic.save_pretrained(tmp_path / "critic")
+    torch.testing.assert_close(reloaded(tmp_path / "critic")[real], after[real], atol=1e-6, rtol=0)
+    resumed = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True).eval()  # a resumed run's critic:
+    checkpoint.load_model_weights(resumed, tmp_path / "critic")                      # built again, weights loaded
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids, mask)[real], after[real], atol=1e-6, rtol=0)
+    meta = json.loads((tmp_path / "critic" / "value_head.json").read_text())
+    state = safetensors.torch.load_file(str(tmp_path / "critic" / "value_head.safetensors"))
+    if arch == "modernbert-decoder":
+        assert meta["head"] == {"kind": "dense-activation-norm-linear", "activation": "gelu", "dense_bias": True,
+                                "norm_eps": 1e-5, "norm_bias": True}
+        assert {k: tuple(v.shape) for k, v in state.items()} == {
+            "dense.weight": (32, 32), "dense.bias": (32,), "norm.weight": (32,), "norm.bias": (32,),
+            "score.weight": (1, 32), "score.bias": (1,)}
+    else:
+        assert "head" not in meta and {k: tuple(v.shape) for k, v in state.items()} == {"weight": (1, 32), "bias": (1,)}
+
+    # under LoRA: adapters and the whole head train; the adapters and head beside the merged model load as they were
+    critic = rm.ScalarHeadModel.from_pretrained(tmp_path / "rm", require_head=True)
+    run = SimpleNamespace(lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="auto", lora_bits=16)
+    critic = lora.add_adapters(critic, run, seed=0, dropout=0.0)
+    assert all(p.requires_grad for p in critic.head.parameters())
+    after = trained(critic, [p for p in critic.parameters() if p.requires_grad])
+    lora.save(critic, tmp_path / "lora-critic", tok, tmp_path / "rm")
+    torch.testing.assert_close(reloaded(tmp_path / "lora-critic")[real], after[real], atol=1e-5, rtol=0)
+    assert ("head" in json.loads((tmp_path / "lora-critic" / "adapter" / "value_head.json").read_text())) == \
+        (arch == "modernbert-decoder")
+    if arch == "modernbert-decoder":  # a head value_head.json names but this code does not know: one line, the file
+        (tmp_path / "critic" / "value_head.json").write_text(json.dumps({**meta, "head": {"kind": "mlp"}}))
+        with pytest.raises(ValueError, match=r"^ScalarHeadModel\.from_pretrained: '.*value_head\.json' names a head "
+                                             r"of kind 'mlp'; known: nn\.Linear"):
+            rm.ScalarHeadModel.from_pretrained(tmp_path / "critic")
+
+
+def test_a_sequence_classification_rm_whose_head_is_not_reproduced_is_refused_in_one_line(seqcls_texts, tmp_path,
+                                                                                         monkeypatch):
+    """ScalarHeadModel checks a sequence classifier's score of a probe row against transformers' own forward and
+    refuses, in one line naming the directory and the class, a head or pooling it does not reproduce: ModernBERT-
+    decoder's classifier read without its prediction head; a classifier that pools by the mean of the sequence (what
+    classifier_pooling="mean" would ask of a transformers that honoured it); a score head that is not a Linear."""
+    import re
+    from plumbing import models
+    rows, texts = seqcls_texts
+    d = tmp_path / "rm"
+    _seqcls_rm("modernbert-decoder", "mean", texts, d)
+    refused = rf"^{re.escape(str(d))}: ModernBertDecoderForSequenceClassification's head is not supported as a " \
+              rf"reward model's: on a probe row transformers scores \S+ and ScalarHeadModel \S+ \(a head or pooling " \
+              rf"it does not reproduce\)$"
+
+    def classifier_only(seq, path):  # the classifier alone, without the dense, activation and norm before it
+        head = torch.nn.Linear(32, 1)
+        with torch.no_grad():
+            head.weight.copy_(seq.classifier.weight)
+            head.bias.copy_(seq.classifier.bias)
+        return head
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "sequence_classification_head", classifier_only)
+        with pytest.raises(ValueError, match=refused):
+            rm.ScalarHeadModel.from_pretrained(d, require_head=True)
+
+    def mean_pooled(self, input_ids=None, attention_mask=None, **kwargs):  # ModernBERT's encoder's "mean" pooling
+        h = self.model(input_ids, attention_mask=attention_mask).last_hidden_state           # (B, L, H)
+        m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        pooled = (h * m[..., None]).sum(1) / m.sum(1, keepdim=True)                             # (B, H)
+        return transformers.modeling_outputs.SequenceClassifierOutputWithPast(
+            logits=self.classifier(self.drop(self.head(pooled))))
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.ModernBertDecoderForSequenceClassification, "forward", mean_pooled)
+        with pytest.raises(ValueError, match=refused):
+            rm.ScalarHeadModel.from_pretrained(d, require_head=True)
+
+    seq = transformers.AutoModelForSequenceClassification.from_pretrained(d)
+    seq.classifier = torch.nn.Sequential(seq.classifier, torch.nn.Tanh())
+    with pytest.raises(ValueError, match=r"^DIR: ModernBertDecoderForSequenceClassification's head is not supported "
+                                         r"as a reward model's: no Linear score head \(score, classifier or v_head\) "
+                                         r"among its modules model, head, classifier, drop$"):
+        models.sequence_classification_head(seq, "DIR")
+    rm.ScalarHeadModel.from_pretrained(d, require_head=True)  # unpatched, the same directory loads
 
 
 @torch.no_grad()
