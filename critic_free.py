@@ -11,6 +11,7 @@ Implements (one function per method; the paper each comes from is named at its l
     reinforce_pp(rewards, mask, γ)           → REINFORCE++ A_t = whiten_batch(G_t), r_t from Eq. 19        Hu 2025
     reinforce_pp_baseline(scores, mask, G)   → REINFORCE++-baseline A = whiten_batch(r_i − mean_G r)       Hu 2025
     advantages(name, rewards, mask, G, γ)    → what ppo_max.make_experience calls: (advantages, returns), (B, T)
+    dynamic_sampling(scores, G, tol)         → DAPO     keep the groups with max_G r − min_G r > tol
 
 Run: python critic_free.py        (prints the worked example at the end of this file)
 
@@ -33,6 +34,7 @@ References:
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback
       in LLMs" (RLOO, Eq. 7); Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!".
     Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and Reward Models" (section 3).
+    Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv 2503.14476 (section 3.2).
 """
 from __future__ import annotations
 
@@ -82,6 +84,18 @@ def rloo(scores: Tensor, G: int) -> Tensor:
     r = grouped(scores, G)                                             # (B/G, G)
     baseline = (r.sum(dim=1, keepdim=True) - r) / (G - 1)              # (1/(G−1)) Σ_{j≠i} r_j
     return (r - baseline).flatten()                                    # A_i = r_i − baseline_i
+
+
+def dynamic_sampling(scores: Tensor, G: int, tol: float = 0.0) -> Tensor:
+    """DAPO's dynamic sampling: which groups to keep, (B/G,) bool, True where the G scores of a prompt spread,
+    max_G r − min_G r > tol. A group of equal scores gets advantage 0 on every response under GRPO, Dr. GRPO and RLOO:
+    no gradient, only a smaller effective batch; the caller drops it and samples more prompts. The range, not the
+    std, so that equal scores give exactly 0 (a float mean of equal values need not equal them); tol > 0 for a
+    continuous reward (DAPO's accuracy reward is 0/1, where tol = 0 is its rule)."""
+    if G < 2:
+        raise ValueError(f"critic_free.dynamic_sampling: needs groups of G ≥ 2 responses, got G = {G}")
+    r = grouped(scores, G)                                             # (B/G, G)
+    return (r.max(dim=1).values - r.min(dim=1).values) > tol           # spread_G r > tol
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -138,6 +152,7 @@ if __name__ == "__main__":
     show("Dr. GRPO", dr_grpo(scores, G))
     # RLOO, response 1: 1 − (2 + 3 + 6)/3 = −2.666667 = 4/3 · (1 − 3)
     show("RLOO", rloo(scores, G))
+    print(f"{'dynamic sampling keeps':22s}", dynamic_sampling(scores, G).tolist())  # the equal group is dropped
     # REINFORCE++ on a 3-token and a 2-token response (T = 3), γ = 1: KL-shaped rewards, score on the last token.
     rewards = torch.tensor([[-0.1, 0.0, 1.0], [0.2, -1.0, 9.0]], dtype=torch.float64)  # 9.0 sits on padding
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
@@ -152,6 +167,7 @@ if __name__ == "__main__":
     # GRPO (Bessel's std)    [-0.92582, -0.46291, 0.0, 1.38873, 0.0, 0.0, 0.0, 0.0]
     # Dr. GRPO               [-2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]
     # RLOO                   [-2.666667, -1.333333, 0.0, 4.0, 0.0, 0.0, 0.0, 0.0]
+    # dynamic sampling keeps [True, False]
     # returns G_t            [0.9, 1.0, 1.0, -0.8, -1.0, 0.0]
     # REINFORCE++ A_t        [0.741235, 0.85024, 0.85024, -1.111853, -1.329863, 0.0]
     # REINFORCE++-baseline   [0.816497, 0.816497, 0.816497, -1.224745, -1.224745, 0.0]

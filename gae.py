@@ -6,6 +6,8 @@ Implements (equation numbers of Zheng et al. 2023, arXiv 2307.04964):
     compute_gae(rewards, values, mask, gamma, lam)       → Eq. 9   Â_t = Σ_l (γλ)^l δ_{t+l};  R̂_t = Â_t + V(s_t)
                                                            Eq. 10  λ = 0 → Â_t = δ_t (TD)
                                                            Eq. 11  λ = 1 → Â_t = Σ_l γ^l r_{t+l} − V(s_t) (Monte Carlo)
+    compute_gae_decoupled(..., lam_policy, lam_critic)   → Eq. 9 twice: Â_t with λ_policy, R̂_t with λ_critic (VC-PPO)
+    adaptive_lam(lengths, alpha)                         → λ_policy = 1 − 1/(α·l), one per response (VAPO)
 
 Run: python gae.py        (prints the worked example at the bottom of this file)
 
@@ -21,6 +23,8 @@ Conventions (all tensors (B, T), T = response tokens; prompts are never part of 
 References:
     Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation" (GAE).
     Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", section 3.2.2.
+    Yuan et al. 2025, "What's Behind PPO's Collapse in Long-CoT? Value Optimization Holds the Secret" (VC-PPO,
+      arXiv 2503.01491): decoupled λ. Yue et al. 2025, "VAPO" (arXiv 2504.05118): length-adaptive λ_policy.
 """
 import torch
 from torch import Tensor
@@ -75,7 +79,7 @@ def k_step_advantage(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float
 
 
 def compute_gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
 ) -> tuple[Tensor, Tensor]:
     """GAE(γ, λ) advantages and the returns the critic regresses on (Eq. 9), both (B, T), 0 where mask is 0.
 
@@ -85,12 +89,18 @@ def compute_gae(
 
     rewards: r_t, shaped per-token rewards (B, T), e.g. from ppo_max.shape_rewards (Eq. 19).
     values: V(s_t) from the critic at the rollout, (B, T). mask: (B, T), 1.0 on real response tokens.
-    gamma: discount γ. lam: GAE parameter λ ∈ [0, 1] (the paper uses 0.9).
+    gamma: discount γ. lam: GAE parameter λ ∈ [0, 1] (the paper uses 0.9), or a (B,) tensor of one λ per response
+    (row i then recurs with its own λ_i: VAPO's length-adaptive λ, adaptive_lam).
     Returns (advantages Â_t, returns R̂_t = Â_t + V(s_t)); whitening, if any, is the caller's job and must not
     touch the returns.
     """
     _check_inputs(rewards, values, mask)
     B, T = rewards.shape
+    if isinstance(lam, Tensor):  # one λ_i per row: (B,), broadcast against Â_{t+1} (B,) below
+        if lam.shape != (B,) or not ((lam >= 0) & (lam <= 1)).all():
+            raise ValueError(f"gae.py: a tensor lam must be (B,) = ({B},) with every λ in [0, 1]; got shape "
+                             f"{tuple(lam.shape)}, values {lam.tolist()}")
+        lam = lam.to(rewards)
     rewards = torch.where(mask != 0, rewards, 0.0)  # (B, T), padding contributes nothing (not even a NaN)
     values = torch.where(mask != 0, values, 0.0)  # (B, T), so V(s_{t+1}) = 0 after the last real token: terminal
     advantages = torch.zeros_like(rewards)  # (B, T)
@@ -106,6 +116,33 @@ def compute_gae(
     advantages = advantages * mask  # (B, T)
     returns = (advantages + values) * mask  # R̂_t = Â_t + V(s_t), the critic's target   (Eq. 16)
     return advantages, returns
+
+
+def compute_gae_decoupled(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam_policy: float | Tensor, lam_critic: float
+) -> tuple[Tensor, Tensor]:
+    """Decoupled λ (VC-PPO; VAPO): the advantages of GAE(γ, λ_policy) and the returns of GAE(γ, λ_critic), (B, T) each.
+
+    The critic's targets R̂_t = Â^{λ_critic}_t + V(s_t) use their own λ: λ_critic = 1 makes them the Monte Carlo
+    returns Σ_l γ^l r_{t+l} (Eq. 11), which do not lean on V(s_{t+1}) and so carry no bias from an untrained critic
+    (VC-PPO's reason); the policy keeps a smaller λ_policy for lower-variance advantages. λ_policy may be a (B,)
+    tensor (adaptive_lam). λ_policy = λ_critic gives compute_gae's pair exactly.
+    """
+    advantages = compute_gae(rewards, values, mask, gamma, lam_policy)[0]  # Â_t = Σ_l (γλ_policy)^l δ_{t+l}   (Eq. 9)
+    returns = compute_gae(rewards, values, mask, gamma, lam_critic)[1]  # R̂_t = Â^{λ_critic}_t + V(s_t)   (Eq. 9, 11)
+    return advantages, returns
+
+
+def adaptive_lam(lengths: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive λ_policy = 1 − 1/(α·l) for a response of l tokens, (B,) from lengths (B,) (e.g.
+    mask.sum(1)), so that Σ_t λ^t ≈ 1/(1 − λ) = α·l grows with the response. VAPO: α = 0.05, for responses of
+    thousands of tokens. Below l = 1/α the formula is ≤ 0: such rows (and empty ones) get λ = 0 (TD advantages), as
+    AReaL's vapo_length_adaptive_gae does; with α = 0.05 that is every response shorter than 20 tokens.
+    """
+    if not alpha > 0:
+        raise ValueError(f"gae.adaptive_lam: alpha must be > 0, got {alpha}")
+    lam = 1.0 - 1.0 / (alpha * lengths.to(torch.get_default_dtype()).clamp_min(1.0))  # λ_policy = 1 − 1/(α·l)   (VAPO)
+    return lam.clamp_min(0.0)  # (B,) in [0, 1)
 
 
 if __name__ == "__main__":
@@ -128,6 +165,8 @@ if __name__ == "__main__":
     show("λ=1 (MC)", compute_gae(rewards, values, mask, gamma, 1.0)[0])
     for k in (1, 2, 3):
         show(f"Â^{k}_t", k_step_advantage(rewards, values, mask, gamma, k))
+    # Decoupled λ (VC-PPO): the critic's targets with λ_critic = 1 are the discounted returns 0.81, 0.9, 1.0
+    show("R̂, λ_critic=1", compute_gae_decoupled(rewards, values, mask, gamma, lam, 1.0)[1])
     # Printed (tests/test_gae.py checks these numbers):
     # advantages    [0.11425, 0.165, 0.3, 0.0]
     # returns       [0.61425, 0.765, 1.0, 0.0]
@@ -136,3 +175,4 @@ if __name__ == "__main__":
     # Â^1_t         [0.04, 0.03, 0.3, 0.0]
     # Â^2_t         [0.067, 0.3, 0.3, 0.0]
     # Â^3_t         [0.31, 0.3, 0.3, 0.0]
+    # R̂, λ_critic=1 [0.81, 0.9, 1.0, 0.0]

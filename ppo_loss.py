@@ -2,7 +2,11 @@
 
 Implements (Zheng et al., "Secrets of RLHF in Large Language Models Part I: PPO", arXiv 2307.04964):
     policy_loss                 PPO-clip surrogate, ρ_t = π_θ/π_θold                        (Eq. 15)
-                                (+ the peers' dual-clip, log-ratio clamp; docs/differences.md)
+                                (+ clip-higher, GSPO's sequence ratio, dual-clip, log-ratio clamp, rollout weights)
+    sequence_log_ratio          GSPO-token's ratio: s_i = (π_θ(y_i)/π_old(y_i))^(1/|y_i|), gradient per token
+    cispo_loss                  CISPO: −sg(clip(ρ_t, 1−ε_low, 1+ε_high)) Â_t log π_θ(y_t)
+    rollout_mismatch            how far the sampler's log π_rollout is from the trainer's log π_old
+    rollout_correction          TIS weights min(π_old/π_rollout, C), or MIS masks (token or sequence)
     aggregate                   token-mean (Eq. 15 here), or per-sequence means, or Dr. GRPO's constant divisor
     value_loss                  critic loss (V − R̂)², optional value clipping              (Eq. 16)
     ptx_loss                    pretraining LM term of PPO-ptx, as a token NLL              (Eq. 17)
@@ -25,6 +29,12 @@ References:
     Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html (2020): k1, k2, k3.
     Ouyang et al., "Training language models to follow instructions with human feedback" (2022): PPO-ptx.
     Huang et al., "The N Implementation Details of RLHF with PPO" (lm-human-preference-details, 2023).
+    Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv 2503.14476 (2025): clip-higher.
+    Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071 (2025): GSPO, GSPO-token.
+    MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv 2506.13585: CISPO.
+    Yao, Liu et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (2025): TIS;
+      arXiv 2512.23075 (token and sequence MIS); Ling team, IcePop, arXiv 2510.18855 (masking outside [α, β]).
+How the peers (OpenRLHF, verl, TRL, NeMo-RL) name and place each of these: docs/differences.md.
 """
 from __future__ import annotations
 
@@ -68,10 +78,9 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = False) -> Tensor:
     """Variance of the entries where mask == 1 (a scalar).
 
     unbiased=False (ddof = 0, divide by n) is the default: it is what the paper's released code
-    (MOSS-RLHF `whiten`) and lm-human-preference-details (`unbiased=False`, for parity with TF's
-    `tf.nn.moments`) use, and it makes the whitened entries have variance exactly 1.
-    trl's `masked_var` uses unbiased=True (ddof = 1, Bessel's n/(n−1)). Over the thousands of tokens of a
-    minibatch the two differ by a factor 1 + 1/(n−1), which does not matter; it matters for tiny tests.
+    (MOSS-RLHF `whiten`) uses, and it makes the whitened entries have variance exactly 1. unbiased=True is
+    Bessel's n/(n−1) (some peers': docs/differences.md); over the thousands of tokens of a minibatch the two
+    differ by a factor 1 + 1/(n−1), which does not matter; it matters for tiny tests.
     """
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)  # σ² = Σ m (x − μ)² / Σ m
@@ -87,8 +96,8 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
                   all_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """(x − μ) / sqrt(σ² + eps) with μ, σ² over the real entries only (ddof = 0, see masked_var).
 
-    shift_mean=False adds μ back (scale only), as in trl / lm-human-preference-details for rewards.
-    eps = 1e-8 as in trl (the authors' code uses 1e-6); it only matters when σ² is tiny.
+    shift_mean=False adds μ back (scale only), as lm-human-preference-details does for rewards.
+    eps = 1e-8 (the authors' code uses 1e-6: docs/differences.md); it only matters when σ² is tiny.
     all_sum: a function that sums a tensor over the data-parallel ranks (engine.all_sum), so that μ and σ² are
     those of every rank's real entries (REINFORCE++ whitens the whole batch); None: this process's entries.
     Masked entries are returned unchanged (output == input where mask == 0), so the zeros that
@@ -123,6 +132,7 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
 
 def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float | None, *,
+    clip_eps_high: float | None = None, ratio_level: str = "token", weights: Tensor | None = None,
     dual_clip: float | None = None, log_ratio_clamp: float | None = None, agg: str = "token-mean",
     max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -138,34 +148,50 @@ def policy_loss(
     binds and the token's gradient is zero (A>0 and ρ>1+ε, or A<0 and ρ<1−ε); approx_kl = k3 estimate of
     KL(π_old ‖ π_θ) on the sampled tokens, mean of (ρ − 1) − log ρ; ratio = mean ρ.
 
-    Other implementations' conventions (keyword-only; the defaults are Eq. 15 as above, docs/differences.md):
-      dual_clip        c > 1: where Â < 0 the objective is max(min(ρÂ, clip(ρ)Â), c·Â), so a very large ρ on a bad
-                       token cannot make the loss unbounded (dual-clip PPO, Ye et al. 2020; verl clip_ratio_c = 3,
-                       on by default there; OpenRLHF dual_clip). stats gain dual_clipfrac, where c·Â binds.
-      log_ratio_clamp  C: log ρ clamped to ±C before exp (OpenRLHF and verl: 20); its gradient is 0 beyond ±C.
+    Keyword-only, each off by default (Eq. 15 as above; the peers' names for them: docs/differences.md):
+      clip_eps_high    ε_high: clip(ρ, 1−ε, 1+ε_high), DAPO's clip-higher (ε 0.2, ε_high 0.28); None = ε.
+      ratio_level      "sequence": ρ_t replaced by GSPO-token's s_{i,t} (sequence_log_ratio), one clip per sequence.
+      weights          a constant per-token weight multiplying the clipped objective (rollout_correction's TIS/MIS).
+      dual_clip        c > 1: where Â < 0 the objective is max(min(ρÂ, clip(ρ)Â), c·Â) (dual-clip PPO, Ye et al.
+                       2020); stats gain dual_clipfrac, the fraction where c·Â binds.
+      log_ratio_clamp  C: log ρ clamped to ±C before exp; its gradient is 0 beyond ±C.
       agg, max_len     how the per-token objective becomes one number: "token-mean" (here), or aggregate()'s
                        "seq-mean-token-mean" / "seq-mean-token-sum-norm" (Dr. GRPO's constant, max_len = T_max).
     """
-    _check_shapes("policy_loss", "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    _check_shapes("policy_loss", "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                  **({} if weights is None else {"weights": weights}))
     if clip_eps is not None and clip_eps < 0:
         raise ValueError(f"ppo_loss.policy_loss: clip_eps must be >= 0 or None, got {clip_eps}")
+    if clip_eps_high is not None and (clip_eps is None or clip_eps_high < 0):
+        raise ValueError(f"ppo_loss.policy_loss: clip_eps_high must be >= 0 and needs a clip_eps, got "
+                         f"{clip_eps_high} with clip_eps={clip_eps}")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ppo_loss.policy_loss: ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
     advantages = advantages.detach()
-    log_ratio = logprobs - old_logprobs.detach()  # (B, T)
+    if ratio_level == "sequence":  # GSPO-token: the value of log s_i, the gradient of log π_θ(y_t)
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
+    else:
+        log_ratio = logprobs - old_logprobs.detach()  # (B, T)
     if log_ratio_clamp is not None:
-        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)  # OpenRLHF / verl: ±20 before exp
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)  # log ρ ∈ [−C, C] before exp
     ratio = torch.exp(log_ratio)  # ρ_t = π_θ / π_θold
     surr1 = ratio * advantages  # ρ_t Â_t
     if clip_eps is None:
         objective = surr1
         clipped = torch.zeros_like(surr1)
     else:
-        surr2 = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages  # clip(ρ_t, 1−ε, 1+ε) Â_t
+        if clip_eps_high is None:
+            surr2 = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages  # clip(ρ_t, 1−ε, 1+ε) Â_t
+        else:  # clip-higher (DAPO): the ratio may rise to 1 + ε_high, fall to 1 − ε
+            surr2 = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high) * advantages
         objective = torch.minimum(surr1, surr2)  # min(ρÂ, clip(ρ)Â)   (Eq. 15)
         clipped = (surr2 < surr1).to(surr1.dtype)
     dual = None
     if dual_clip is not None:  # dual-clip: for Â < 0, max(min(ρÂ, clip(ρ)Â), c·Â)
         dual = ((advantages < 0) & (dual_clip * advantages > objective)).to(surr1.dtype)
         objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+    if weights is not None:  # w_t · min(ρÂ, clip(ρ)Â): the rollout correction acts after the clip
+        objective = objective * weights.detach()
     loss = -masked_mean(objective, mask)  # token-level mean over every real token of the batch
     if agg != "token-mean":  # a peer's aggregation (aggregate, below): per-sequence means, or Dr. GRPO's constant
         loss = -aggregate(objective, mask, agg, max_len)
@@ -180,21 +206,126 @@ def policy_loss(
     return loss, stats
 
 
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token's log-ratio log s_{i,t} = sg[log s_i] + log π_θ(y_{i,t}) − sg[log π_θ(y_{i,t})], (B, T), where
+
+        log s_i = (1/|y_i|) Σ_t log(π_θ(y_{i,t}) / π_old(y_{i,t})),  s_i = (π_θ(y_i|x) / π_old(y_i|x))^(1/|y_i|)
+
+    is GSPO's length-normalised sequence ratio. Every token of row i holds the value log s_i, so clipping s_{i,t}
+    clips the whole sequence at once, and its gradient is that of log π_θ(y_{i,t}) alone:
+    ∇s_{i,t} = s_i ∇log π_θ(y_{i,t}).
+    With the same Â_i on every token and the per-sequence mean (aggregate "seq-mean-token-mean", GSPO's own), the
+    loss has GSPO's gradient −(1/B) Σ_i s_i Â_i (1/|y_i|) Σ_t ∇log π_θ(y_{i,t}) (tests/test_ppo_loss.py, autograd).
+    """
+    _check_shapes("sequence_log_ratio", "logprobs", logprobs, old_logprobs=old_logprobs, mask=mask)
+    log_s = masked_mean(logprobs.detach() - old_logprobs.detach(), mask, dim=1)  # (B,) log s_i, a constant
+    return log_s[:, None] + logprobs - logprobs.detach()  # (B, T) value log s_i, gradient ∇log π_θ(y_{i,t})
+
+
+def cispo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps_low: float,
+    clip_eps_high: float, *, weights: Tensor | None = None, agg: str = "token-mean", max_len: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1): −mean_t sg(clip(ρ_t, 1−ε_low, 1+ε_high)) Â_t log π_θ(a_t|s_t). (B, T) inputs as policy_loss.
+
+    The clip acts on a detached importance weight, not on the objective, so no token loses its gradient:
+    ∂/∂log π_θ = −clip(ρ_t) Â_t on every token (PPO-clip gives 0 where its clip binds). ε_low = 1 means no lower
+    bound (ρ ≥ 0). weights, agg and max_len as in policy_loss.
+    stats: clipfrac = fraction of real tokens whose weight was clipped (ρ outside [1−ε_low, 1+ε_high]); approx_kl
+    and ratio as in policy_loss.
+    """
+    _check_shapes("cispo_loss", "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                  **({} if weights is None else {"weights": weights}))
+    if not 0 <= clip_eps_low <= 1 or clip_eps_high < 0:
+        raise ValueError(f"ppo_loss.cispo_loss: need 0 <= clip_eps_low <= 1 and clip_eps_high >= 0, got "
+                         f"{clip_eps_low}, {clip_eps_high}")
+    log_ratio = (logprobs - old_logprobs).detach()  # (B, T) log ρ_t, a constant here
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)  # sg(clip(ρ_t, 1−ε_low, 1+ε_high))
+    objective = weight * advantages.detach() * logprobs  # sg(clip(ρ_t)) Â_t log π_θ(a_t|s_t)   (CISPO)
+    if weights is not None:
+        objective = objective * weights.detach()
+    loss = -aggregate(objective, mask, agg, max_len)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((weight != ratio).to(ratio.dtype), mask).item(),
+                 "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),
+                 "ratio": masked_mean(ratio, mask).item()}
+    return loss, stats
+
+
+def rollout_mismatch(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the sampler's per-token log π_rollout is from the trainer's log π_old on the same tokens (B, T), as
+    detached floats over the real tokens (mask): 0, 0, 1 and 0 when the two agree exactly.
+
+        mean_abs_logp_diff     mean_t |log π_rollout − log π_old|
+        max_abs_logp_diff      max_t  |log π_rollout − log π_old|
+        token_mult_prob_error  mean_t exp(|log π_rollout − log π_old|): NeMo-RL's metric, the mean multiplicative
+                               error of a token's probability (1.01 = the two disagree by 1 % on average)
+        kl                     k3 estimate of KL(π_rollout ‖ π_old): the tokens were sampled by π_rollout, so
+                               kl_sampled(log π_rollout, log π_old, "k3"), as NeMo-RL's gen_kl_error
+    """
+    _check_shapes("rollout_mismatch", "old_logprobs", old_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    with torch.no_grad():
+        diff = torch.where(mask != 0, (rollout_logprobs - old_logprobs).abs(), 0.0)  # (B, T) |Δ log π|, 0 at padding
+        return {"mean_abs_logp_diff": masked_mean(diff, mask).item(),
+                "max_abs_logp_diff": diff.max().item() if diff.numel() else 0.0,
+                "token_mult_prob_error": masked_mean(torch.exp(diff), mask).item(),  # mean exp|Δ|
+                "kl": masked_mean(kl_sampled(rollout_logprobs, old_logprobs, "k3"), mask).item()}
+
+
+def rollout_correction(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, mode: str, cap: float, level: str = "token"
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Weights and mask that correct the loss for tokens sampled by π_rollout ≠ π_old. (B, T) → (weights, mask, stats).
+
+    ρ_t = π_old(y_t) / π_rollout(y_t), computed in log space; C = cap ≥ 1.
+      "tis", level "token"     w_t = min(ρ_t, C): truncated importance sampling; mask unchanged
+      "mis", level "token"     w_t = ρ_t on the tokens with ρ_t ∈ [1/C, C]; the others leave the mask
+      "mis", level "sequence"  w_t = ρ_i = Π_t ρ_t (verl's sequence ratio: the product, not a mean) on the sequences
+                               with ρ_i ∈ [1/C, C]; the others leave the mask whole
+    The weights are constants (detached) that multiply the token's clipped objective (policy_loss / cispo_loss
+    `weights`), and the caller aggregates over the returned mask, so a masked token leaves the denominator too.
+    They are exactly 1 where π_rollout = π_old. Weights are 0 at padding.
+    stats: weight_mean, weight_max (over the kept real tokens), masked_frac (real tokens masked), capped_frac (TIS:
+    real tokens with ρ_t > C).
+    """
+    _check_shapes("rollout_correction", "old_logprobs", old_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    if (mode, level) not in (("tis", "token"), ("mis", "token"), ("mis", "sequence")) or not cap >= 1:
+        raise ValueError(f"ppo_loss.rollout_correction: expected mode 'tis' (level 'token') or 'mis' (level 'token' "
+                         f"or 'sequence') and cap >= 1, got {mode!r}, {level!r}, {cap}")
+    m = mask.to(old_logprobs.dtype)
+    log_rho = torch.where(mask != 0, old_logprobs - rollout_logprobs, 0.0).detach()  # (B, T) log ρ_t, 0 at padding
+    if level == "sequence":
+        log_rho = log_rho.sum(dim=1, keepdim=True).expand_as(log_rho)  # (B, T) log Π_t ρ_t on every token of i
+    rho = torch.exp(log_rho)
+    if mode == "tis":
+        weights, keep = torch.clamp(rho, max=cap), m  # w_t = min(ρ_t, C)   (TIS)
+    else:
+        keep = m * (log_rho.abs() <= math.log(cap)).to(m.dtype)  # ρ ∈ [1/C, C]   (MIS)
+        weights = rho
+    weights = torch.where(keep != 0, weights, 0.0)  # (B, T) 0 at padding and where masked (even where ρ = inf)
+    with torch.no_grad():
+        stats = {"weight_mean": masked_mean(weights, keep).item(),
+                 "weight_max": weights.max().item() if weights.numel() else 0.0,
+                 "masked_frac": masked_mean(1.0 - keep, m).item(),
+                 "capped_frac": masked_mean((rho > cap).to(m.dtype), m).item() if mode == "tis" else 0.0}
+    return weights, keep, stats
+
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", max_len: int | None = None) -> Tensor:
-    """A per-token loss (B, T) as one number, the way one of the implementations in use does it (verl's names):
+    """A per-token loss (B, T) as one number, the way one of the implementations in use does it (verl's names;
+    the other peers' names for each: docs/differences.md):
 
-        token-mean               Σ_{i,t} m·ℓ / Σ m            every token weighs the same (ours, the paper's code,
-                                                              OpenRLHF token_level_loss, TRL loss_type="bnpo")
+        token-mean               Σ_{i,t} m·ℓ / Σ m            every token weighs the same (ours, the paper's code)
         seq-mean-token-mean      mean_i (Σ_t m·ℓ / Σ_t m)     every response weighs the same: a token of a short
-                                                              response weighs more (GRPO's paper; TRL "grpo",
-                                                              OpenRLHF token_level_loss=False); empty rows skipped
+                                                              response weighs more (GRPO's and GSPO's papers);
+                                                              empty rows skipped
         seq-mean-token-sum-norm  Σ_{i,t} m·ℓ / (B · max_len)  a constant divisor, B rows × the response length cap,
                                                               so neither length nor batch content changes a token's
-                                                              weight (Dr. GRPO; TRL "dr_grpo"; verl divides by
-                                                              max_len only, i.e. B times ours)
+                                                              weight (Dr. GRPO)
     max_len: the cap T_max (PPOConfig.max_new_tokens), needed by seq-mean-token-sum-norm; a constant, not the
     batch's longest response, or the divisor would move with the batch.
     """
@@ -225,7 +356,7 @@ def value_loss(
     returns     R̂_t = Â_t + V_old(s_t) from GAE (const)     (B, T)
     clip_range  c: with it, max((V − R̂)², (V_old + clip(V − V_old, −c, c) − R̂)²) elementwise, so the
                 critic gains nothing by moving more than c from its rollout value (PPO2 / PPO-max).
-    No ½ factor, as in Eq. 16 (the authors' code and trl multiply by 0.5; that only rescales the
+    No ½ factor, as in Eq. 16 (the authors' code and the peers multiply by 0.5; that only rescales the
     critic's learning rate / loss weight).
 
     stats: vf_clipfrac = fraction of real tokens where the clipped term is the larger one (its gradient
@@ -367,6 +498,11 @@ if __name__ == "__main__":
           f"approx_kl={stats['approx_kl']:.6f} ratio={stats['ratio']:.6f}")
     loss, _ = policy_loss(old_logprobs + ratio.log(), old_logprobs, advantages, mask, clip_eps=None)
     print(f"unclipped      loss={loss.item():.6f}")
+    # the same with clip-higher (ε_high = 0.28: ρ = 1.3 and 1.5 clip at 1.28), and CISPO's detached clipped weight
+    loss, stats = policy_loss(old_logprobs + ratio.log(), old_logprobs, advantages, mask, 0.2, clip_eps_high=0.28)
+    print(f"clip-higher    loss={loss.item():.6f} clipfrac={stats['clipfrac']:.6f}")
+    loss, stats = cispo_loss(old_logprobs + ratio.log(), old_logprobs, advantages, mask, 0.2, 0.28)
+    print(f"cispo          loss={loss.item():.6f} clipfrac={stats['clipfrac']:.6f}")
     # 2. value loss with and without clipping, c = 0.2
     values = torch.tensor([[1.0, 0.5, -0.3]], dtype=torch.float64)
     old_values = torch.tensor([[0.5, 0.6, 0.0]], dtype=torch.float64)
@@ -396,6 +532,8 @@ if __name__ == "__main__":
 # Output of `python ppo_loss.py`:
 #   policy_loss    loss=-0.240000 clipfrac=0.600000 approx_kl=0.067074 ratio=1.060000
 #   unclipped      loss=-0.370000
+#   clip-higher    loss=-0.264000 clipfrac=0.600000
+#   cispo          loss=-0.105228 clipfrac=0.600000
 #   value_loss     loss=0.730000 vf_clipfrac=0.333333
 #   unclipped      loss=0.500000
 #   kl_full=0.266217 k1=0.691006 k2=0.238745 k3=0.192078

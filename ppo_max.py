@@ -6,6 +6,7 @@ Implements (equation numbers of Zheng et al. 2023, arXiv 2307.04964):
     scale_rewards(scores, moments)                                   → "reward scaling" ablation (Fig. 6): r / std
     shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl) → Eq. 19  r_t = −η KL_t, + score on the last token
                                                                        (its inputs checked by check_shaping_inputs)
+    overlong_penalty(lengths, max_new_tokens, buffer, penalty)       → DAPO's soft length penalty before T_max
   the recipe (section 5.4; train.py runs the loop):
     PPOConfig, PRESETS, apply_preset                                 → every trick as a field; ppo-max and vanilla
     rollout(policy, query, ...)                                      → step (1): sample with the KV cache, stop at EOS
@@ -27,6 +28,7 @@ References:
     Chan, Golub, LeVeque 1979/1983, "Updating formulae and a pairwise algorithm for computing sample variances"
       (the parallel merge of means and variances).
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (the KL-shaped reward, Eq. 3/19).
+    Yu et al. 2025, "DAPO", arXiv 2503.14476 (overlong reward shaping).
 """
 import math
 
@@ -171,6 +173,23 @@ def shape_rewards(
     score_reward[torch.arange(B, device=mask.device), last] = scores.to(score_reward)  # r(x, y) at the end
     rewards = non_score_reward + score_reward  # r_t = r(x, y)·[t = last] − η KL_t   (Eq. 19)
     return rewards
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, one value per response, (B,) float, to add to its score:
+
+        R_length(y) = 0                                     |y| ≤ L_max − L_cache
+                    = ((L_max − L_cache) − |y|) / L_cache   L_max − L_cache < |y| ≤ L_max
+                    = −1                                    |y| > L_max
+    times `penalty` (1.0 is the paper's R_length). lengths: |y| (B,), e.g. mask.sum(1); max_new_tokens: L_max;
+    buffer: L_cache, 1 ≤ L_cache ≤ L_max. The penalty falls linearly from 0 to −penalty over the last L_cache tokens.
+    """
+    if not 1 <= buffer <= max_new_tokens or penalty < 0:
+        raise ValueError(f"ppo_max.overlong_penalty: need 1 <= buffer <= max_new_tokens and penalty >= 0, got "
+                         f"buffer={buffer}, max_new_tokens={max_new_tokens}, penalty={penalty}")
+    expected = max_new_tokens - buffer  # L_max − L_cache, the length past which the penalty starts
+    excess = (lengths.to(torch.get_default_dtype()) - expected) / buffer  # (|y| − (L_max − L_cache)) / L_cache
+    return 0.0 - penalty * excess.clamp(0.0, 1.0)  # R_length(y) · penalty   (DAPO); 0.0 − … : +0, not −0, below
 
 
 def check_shaping_inputs(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,

@@ -110,6 +110,21 @@ def test_group_estimators_refuse_a_batch_that_is_not_whole_groups():
         critic_free.rloo(torch.zeros(4), 1)
 
 
+# ------------------------------------------------------------------------------------------ dynamic sampling (DAPO)
+def test_dynamic_sampling_keeps_the_groups_whose_scores_spread_against_a_loop():
+    """A group is kept when max − min of its G scores exceeds tol (a loop over groups); equal scores are dropped at
+    tol = 0, also those whose float mean is not exactly their value (0.1 three times)."""
+    scores = torch.tensor([1.0, 2.0, 3.0, 0.1, 0.1, 0.1, 0.5, 0.5, 0.5001, -1.0, 1.0, 0.0], dtype=F64)
+    for tol in (0.0, 1e-3):
+        want = [max(scores[i:i + 3].tolist()) - min(scores[i:i + 3].tolist()) > tol for i in range(0, 12, 3)]
+        assert critic_free.dynamic_sampling(scores, 3, tol).tolist() == want
+    assert critic_free.dynamic_sampling(scores, 3).tolist() == [True, False, True, True]
+    assert critic_free.dynamic_sampling(scores, 3, 1e-3).tolist() == [True, False, False, True]
+    assert critic_free.grpo(scores, 3)[3:6].abs().max() < 1e-9   # what a dropped group would have given: nothing
+    with pytest.raises(ValueError, match="G ≥ 2"):
+        critic_free.dynamic_sampling(scores, 1)
+
+
 # --------------------------------------------------------------------------------------- returns, whitening, REINFORCE++
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_discounted_returns_against_a_double_sum(gamma):

@@ -206,6 +206,13 @@ def test_compute_gae_worked_example_numbers():
                                atol=1e-12, rtol=0)
 
 
+def test_decoupled_lambda_worked_example_numbers():
+    """`python gae.py`'s last line: the value targets with λ_critic = 1 are the discounted returns (γ = 0.9)."""
+    rewards, values, mask = worked_example()
+    torch.testing.assert_close(gae.compute_gae_decoupled(rewards, values, mask, 0.9, 0.5, 1.0)[1],
+                               f64([0.81, 0.9, 1.0, 0.0]), atol=1e-12, rtol=0)
+
+
 def test_k_step_advantage_worked_example_numbers():
     rewards, values, mask = worked_example()
     for k, expected in [(1, [0.04, 0.03, 0.3, 0.0]), (2, [0.067, 0.3, 0.3, 0.0]), (3, [0.31, 0.3, 0.3, 0.0])]:
@@ -257,3 +264,67 @@ def test_k_step_return_rejects_bad_inputs():
 
 def test_k_step_advantage_rejects_bad_inputs():
     check_k_step_rejects_bad_inputs("k_step_advantage")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Since the paper: per-row λ, decoupled λ (VC-PPO), length-adaptive λ (VAPO)
+# ----------------------------------------------------------------------------------------------------
+
+def test_per_row_lambda_eq9_equals_explicit_double_sum():
+    """A (B,) tensor λ: row b is Eq. 9 with its own λ_b (a python double sum per row)."""
+    gamma = 0.95
+    rewards, values, mask, lengths = ragged_batch(seed=11)
+    lam = torch.tensor([0.0, 1.0, 0.5, 0.9, 0.7], dtype=torch.float64)
+    adv, ret = gae.compute_gae(rewards, values, mask, gamma, lam)
+    expected_adv = torch.zeros_like(adv)
+    for b in range(len(lengths)):
+        r, v = rows(rewards, values, lengths, b)
+        delta = td_errors(r, v, gamma)
+        for t in range(len(r)):
+            expected_adv[b, t] = sum((gamma * lam[b].item()) ** l * delta[t + l] for l in range(len(r) - t))
+    torch.testing.assert_close(adv, expected_adv, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ret, (expected_adv + values) * mask, atol=ATOL, rtol=RTOL)
+
+
+def test_per_row_lambda_all_equal_is_bitwise_the_scalar_path():
+    rewards, values, mask, _ = ragged_batch(seed=12)
+    adv, ret = gae.compute_gae(rewards, values, mask, 0.99, 0.9)
+    adv_t, ret_t = gae.compute_gae(rewards, values, mask, 0.99, torch.full((5,), 0.9, dtype=torch.float64))
+    assert torch.equal(adv, adv_t) and torch.equal(ret, ret_t)
+
+
+def test_per_row_lambda_rejects_a_tensor_of_the_wrong_shape_or_range():
+    rewards, values, mask, _ = ragged_batch(seed=13)
+    for lam in (torch.full((4,), 0.9), torch.full((5, 1), 0.9), torch.tensor([0.9, 0.9, 1.2, 0.9, 0.9])):
+        with pytest.raises(ValueError, match="tensor lam"):
+            gae.compute_gae(rewards, values, mask, 0.9, lam)
+
+
+def test_decoupled_lambda_critic_one_gives_monte_carlo_returns():
+    """VC-PPO: the advantages are those of λ_policy, the value targets with λ_critic = 1 are Σ_l γ^l r_{t+l} (a loop),
+    whatever the critic's values; λ_policy = λ_critic gives compute_gae's pair bitwise."""
+    gamma = 0.9
+    rewards, values, mask, lengths = ragged_batch(seed=14)
+    adv, ret = gae.compute_gae_decoupled(rewards, values, mask, gamma, 0.6, 1.0)
+    assert torch.equal(adv, gae.compute_gae(rewards, values, mask, gamma, 0.6)[0])
+    expected_ret = torch.zeros_like(ret)
+    for b in range(len(lengths)):
+        r, _ = rows(rewards, values, lengths, b)
+        for t in range(len(r)):
+            expected_ret[b, t] = sum(gamma**l * r[t + l] for l in range(len(r) - t))  # Eq. 11
+    torch.testing.assert_close(ret, expected_ret, atol=ATOL, rtol=RTOL)
+    other_values = torch.where(mask != 0, values + 3.0, values)
+    torch.testing.assert_close(gae.compute_gae_decoupled(rewards, other_values, mask, gamma, 0.6, 1.0)[1], ret,
+                               atol=ATOL, rtol=RTOL)
+    same = gae.compute_gae_decoupled(rewards, values, mask, gamma, 0.9, 0.9)
+    want = gae.compute_gae(rewards, values, mask, gamma, 0.9)
+    assert torch.equal(same[0], want[0]) and torch.equal(same[1], want[1])
+
+
+def test_adaptive_lam_vapo_formula_by_hand():
+    """λ = 1 − 1/(α·l): α = 0.05 gives 0.8 at l = 100, 0.95 at l = 400, 0 at l = 20; below 1/α and at l = 0, 0."""
+    lam = gae.adaptive_lam(torch.tensor([100, 400, 20, 10, 0]), 0.05)
+    torch.testing.assert_close(lam, torch.tensor([0.8, 0.95, 0.0, 0.0, 0.0]), atol=1e-6, rtol=0)
+    assert gae.adaptive_lam(torch.tensor([9]), 1.0).item() == pytest.approx(8 / 9)
+    with pytest.raises(ValueError, match="alpha"):
+        gae.adaptive_lam(torch.tensor([9]), 0.0)

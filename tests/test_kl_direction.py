@@ -9,14 +9,24 @@ the loss, the term is differentiated with the samples held fixed (the rollout's 
 minibatch): k2 gives ∇KL(π ‖ π_ref) exactly, k1 gives 0, and k3 (GRPO's) gives ∇KL(π_ref ‖ π), the REVERSE KL's
 gradient: biased for the KL it estimates (verl "k3+", TRL use_bias_correction_kl, OpenRLHF PR 1101).
 Each is checked against autograd of the exact KL (ppo_loss.kl_full) on the same logits.
+The KL matrix (the second half; its table in docs/methods.md, which the test reads): the same on a policy over
+sequences of two tokens (9 outcomes), every --kl-estimator × --kl-in against the exact gradient. With more than one
+token, the loss placements give the per-token KL's gradient with the states held fixed: for one token (above) that is
+the KL's own, for a sequence it misses how an earlier token moves the KL of the later ones.
 """
+import itertools
+from pathlib import Path
+
 import pytest
 import torch
+from torch.distributions import Categorical, kl_divergence
 from torch.testing import assert_close
 
+import critic_free
 import ppo_loss
 import ppo_max
 
+ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
 THETA = torch.tensor([1.5, -0.3, 0.2, -2.0, 0.7], dtype=F64)
 REF = torch.tensor([-0.5, 0.8, 0.1, 1.2, -1.0], dtype=F64)  # far from π: the two KL directions differ by ≈ 30 %
@@ -154,3 +164,165 @@ def test_kl_in_the_loss_lowers_the_kl_to_the_reference_in_one_update(kind):
     exact_after, sampled_after, _, _ = kl_to_ref()
     assert sampled_after < 0.8 * sampled_before, (sampled_before, sampled_after)
     assert exact_after < 0.97 * exact_before, (exact_before, exact_after)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The KL matrix: every --kl-estimator × --kl-in on a policy over sequences, by exact enumeration
+# ----------------------------------------------------------------------------------------------------
+# π(y1, y2) = softmax(θ1)[y1] · softmax(θ2[y1])[y2] over V = 3: the 9 sequences of two tokens are every outcome, so an
+# expectation under π is an exact sum. π_SFT has the logits φ1, φ2. The gradients are over the 12 logits (θ1, θ2).
+TH1 = torch.tensor([1.0, -0.5, 0.3], dtype=F64)
+TH2 = torch.tensor([[0.2, 1.1, -0.7], [-1.0, 0.4, 0.9], [0.5, -0.3, 0.0]], dtype=F64)
+PH1 = torch.tensor([-0.2, 0.6, 0.1], dtype=F64)
+PH2 = torch.tensor([[0.9, -0.4, 0.2], [0.3, 0.3, -1.2], [-0.6, 1.0, 0.4]], dtype=F64)
+Y = torch.tensor(list(itertools.product(range(3), repeat=2)))                       # (9, 2) every sequence
+ONES = torch.ones(9, 2, dtype=F64)                                                  # every token is real
+
+
+def sequence_probs(t1, t2):
+    """π(y) for the 9 sequences, a product of the two softmaxes (no project code), (9,)."""
+    return torch.stack([torch.softmax(t1, -1)[a] * torch.softmax(t2[a], -1)[b] for a, b in Y.tolist()])
+
+
+def gradient(f):
+    """∇ of f(θ1, θ2) over the 12 logits, by autograd."""
+    t1, t2 = TH1.clone().requires_grad_(True), TH2.clone().requires_grad_(True)
+    return torch.cat([g.flatten() for g in torch.autograd.grad(f(t1, t2), (t1, t2))])
+
+
+def forward_kl(t1, t2):
+    """KL(π ‖ π_SFT) = Σ_y π(y) log(π(y)/π_SFT(y)), enumerated."""
+    p, q = sequence_probs(t1, t2), sequence_probs(PH1, PH2)
+    return (p * (p / q).log()).sum()
+
+
+def reverse_kl(t1, t2):
+    p, q = sequence_probs(t1, t2), sequence_probs(PH1, PH2)
+    return (q * (q / p).log()).sum()
+
+
+def per_token_kl_states_fixed(t1, t2, reverse):
+    """Σ_t E_{s_t ~ π}[KL_t] with the state distribution held fixed (detached): KL at the first position plus the
+    π(y1)-weighted KL of the second position's distributions (torch.distributions.kl_divergence)."""
+    def kl(a, b):
+        a, b = Categorical(logits=a), Categorical(logits=b)
+        return kl_divergence(b, a) if reverse else kl_divergence(a, b)
+    p1 = torch.softmax(t1, -1).detach()
+    return kl(t1, PH1) + sum(p1[a] * kl(t2[a], PH2[a]) for a in range(3))
+
+
+EXACT_GRADIENTS = {
+    "∇KL(π‖π_SFT)": lambda: gradient(forward_kl),
+    "∇KL(π_SFT‖π)": lambda: gradient(reverse_kl),
+    "per-token ∇KL(π‖π_SFT), states fixed": lambda: gradient(lambda a, b: per_token_kl_states_fixed(a, b, False)),
+    "per-token ∇KL(π_SFT‖π), states fixed": lambda: gradient(lambda a, b: per_token_kl_states_fixed(a, b, True)),
+    "∇KL(π‖π_SFT) − per-token ∇KL(π_SFT‖π), states fixed":
+        lambda: gradient(forward_kl) - gradient(lambda a, b: per_token_kl_states_fixed(a, b, True)),
+    "0": lambda: torch.zeros(12, dtype=F64),
+}
+
+
+def token_terms(t1, t2, kind):
+    """The loop's per-token quantities on the 9 sequences: log π(y_t), log π_SFT(y_t) and k_t, each (9, 2)."""
+    logits = torch.stack([t1.expand(9, 3), t2[Y[:, 0]]], 1)                         # (9, 2, V)
+    ref_logits = torch.stack([PH1.expand(9, 3), PH2[Y[:, 0]]], 1)                   # (9, 2, V)
+    lp = ppo_loss.logprobs_from_logits(logits, Y)
+    ref_lp = ppo_loss.logprobs_from_logits(ref_logits, Y)
+    return lp, ref_lp, ppo_loss.kl_sampled(lp, ref_lp, kind)
+
+
+def expected_gradient(kind, kl_in, whole_sequence=False):
+    """The exact expected gradient of the KL term at π_old = π (the first minibatch), as a loss to descend.
+
+    reward: Eq. 19's rewards r_t = −η k_t (η = 1, score 0; ppo_max.shape_rewards) enter the policy gradient as a
+            reward: E_π[Σ_t (−G_t) ∇log π(y_t|s_t)] with G_t the reward-to-go (critic_free.discounted_returns, γ = 1),
+            or, whole_sequence, every token's return Σ_s r_s as the group estimators give it (GRPO, RLOO).
+    loss:   the term η·Σ_t k_t added to the loss, differentiated with the sampled tokens fixed: E_π[Σ_t ∇k_t]. (The
+            loop's token-mean divides it by T = 2 here: the same direction.)"""
+    def surrogate(t1, t2):
+        lp, ref_lp, k = token_terms(t1, t2, kind)
+        pi = lp.sum(1).exp().detach()                                               # π(y), the sampling weights
+        if kl_in == "loss":
+            return (pi[:, None] * k).sum()
+        rewards = ppo_max.shape_rewards(torch.zeros(9, dtype=F64), lp, ref_lp, ONES, 1.0, kl=k)   # −k_t   (Eq. 19)
+        G = rewards.sum(1, keepdim=True).expand(9, 2) if whole_sequence else \
+            critic_free.discounted_returns(rewards, ONES, 1.0)
+        return (pi[:, None] * (-G).detach() * lp).sum()                             # −E[Σ_t G_t ∇log π(y_t|s_t)]
+    return gradient(surrogate)
+
+
+def kl_matrix_table():
+    """The rows of docs/methods.md's KL-matrix table: (estimator, kl-in) → the cells after those two."""
+    text = (ROOT / "docs" / "methods.md").read_text().split("## The KL matrix")[1].split("\n## ")[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0] in ("k1", "k2", "k3"):
+            rows[cells[0], cells[1]] = cells[2:]
+    return rows
+
+
+# estimator, --kl-in → the exact gradient its expected gradient equals, or None where it equals none of them
+KL_MATRIX = {("k1", "reward"): "∇KL(π‖π_SFT)", ("k2", "reward"): None,
+             ("k3", "reward"): "∇KL(π‖π_SFT) − per-token ∇KL(π_SFT‖π), states fixed",
+             ("k1", "loss"): "0", ("k2", "loss"): "per-token ∇KL(π‖π_SFT), states fixed",
+             ("k3", "loss"): "per-token ∇KL(π_SFT‖π), states fixed"}
+
+
+@pytest.mark.parametrize("kind,kl_in", list(KL_MATRIX))
+def test_kl_matrix_expected_gradient_of_each_estimator_and_placement(kind, kl_in):
+    """Each cell of docs/methods.md's table: which exact gradient the expected gradient equals (to 1e-12), and its
+    distance from ∇KL(π‖π_SFT) (relative, over all logits, θ1's and θ2's) and cosine with it, as printed there."""
+    g = expected_gradient(kind, kl_in)
+    exact = {name: f() for name, f in EXACT_GRADIENTS.items()}
+    equal = [name for name, e in exact.items() if torch.allclose(g, e, rtol=0, atol=1e-12)]
+    assert equal == ([KL_MATRIX[kind, kl_in]] if KL_MATRIX[kind, kl_in] else []), equal
+    want = exact["∇KL(π‖π_SFT)"]
+    rel = lambda s: ((g[s] - want[s]).norm() / want[s].norm()).item()
+    cos = "—" if g.norm() < 1e-12 else f"{(g @ want / (g.norm() * want.norm())).item():.4f}"
+    row = kl_matrix_table()[kind, kl_in]
+    assert row[0] == (KL_MATRIX[kind, kl_in] or "none of them"), row
+    assert row[1:5] == [f"{rel(slice(None)):.4f}", f"{rel(slice(0, 3)):.4f}", f"{rel(slice(3, None)):.4f}", cos], row
+    assert row[5] == ("yes" if KL_MATRIX[kind, kl_in] == "∇KL(π‖π_SFT)" else "no"), row
+
+
+def test_kl_matrix_reward_and_loss_halves_add_up_to_the_kl_gradient_for_the_unbiased_estimators():
+    """Why k3 in the reward fails: for an estimator whose value is unbiased (k1, k3), ∇E_π[Σ_t k_t] = ∇KL splits into
+    the reward half (score function) and the loss half (pathwise). k1's loss half is 0, so its reward half is all of
+    ∇KL; k3's loss half is not, so its reward half misses it. k2's value is biased: its halves add up to ∇E_π[Σ_t k2_t],
+    not to ∇KL."""
+    want = gradient(forward_kl)
+    for kind in ("k1", "k3"):
+        assert_close(expected_gradient(kind, "reward") + expected_gradient(kind, "loss"), want, rtol=0, atol=1e-12)
+    def expected_k2(t1, t2):
+        lp, _, k = token_terms(t1, t2, "k2")
+        return (lp.sum(1).exp()[:, None] * k).sum()                                 # E_π[Σ_t k2_t], π not detached
+    both = expected_gradient("k2", "reward") + expected_gradient("k2", "loss")
+    assert_close(both, gradient(expected_k2), rtol=0, atol=1e-12)
+    assert (both - want).norm() > 0.1 * want.norm()
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_matrix_reward_to_go_and_the_whole_return_give_the_same_expected_gradient(kind):
+    """GAE / REINFORCE++ weigh log π(y_t) by the reward-to-go, GRPO / RLOO by the whole return: the earlier rewards
+    add 0 in expectation, so the expected gradients are equal for every estimator."""
+    assert_close(expected_gradient(kind, "reward", whole_sequence=True), expected_gradient(kind, "reward"),
+                 rtol=0, atol=1e-12)
+
+
+def test_kl_matrix_k2_of_the_sequence_log_ratio_in_the_loss_follows_the_kl():
+    """What would follow ∇KL(π‖π_SFT) in the loss: ½(Σ_t log r_t)², k2 of the whole sequence's log-ratio (its gradient
+    (Σ_t log r_t) Σ_t ∇log π(y_t) is k1 in the reward with the whole return), not Σ_t ½(log r_t)²."""
+    def surrogate(t1, t2):
+        lp, ref_lp, _ = token_terms(t1, t2, "k1")
+        return (lp.sum(1).exp().detach() * 0.5 * (lp - ref_lp).sum(1) ** 2).sum()
+    assert_close(gradient(surrogate), gradient(forward_kl), rtol=0, atol=1e-12)
+
+
+def test_kl_matrix_policy_is_far_enough_from_the_reference_to_tell_the_gradients_apart():
+    """The enumeration is a distribution; the two directions' gradients, and the state-fixed one, differ here."""
+    assert sequence_probs(TH1, TH2).sum().item() == pytest.approx(1.0, abs=1e-15)
+    fwd, rev = gradient(forward_kl), gradient(reverse_kl)
+    fixed = gradient(lambda a, b: per_token_kl_states_fixed(a, b, False))
+    assert (rev - fwd).norm() > 0.5 * fwd.norm() and (fixed - fwd).norm() > 0.05 * fwd.norm()
+    assert_close(fixed[3:], fwd[3:], rtol=0, atol=1e-12)   # the last position's logits: the states are all there is

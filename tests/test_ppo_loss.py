@@ -3,6 +3,7 @@
 Run: python -m pytest tests/test_ppo_loss.py -q
 """
 import math
+import statistics
 
 import pytest
 import torch
@@ -123,6 +124,281 @@ def test_policy_loss_treats_old_logprobs_and_advantages_as_constants():
     assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0, "expected a gradient into logprobs, got none"
     assert old.grad is None, f"expected no gradient into old_logprobs (a constant), got {old.grad.tolist()}"
     assert adv.grad is None, f"expected no gradient into advantages (a constant), got {adv.grad.tolist()}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Since the paper: clip-higher (DAPO), GSPO's sequence ratio, CISPO, rollout/training mismatch (TIS, MIS)
+# ----------------------------------------------------------------------------------------------------
+
+LOW, HIGH = 0.2, 0.28  # DAPO's ε_low, ε_high
+# (advantage, ratio, expected objective min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A), clip binds?)
+CLIP_HIGHER_CASES = [
+    pytest.param(1.0, 1.25, 1.25, False, id="A>0-between-1.2-and-1.28-unclipped"),  # symmetric ε = 0.2 would clip
+    pytest.param(1.0, 1.4, 1.28, True, id="A>0-above-1.28-clipped"),
+    pytest.param(-1.0, 0.75, -0.8, True, id="A<0-below-0.8-clipped"),
+    pytest.param(-1.0, 1.25, -1.25, False, id="A<0-above-unclipped"),
+    pytest.param(-1.0, 0.9, -0.9, False, id="A<0-inside"),
+]
+
+
+@pytest.mark.parametrize("adv, ratio, objective, binds", CLIP_HIGHER_CASES)
+def test_clip_higher_cases_value_and_gradient(adv, ratio, objective, binds):
+    old = torch.tensor([[math.log(0.3)]], dtype=D)
+    logprobs = (old + math.log(ratio)).requires_grad_(True)
+    loss, stats = ppo_loss.policy_loss(logprobs, old, torch.tensor([[adv]], dtype=D), torch.ones(1, 1, dtype=D), LOW,
+                                       clip_eps_high=HIGH)
+    torch.testing.assert_close(loss, torch.tensor(-objective, dtype=D), **EXACT)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0 if binds else -ratio * adv]], dtype=D), **EXACT)
+    assert stats["clipfrac"] == float(binds)
+
+
+def test_clip_higher_against_a_loop_and_none_is_bitwise_the_symmetric_clip():
+    g = torch.Generator().manual_seed(21)
+    B, T, lengths = 4, 6, [6, 2, 4, 5]
+    old = torch.randn(B, T, generator=g, dtype=D)
+    logprobs = (old + 0.3 * torch.randn(B, T, generator=g, dtype=D)).requires_grad_(True)
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = ragged_mask(lengths, T)
+    loss, stats = ppo_loss.policy_loss(logprobs, old, adv, mask, LOW, clip_eps_high=HIGH)
+    terms, n_clip = [], 0
+    for b in range(B):
+        for t in range(lengths[b]):
+            r, a = math.exp(logprobs[b, t].item() - old[b, t].item()), adv[b, t].item()
+            terms.append(min(r * a, min(max(r, 1 - LOW), 1 + HIGH) * a))
+            n_clip += (a > 0 and r > 1 + HIGH) or (a < 0 and r < 1 - LOW)
+    assert loss.item() == pytest.approx(-sum(terms) / len(terms), abs=1e-12)
+    assert stats["clipfrac"] == pytest.approx(n_clip / len(terms), abs=1e-12) and n_clip > 0
+    # clip_eps_high=None is Eq. 15's symmetric clip, bitwise, value and gradient, as clip_eps_high=clip_eps
+    (grad_none,) = torch.autograd.grad(ppo_loss.policy_loss(logprobs, old, adv, mask, LOW)[0], logprobs)
+    loss_eq = ppo_loss.policy_loss(logprobs, old, adv, mask, LOW, clip_eps_high=LOW)[0]
+    (grad_eq,) = torch.autograd.grad(loss_eq, logprobs)
+    assert torch.equal(ppo_loss.policy_loss(logprobs, old, adv, mask, LOW)[0], loss_eq)
+    assert torch.equal(grad_none, grad_eq)
+    with pytest.raises(ValueError, match="clip_eps_high"):
+        ppo_loss.policy_loss(logprobs, old, adv, mask, None, clip_eps_high=0.28)
+
+
+def gspo_batch(seed=31, B=4, T=5, lengths=(5, 2, 4, 3), spread=0.3):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.log_softmax(torch.randn(B, T, 4, generator=g, dtype=D), -1)[..., 0]   # (B, T) log-probs < 0
+    logprobs = old + spread * torch.randn(B, T, generator=g, dtype=D)
+    return old, logprobs, ragged_mask(list(lengths), T), list(lengths)
+
+
+def test_sequence_log_ratio_gspo_value_is_the_length_normalised_sequence_ratio():
+    """s_i = (π_θ(y_i|x)/π_old(y_i|x))^(1/|y_i|), the sequence probabilities as products of token probabilities (a
+    loop), equals exp of every real token's sequence_log_ratio."""
+    old, logprobs, mask, lengths = gspo_batch()
+    log_s = ppo_loss.sequence_log_ratio(logprobs, old, mask)
+    for b, n in enumerate(lengths):
+        p_new = math.prod(math.exp(x) for x in logprobs[b, :n].tolist())
+        p_old = math.prod(math.exp(x) for x in old[b, :n].tolist())
+        for t in range(n):
+            assert math.exp(log_s[b, t].item()) == pytest.approx((p_new / p_old) ** (1 / n), rel=1e-12)
+
+
+def test_gspo_gradient_equals_gspo_with_equal_advantages_along_each_sequence():
+    """ratio_level="sequence" with the same Â_i on every token and GSPO's per-sequence mean has the value and, by
+    autograd, the gradient of GSPO's sequence objective −(1/B) Σ_i min(s_i Â_i, clip(s_i) Â_i), where s_i is computed
+    independently as exp(Σ_t (log π_θ − log π_old) / |y_i|), a differentiable function of every token. Some sequences
+    are clipped (their gradient is 0)."""
+    old, logprobs, mask, lengths = gspo_batch(spread=0.4)
+    adv_seq = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=D)
+    eps = 0.1
+    lp = logprobs.clone().requires_grad_(True)
+    loss, stats = ppo_loss.policy_loss(lp, old, adv_seq[:, None] * mask, mask, eps, ratio_level="sequence",
+                                       agg="seq-mean-token-mean")
+    (grad,) = torch.autograd.grad(loss, lp)
+    lp2 = logprobs.clone().requires_grad_(True)
+    objective = []
+    for b, n in enumerate(lengths):
+        s = torch.exp((lp2[b, :n] - old[b, :n]).sum() / n)                            # s_i (GSPO)
+        a = adv_seq[b]
+        objective.append(torch.minimum(s * a, torch.clamp(s, 1 - eps, 1 + eps) * a))
+    want = -torch.stack(objective).mean()
+    (want_grad,) = torch.autograd.grad(want, lp2)
+    torch.testing.assert_close(loss, want, **EXACT)
+    torch.testing.assert_close(grad, want_grad, **EXACT)
+    s_all = [math.exp(sum(logprobs[b, :n].tolist()) / n - sum(old[b, :n].tolist()) / n) for b, n in enumerate(lengths)]
+    clipped = [(a > 0 and s > 1 + eps) or (a < 0 and s < 1 - eps) for s, a in zip(s_all, adv_seq.tolist())]
+    assert any(clipped) and not all(clipped)
+    assert stats["clipfrac"] == pytest.approx(sum(c * n for c, n in zip(clipped, lengths)) / sum(lengths), abs=1e-12)
+
+
+def test_gspo_token_gradient_against_the_papers_formula():
+    """GSPO-token with per-token advantages: ∂L/∂log π_θ(y_{i,t}) = −(1/B)(1/|y_i|) s_i Â_{i,t} where the clip does
+    not bind (Â > 0 and s_i > 1 + ε, or Â < 0 and s_i < 1 − ε), 0 where it does (a loop)."""
+    old, logprobs, mask, lengths = gspo_batch(seed=33, spread=0.25)
+    adv = torch.randn(4, 5, generator=torch.Generator().manual_seed(34), dtype=D)
+    eps = 0.05
+    lp = logprobs.clone().requires_grad_(True)
+    loss, _ = ppo_loss.policy_loss(lp, old, adv, mask, eps, ratio_level="sequence", agg="seq-mean-token-mean")
+    (grad,) = torch.autograd.grad(loss, lp)
+    want, n_binds = torch.zeros(4, 5, dtype=D), 0
+    for b, n in enumerate(lengths):
+        s = math.exp((sum(logprobs[b, :n].tolist()) - sum(old[b, :n].tolist())) / n)
+        for t in range(n):
+            a = adv[b, t].item()
+            binds = (a > 0 and s > 1 + eps) or (a < 0 and s < 1 - eps)
+            n_binds += binds
+            want[b, t] = 0.0 if binds else -s * a / (n * len(lengths))
+    assert 0 < n_binds < sum(lengths)
+    torch.testing.assert_close(grad, want, **EXACT)
+
+
+def test_cispo_loss_value_and_gradient_against_the_formula():
+    """L = −(1/N) Σ sg(clip(ρ, 1−ε_low, 1+ε_high)) Â log π_θ over the N real tokens; ∂L/∂log π_θ = −clip(ρ)Â/N on
+    every real token, clipped or not (a loop)."""
+    g = torch.Generator().manual_seed(41)
+    B, T, lengths = 3, 5, [5, 3, 4]
+    old = torch.log_softmax(torch.randn(B, T, 4, generator=g, dtype=D), -1)[..., 0]
+    logprobs = (old + 0.4 * torch.randn(B, T, generator=g, dtype=D)).requires_grad_(True)
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = ragged_mask(lengths, T)
+    loss, stats = ppo_loss.cispo_loss(logprobs, old, adv, mask, 0.2, 0.28)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    n = sum(lengths)
+    value, want, n_clip = 0.0, torch.zeros(B, T, dtype=D), 0
+    for b in range(B):
+        for t in range(lengths[b]):
+            r = math.exp(logprobs[b, t].item() - old[b, t].item())
+            w = min(max(r, 0.8), 1.28)
+            value += -w * adv[b, t].item() * logprobs[b, t].item() / n
+            want[b, t] = -w * adv[b, t].item() / n
+            n_clip += w != r
+    assert loss.item() == pytest.approx(value, abs=1e-12)
+    torch.testing.assert_close(grad, want, **EXACT)
+    assert stats["clipfrac"] == pytest.approx(n_clip / n, abs=1e-12) and 0 < n_clip < n
+    assert (grad[mask != 0] != 0).all()   # every real token keeps its gradient
+
+
+def test_cispo_loss_keeps_the_gradient_where_ppo_clip_drops_it():
+    """A token with Â > 0 and ρ = 1.5 > 1 + ε: PPO-clip's gradient is 0, CISPO's is −(1 + ε_high)·Â."""
+    old = torch.tensor([[math.log(0.2)]], dtype=D)
+    lp = (old + math.log(1.5)).requires_grad_(True)
+    adv, one = torch.tensor([[2.0]], dtype=D), torch.ones(1, 1, dtype=D)
+    (ppo_grad,) = torch.autograd.grad(ppo_loss.policy_loss(lp, old, adv, one, 0.2)[0], lp)
+    (cispo_grad,) = torch.autograd.grad(ppo_loss.cispo_loss(lp, old, adv, one, 0.2, 0.28)[0], lp)
+    assert ppo_grad.item() == 0.0 and cispo_grad.item() == pytest.approx(-1.28 * 2.0, abs=1e-12)
+    with pytest.raises(ValueError, match="clip_eps_low"):
+        ppo_loss.cispo_loss(lp, old, adv, one, 1.5, 0.28)
+
+
+def mismatch_batch(seed=51, B=3, T=6, lengths=(6, 2, 4), noise=0.1):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.log_softmax(torch.randn(B, T, 5, generator=g, dtype=D), -1)[..., 0]
+    rollout = old + noise * torch.randn(B, T, generator=g, dtype=D)
+    mask = ragged_mask(list(lengths), T)
+    return old, torch.where(mask != 0, rollout, torch.nan), mask, list(lengths)   # NaN on the sampler's padding
+
+
+def test_rollout_mismatch_against_a_loop_and_zero_when_the_two_agree():
+    old, rollout, mask, lengths = mismatch_batch()
+    stats = ppo_loss.rollout_mismatch(old, rollout, mask)
+    d = [rollout[b, t].item() - old[b, t].item() for b, n in enumerate(lengths) for t in range(n)]
+    assert stats["mean_abs_logp_diff"] == pytest.approx(statistics.fmean(abs(x) for x in d), abs=1e-12)
+    assert stats["max_abs_logp_diff"] == pytest.approx(max(abs(x) for x in d), abs=1e-12)
+    assert stats["token_mult_prob_error"] == pytest.approx(statistics.fmean(math.exp(abs(x)) for x in d), abs=1e-12)
+    # k3 with samples from π_rollout: (π_old/π_rollout − 1) − log(π_old/π_rollout) = e^{−Δ} − 1 + Δ
+    assert stats["kl"] == pytest.approx(statistics.fmean(math.exp(-x) - 1 + x for x in d), abs=1e-12)
+    same = ppo_loss.rollout_mismatch(old, torch.where(mask != 0, old, torch.nan), mask)
+    assert same == {"mean_abs_logp_diff": 0.0, "max_abs_logp_diff": 0.0, "token_mult_prob_error": 1.0, "kl": 0.0}
+
+
+def test_rollout_mismatch_kl_estimates_kl_of_the_sampler_to_the_trainer():
+    """Tokens drawn from π_rollout (torch.distributions.Categorical, 200k draws): the mean of the `kl` statistic is
+    within 4 standard errors of the exact KL(π_rollout ‖ π_old), not of KL(π_old ‖ π_rollout)."""
+    p_r = Categorical(logits=torch.tensor([2.5, 0.0, -1.0, 0.0], dtype=D))   # the sampler
+    p_o = Categorical(logits=torch.tensor([0.0, 1.5, 0.5, -2.0], dtype=D))    # the trainer
+    a = torch.multinomial(p_r.probs, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    lr, lo = p_r.log_prob(a)[None], p_o.log_prob(a)[None]
+    kl = ppo_loss.rollout_mismatch(lo, lr, torch.ones_like(lr))["kl"]
+    k = torch.expm1(lo - lr) - (lo - lr)
+    assert abs(kl - kl_divergence(p_r, p_o).item()) < 4 * k.std().item() / len(a) ** 0.5
+    assert abs(kl - kl_divergence(p_o, p_r).item()) > 0.15   # the reverse: 1.58 against 1.40
+
+
+@pytest.mark.parametrize("mode,level", [("tis", "token"), ("mis", "token"), ("mis", "sequence")])
+def test_rollout_correction_weights_are_exactly_one_when_the_log_probs_agree(mode, level):
+    """π_rollout = π_old: every weight is exactly 1.0 on the real tokens (0 on padding), nothing is masked, and the
+    weighted policy loss is bitwise the unweighted one."""
+    old, _, mask, _ = mismatch_batch()
+    weights, keep, stats = ppo_loss.rollout_correction(old, old.clone(), mask, mode, 2.0, level)
+    assert torch.equal(weights, mask) and torch.equal(keep, mask) and stats["masked_frac"] == 0.0
+    lp = old + 0.1
+    adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(52), dtype=D)
+    assert torch.equal(ppo_loss.policy_loss(lp, old, adv, keep, 0.2, weights=weights)[0],
+                       ppo_loss.policy_loss(lp, old, adv, mask, 0.2)[0])
+
+
+def test_rollout_correction_tis_bounds_every_weight_by_the_cap_against_a_loop():
+    old, rollout, mask, lengths = mismatch_batch(noise=0.8)
+    C = 1.5
+    weights, keep, stats = ppo_loss.rollout_correction(old, rollout, mask, "tis", C)
+    n_capped = 0
+    for b in range(3):
+        for t in range(6):
+            if t < lengths[b]:
+                rho = math.exp(old[b, t].item() - rollout[b, t].item())
+                assert weights[b, t].item() == pytest.approx(min(rho, C), rel=1e-12)
+                n_capped += rho > C
+            else:
+                assert weights[b, t].item() == 0.0
+    assert weights.max().item() <= C and torch.equal(keep, mask) and 0 < n_capped
+    assert stats["capped_frac"] == pytest.approx(n_capped / sum(lengths), abs=1e-12)
+    assert not weights.requires_grad
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_mis_masks_what_leaves_the_interval_against_a_loop(level):
+    """MIS keeps a token (level token) or a whole sequence (level sequence, ρ_i = Π_t ρ_t as verl) when its ratio lies
+    in [1/C, C], with the weight ρ; the others leave the mask and get weight 0 (a loop)."""
+    old, rollout, mask, lengths = mismatch_batch(noise=0.5)
+    C = 1.6
+    weights, keep, stats = ppo_loss.rollout_correction(old, rollout, mask, "mis", C, level)
+    n_masked = 0
+    for b, n in enumerate(lengths):
+        logs = [old[b, t].item() - rollout[b, t].item() for t in range(n)]
+        for t in range(6):
+            if t >= n:
+                assert keep[b, t].item() == 0.0 and weights[b, t].item() == 0.0
+                continue
+            rho = math.exp(sum(logs)) if level == "sequence" else math.exp(logs[t])
+            kept = 1 / C <= rho <= C
+            n_masked += not kept
+            assert keep[b, t].item() == float(kept)
+            assert weights[b, t].item() == pytest.approx(rho if kept else 0.0, rel=1e-12)
+    assert 0 < n_masked < sum(lengths)
+    assert stats["masked_frac"] == pytest.approx(n_masked / sum(lengths), abs=1e-12)
+
+
+def test_rollout_weights_multiply_the_clipped_objective_against_a_loop():
+    """With TIS weights w_t and a MIS-style mask, the loss is −Σ w_t min(ρÂ, clip(ρ)Â) / Σ mask (a loop); the weight
+    is a constant (no gradient into it) and the masked-out tokens leave the denominator."""
+    old, rollout, mask, lengths = mismatch_batch(noise=0.8)
+    weights, keep, _ = ppo_loss.rollout_correction(old, rollout, mask, "mis", 1.6, "token")
+    w = weights.clone().requires_grad_(True)
+    g = torch.Generator().manual_seed(53)
+    lp = (old + 0.2 * torch.randn(old.shape, generator=g, dtype=D)).requires_grad_(True)
+    adv = torch.randn(old.shape, generator=g, dtype=D)
+    loss, _ = ppo_loss.policy_loss(lp, old, adv, keep, EPS, weights=w)
+    terms = []
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            if keep[b, t]:
+                r, a = math.exp(lp[b, t].item() - old[b, t].item()), adv[b, t].item()
+                terms.append(weights[b, t].item() * min(r * a, min(max(r, 1 - EPS), 1 + EPS) * a))
+    assert loss.item() == pytest.approx(-sum(terms) / len(terms), abs=1e-12)
+    loss.backward()
+    assert w.grad is None
+
+
+def test_rollout_correction_rejects_what_it_does_not_implement():
+    old, rollout, mask, _ = mismatch_batch()
+    for mode, cap, level in [("tis", 2.0, "sequence"), ("mis", 0.5, "token"), ("icepop", 2.0, "token")]:
+        with pytest.raises(ValueError, match="rollout_correction"):
+            ppo_loss.rollout_correction(old, rollout, mask, mode, cap, level)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -523,6 +799,20 @@ def test_policy_loss_worked_example_numbers():
     assert stats["ratio"] == pytest.approx(1.060000, abs=1e-6)
     loss, _ = ppo_loss.policy_loss(old + ratio.log(), old, adv, mask, clip_eps=None)
     assert loss.item() == pytest.approx(-0.370000, abs=1e-6)
+
+
+def test_clip_higher_and_cispo_worked_example_numbers():
+    """The same batch with ε_high = 0.28 (clip-higher) and with CISPO's weight (ε_low 0.2, ε_high 0.28)."""
+    old = torch.log(torch.full((2, 3), 0.5, dtype=D))
+    ratio = torch.tensor([[1.1, 1.5, 0.9], [0.5, 1.3, 1.0]], dtype=D)
+    adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, 0.5, 0.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=D)
+    loss, stats = ppo_loss.policy_loss(old + ratio.log(), old, adv, mask, 0.2, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-0.264000, abs=1e-6)  # −(1.1 + 1.28 − 0.9 − 0.8 + 0.64) / 5
+    assert stats["clipfrac"] == pytest.approx(0.600000, abs=1e-6)
+    loss, stats = ppo_loss.cispo_loss(old + ratio.log(), old, adv, mask, 0.2, 0.28)
+    assert loss.item() == pytest.approx(-0.105228, abs=1e-6)  # −Σ clip(ρ)·Â·log(0.5ρ) / 5, clip(ρ) 1.1 1.28 0.9 0.8 1.28
+    assert stats["clipfrac"] == pytest.approx(0.600000, abs=1e-6)
 
 
 def test_value_loss_worked_example_numbers():
