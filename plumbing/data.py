@@ -9,6 +9,9 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     split_hh_transcript x = shared prefix up to and including the last "\\n\\nAssistant:"  (HH-RLHF)
     load_prompts        the prompts x that PPO samples responses for                         (Eq. 3, 15)
     load_texts          SFT text and D_pretrain of PPO-ptx                                    (Eq. 17)
+    Chat / read_messages / row_format
+                        a conversation kept as its messages until a template renders it; the
+                        messages as written, checked; the format of a row, for the report
     train_heldout_split the seeded split; with a key, every pair of one group (a conversation's first
                         human turn, first_turn_key) on one side
     fit_example         THE truncation rule for every text a model sees (SFT, reward model, judge,
@@ -21,9 +24,10 @@ Implements (the data behind the paper's equations; data.py itself computes none)
     text_key / first_turn_key / prompt_keys / Evaluation / distinct_prompts
                         what "the same prompt" means when training and evaluation are kept apart: one
                         key (whitespace and case), read on the text as written, before any cut
-    token_ids / query_ids / response_ids / pad / lm_batch(_of_ids) / pair_batch(_of_ids)
+    token_ids / query_ids / response_ids / chat_ids / pad / lm_batch(_of_ids) / pair_batch(_of_ids)
                         the model's inputs: [BOS] + x (left-padded for sampling), x + y + [EOS]
-                        (right-padded for SFT, Eq. 2 and ptx); padding is known by the mask only
+                        (right-padded for SFT, Eq. 2 and ptx), or the chat template's rendering of the
+                        messages; padding is known by the mask only
     encode_rows / encode_pairs / shuffled_batches / minibatches
                         a data set encoded once (one batch call of the tokenizer), the seeded
                         minibatches of row indices, and the loop SFT, the reward model and DPO
@@ -32,27 +36,44 @@ Implements (the data behind the paper's equations; data.py itself computes none)
                         Hugging Face tokenizer directory
     load_tokenizer      AutoTokenizer.from_pretrained with a clear error
 
-Formats, one JSON object per line, `.jsonl` or `.jsonl.gz` (detected per line):
-    {"chosen": "\\n\\nHuman: …\\n\\nAssistant: …", "rejected": "…"}   HH-RLHF transcripts
-    {"prompt": "…", "chosen": "…", "rejected": "…"}                    preference pairs
-    {"prompt": "…"}                                                    PPO prompts
-    {"text": "…"} or {"prompt": "…", "response": "…"}                  SFT / ptx text
+Formats (every type of TRL's "Dataset formats and types" page, standard and conversational, detected per row and
+named once per file in the DataReport; docs/real-data.md has one example line of each):
+    preference      {"prompt", "chosen", "rejected"} strings or messages (explicit prompt); {"chosen", "rejected"}
+                    (implicit prompt): HH-RLHF transcripts (the prompt through the last "\\n\\nAssistant:"), messages
+                    (every message but the last answer), or plain strings (the words they share before they differ)
+    prompt-only     {"prompt"}: a string or messages (PPO prompts; every type with a prompt gives its prompts)
+    prompt-completion {"prompt", "completion"} (also {"prompt", "response"} and the demonstration {"prompt",
+                    "chosen"}): SFT / ptx text
+    language modelling {"text"} (all of it the response) or {"messages"} (the last assistant turn the response)
+    Refused in one line: unpaired preference ({"prompt", "completion", "label"}) and stepwise supervision as pairs or
+    SFT text, tool calls and tool results, roles other than system / user / assistant, content in parts (images).
+    Lines of a .jsonl or .jsonl.gz file are read here; .json, .parquet, save_to_disk folders and cached hub datasets
+    through `datasets`.
+
+A conversation stays messages until a tokenizer renders it: a Chat is the str of the conversation in this project's
+format ("System: …\\n\\nHuman: …\\n\\nAssistant:", what a tokenizer without a chat template reads, and what keys and
+logs compare) that keeps its messages, which a chat template renders (query_ids, response_ids).
 
 Conventions (one choice, used everywhere):
     - A response is kept exactly as written, leading space included: for an HH transcript
       prompt + response == transcript, character for character (byte-level BPE then tokenizes
       " Sure" as it would inside the transcript). "Empty" and "identical" compare after .strip().
+    - Text is text: a special token's spelling inside the data ("</s>", "<pad>", "<|im_end|>") is encoded as
+      ordinary text (encode_many: split_special_tokens; a chat template's rendering: sanitize_control_tokens). The
+      control tokens are only those the project or the template writes: the BOS, the template's markers, the stop
+      token that ends every response.
     - Token ids come from tokenizer.encode(text, add_special_tokens=False) (encode_many: for a fast tokenizer the
-      same ids from one call of its batch encoder); query_ids adds the BOS
-      (or renders the chat template), response_ids the stop token (EOS, or the template's end of turn).
+      same ids from one call of its batch encoder); query_ids adds the BOS (or renders the chat template with the
+      assistant's turn opened), response_ids the stop token (EOS; with a template, the answer as the template writes
+      it, through its end-of-turn token).
     - Limits count what the model reads: len(query_ids(x)) ≤ max_prompt_tokens (BOS / template
       included) and len(response_ids(y)) ≤ max_response_tokens, so a sequence has at most P + T
-      tokens. A too-long prompt drops whole earliest "\n\nHuman:" turns, then keeps the latest tokens
-      of its last turn between that turn's markers (report.truncated). A too-long response is never
-      cut for training: the example is dropped and counted (report.dropped["response_too_long"]);
+      tokens. A too-long prompt drops whole earliest "\\n\\nHuman:" turns (a conversation's system message stays),
+      then keeps the latest tokens of its last turn between that turn's markers (report.truncated). A too-long
+      response is never cut for training: the example is dropped and counted (report.dropped["response_too_long"]);
       scoring (cut=True) keeps its first tokens instead (report.truncated_responses).
 
-Run: python data.py data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
+Run: python -m plumbing.data data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
 References: Bai et al. 2022, "Training a Helpful and Harmless Assistant with RLHF" (HH-RLHF,
 github.com/anthropics/hh-rlhf); Zheng et al. 2023, "Secrets of RLHF in LLMs Part I: PPO" (arXiv 2307.04964).
 """
@@ -82,8 +103,9 @@ class DataError(UserError):
     """A user's data problem: str() is one line `path:line: field 'f': message`.
 
     reason is a short machine key (not_found, empty_file, bad_gzip, not_utf8, not_json, not_object,
-    missing_field, not_string, empty_response, empty_prompt, identical, no_assistant_marker,
-    prompt_mismatch, prompt_too_long, chat_template, all_skipped, no_tokenizer).
+    missing_field, not_string, empty_response, empty_prompt, identical, no_assistant_marker, no_shared_prompt,
+    prompt_mismatch, bad_messages, bad_role, bad_content, tool_calls, images, unpaired, stepwise, prompt_too_long,
+    chat_template, special_token, all_skipped, too_few_prompts, no_tokenizer).
     """
 
     def __init__(self, path, line: int | None, field: str | None, reason: str, message: str):
@@ -111,6 +133,19 @@ class DataReport:
     truncated_responses: int = 0                            # responses cut to fit (scoring only; training drops)
     dropped: Counter = field(default_factory=Counter)       # reason → examples dropped when encoding
     first: dict = field(default_factory=dict)               # reason → "file:line" where it first happened
+    formats: dict = field(default_factory=dict)             # file → Counter(format (row_format) → rows kept)
+
+    def saw(self, path, fmt: str) -> None:
+        self.formats.setdefault(str(path), Counter())[fmt] += 1
+
+    def format_summary(self) -> str:
+        """The format detected in each file, once per file: "format conversational preference (explicit prompt)";
+        with several files "formats a.jsonl = …, b.jsonl = …"; a file of mixed rows "… 100 + … 20"."""
+        def kinds(c: Counter) -> str:
+            return next(iter(c)) if len(c) == 1 else " + ".join(f"{k} {n}" for k, n in c.most_common())
+        if len(self.formats) == 1:
+            return f"format {kinds(next(iter(self.formats.values())))}"
+        return "formats " + ", ".join(f"{path} = {kinds(c)}" for path, c in self.formats.items())
 
     def skip(self, err: DataError) -> None:
         self.skipped[err.reason] += 1
@@ -123,7 +158,7 @@ class DataReport:
     def summary(self) -> str:
         def by_reason(c: Counter) -> str:
             return ", ".join(f"{r} {n} (first at {self.first.get(r, '?')})" for r, n in sorted(c.items()))
-        parts = [f"kept {self.kept}"]
+        parts = ([self.format_summary()] if self.formats else []) + [f"kept {self.kept}"]
         parts.append(f"skipped {sum(self.skipped.values())}" + (f": {by_reason(self.skipped)}" if self.skipped else ""))
         parts.append(f"truncated {self.truncated} prompts"
                      + (f" and {self.truncated_responses} responses" if self.truncated_responses else ""))
@@ -133,13 +168,16 @@ class DataReport:
     def to_dict(self) -> dict:
         return {"kept": self.kept, "skipped": dict(self.skipped), "truncated": self.truncated,
                 "truncated_responses": self.truncated_responses, "dropped": dict(self.dropped),
-                "first": dict(self.first)}
+                "first": dict(self.first), "formats": {path: dict(c) for path, c in self.formats.items()}}
 
 
 def _show(value, limit: int = 40) -> str:
     """A short one-line JSON rendering of a bad value for an error message."""
     s = json.dumps(value, ensure_ascii=False)
     return s if len(s) <= limit else s[: limit - 4] + "…" + s[-3:]
+
+
+show = _show  # the same, for the messages of other modules (pipeline's split)
 
 
 def _type_name(value) -> str:
@@ -344,6 +382,7 @@ def _load(path, parse: Callable, skip_bad: bool, report: DataReport | None) -> l
             report.skip(err)
             continue
         report.kept += 1
+        report.saw(path, row_format(obj))
     if not out:
         raise DataError(path, None, None, "all_skipped",
                         f"no usable lines ({sum(report.skipped.values())} skipped: {report.summary()})")
@@ -351,11 +390,202 @@ def _load(path, parse: Callable, skip_bad: bool, report: DataReport | None) -> l
 
 
 # ----------------------------------------------------------------------------------------------
+# Chat messages: a conversation kept as its messages until a tokenizer renders it
+# ----------------------------------------------------------------------------------------------
+SYSTEM = "System:"
+ROLES = ("system", "user", "assistant")
+MESSAGE_FIELDS = ("role", "content")
+
+
+def conversation_text(messages) -> str:
+    """Messages in this project's conversation format, what a tokenizer without a chat template reads: a first system
+    message as "System: …", then "\\n\\nHuman: …" and "\\n\\nAssistant: …" turns, the contents as written; a
+    conversation that ends with the user's turn opens the assistant's ("\\n\\nAssistant:"); one assistant message
+    alone (an answer) is " " + its content, as an HH response is written after its prompt."""
+    if len(messages) == 1 and messages[0]["role"] == "assistant":
+        return " " + messages[0]["content"]
+    text = "".join(f"{SYSTEM} {m['content']}" if m["role"] == "system" else
+                   f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages)
+    return text + ASSISTANT if messages[-1]["role"] == "user" else text
+
+
+class Chat(str):
+    """Text read from chat messages that keeps them: the str is the conversation in this project's format
+    (conversation_text), which a tokenizer without a chat template reads and every key, log and record compares and
+    shows; `messages` (role and content each) are what a chat template renders (query_ids: a prompt, the assistant's
+    turn opened; response_ids: one assistant message, an answer). Equal to its text and hashed as it; where two
+    conversations of one text must stay apart (counts, query ids), chat_key tells them apart. Written to JSON it is
+    its text (as_row writes a prompt's messages)."""
+
+    messages: tuple
+
+    def __new__(cls, messages):
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+        self = super().__new__(cls, conversation_text(messages))
+        self.messages = messages
+        return self
+
+    def __reduce__(self):  # pickle and copy rebuild it from its messages
+        return Chat, (list(self.messages),)
+
+
+def chat_key(text: str):
+    """A key that tells apart two Chats of one text whose messages differ (the text itself for any other str)."""
+    return (str(text), json.dumps(text.messages)) if isinstance(text, Chat) else text
+
+
+def messages_of(prompt: str) -> list[dict]:
+    """The messages a chat template renders for a prompt: a Chat's own, or an HH prompt's (hh_to_messages)."""
+    return [dict(m) for m in prompt.messages] if isinstance(prompt, Chat) else hh_to_messages(prompt)
+
+
+def answer_content(response: str) -> str:
+    """The assistant message's content a chat template renders for a response: a Chat's own, as written; a response
+    read as text, stripped (as hh_to_messages strips every turn)."""
+    return response.messages[-1]["content"] if isinstance(response, Chat) else response.strip()
+
+
+def as_row(record: dict) -> dict:
+    """A record as a JSON row that the loaders read back the same: a Chat prompt as its messages (a conversational
+    prompt-only row), every other field as it is (a Chat as its text)."""
+    return {k: list(v.messages) if k == "prompt" and isinstance(v, Chat) else v for k, v in record.items()}
+
+
+def _given(value) -> bool:
+    """A field that holds something: datasets fills a column a row lacks with None (or an empty list)."""
+    return value is not None and value != [] and value != ""
+
+
+def read_messages(value, path, line_no: int | None, field: str, last: str) -> list[dict]:
+    """Chat messages as written, checked: a non-empty list of {"role": "system"|"user"|"assistant", "content": text},
+    a system message only first, the last message `last`'s ("user" for a prompt, "assistant" for an answer or a
+    whole conversation). What cannot be read exactly is a DataError naming the message and its field: a tool call
+    or a tool's result, another role, content in parts (text and images), any other field of a message (it would be
+    lost). Fields that hold None (datasets' filler for a column a row lacks) are absent."""
+    if not isinstance(value, list) or not value:
+        raise DataError(path, line_no, field, "bad_messages", f'expected a non-empty list of messages [{{"role": '
+                        f'..., "content": ...}}], got {_type_name(value)} {_show(value)}')
+    out = []
+    for i, m in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(path, line_no, where, "bad_messages", f'expected a message {{"role": ..., "content": '
+                            f'...}}, got {_type_name(m)} {_show(m)}')
+        extra = [k for k, v in m.items() if k not in MESSAGE_FIELDS and _given(v)]
+        if "tool_calls" in extra or m.get("role") == "tool":
+            raise DataError(path, line_no, f"{where}.{'tool_calls' if 'tool_calls' in extra else 'role'}",
+                            "tool_calls", "a tool call or a tool's result: only text turns (system, user, assistant) "
+                                          "are read here, so this conversation cannot be rendered as written")
+        if extra:
+            raise DataError(path, line_no, f"{where}.{extra[0]}", "bad_messages",
+                            f"a message field other than 'role' and 'content' ({_show(m[extra[0]])}): it would be lost")
+        role, content = m.get("role"), m.get("content")
+        if role is None:
+            raise DataError(path, line_no, f"{where}.role", "missing_field", "missing: expected 'system', 'user' or "
+                                                                             "'assistant'")
+        if role not in ROLES:
+            raise DataError(path, line_no, f"{where}.role", "bad_role", f"role {_show(role)} is not 'system', 'user' "
+                            "or 'assistant': a conversation here has no place for it, nor need a chat template")
+        if role == "system" and i > 0:
+            raise DataError(path, line_no, f"{where}.role", "bad_role", "a system message after the first: a "
+                                                                       "conversation here has one, first")
+        if isinstance(content, list):
+            raise DataError(path, line_no, f"{where}.content", "bad_content", "content in parts (text, images): only "
+                                                                             "text content is read")
+        if not isinstance(content, str):
+            raise DataError(path, line_no, f"{where}.content", "not_string" if content is not None else
+                            "missing_field", f"expected a string, got {_type_name(content)} {_show(content)}")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != last:
+        what = "the user's question" if last == "user" else "the assistant's answer"
+        raise DataError(path, line_no, f"{field}[{len(out) - 1}].role", "bad_messages",
+                        f"expected the last message to be {what}, got a {out[-1]['role']} message")
+    return out
+
+
+def _prompt_messages(messages: list[dict], path, line_no: int | None, field: str) -> Chat:
+    """A prompt's messages (ending with the user's turn, whose question is not empty) as a Chat."""
+    if not messages or messages[-1]["role"] != "user":
+        got = f"a {messages[-1]['role']} message" if messages else "nothing"
+        raise DataError(path, line_no, field, "bad_messages", f"expected the conversation before the answer to end "
+                                                              f"with the user's question, got {got}")
+    if not messages[-1]["content"].strip():
+        raise DataError(path, line_no, f"{field}[{len(messages) - 1}].content", "empty_prompt",
+                        f"expected the user's question, got {_show(messages[-1]['content'])}")
+    return Chat(messages)
+
+
+def _answer(obj: dict, name: str, path, line_no: int) -> Chat:
+    """An answer written as messages ([{"role": "assistant", "content": ...}]) as a Chat of that one message."""
+    if name not in obj:
+        raise DataError(path, line_no, name, "missing_field", f"missing (fields present: "
+                                                              f"{', '.join(repr(k) for k in obj) or 'none'})")
+    msgs = read_messages(obj[name], path, line_no, name, last="assistant")
+    if len(msgs) != 1:
+        raise DataError(path, line_no, name, "bad_messages", f"expected the answer as one assistant message, got "
+                                                             f"{len(msgs)} messages")
+    return Chat(msgs)
+
+
+def _conversation(obj: dict, name: str, path, line_no: int) -> tuple[Chat, Chat]:
+    """(prompt, answer) of a whole conversation written as messages ({"messages"}, an implicit-prompt side): the last
+    message is the assistant's answer, every message before it the prompt."""
+    msgs = read_messages(obj.get(name), path, line_no, name, last="assistant")
+    return _prompt_messages(msgs[:-1], path, line_no, name), Chat(msgs[-1:])
+
+
+def row_format(obj: dict) -> str:
+    """The format of one row in the words of TRL's "Dataset formats and types" page ("standard" or
+    "conversational", then its type), or this project's own: "HH-RLHF transcripts", "prompt-response", the
+    "demonstration {prompt, chosen}". A prompt of the other format than the answers is set aside, as TRL does."""
+    conv = any(isinstance(obj.get(k), list) for k in ("prompt", "chosen", "rejected", "completion", "messages"))
+    style = "conversational" if conv else "standard"
+    if "completions" in obj:
+        return f"{style} stepwise supervision"
+    if "label" in obj and "completion" in obj:
+        return f"{style} unpaired preference"
+    if "chosen" in obj or "rejected" in obj:
+        if "rejected" not in obj and "prompt" in obj:
+            return "demonstration {prompt, chosen}"
+        explicit = "prompt" in obj and isinstance(obj["prompt"], list) == conv
+        if not explicit and not conv and any(_hh_like(obj.get(k)) for k in ("chosen", "rejected")):
+            return "HH-RLHF transcripts (standard preference, implicit prompt)"
+        return f"{style} preference ({'explicit' if explicit else 'implicit'} prompt)"
+    if "completion" in obj:
+        return f"{style} prompt-completion"
+    if "response" in obj:
+        return "prompt-response"
+    if "messages" in obj or "text" in obj:
+        return f"{style} language modeling"
+    return f"{style} prompt-only" if "prompt" in obj else "unknown"
+
+
+def _refuse_unreadable(obj: dict, path, line_no: int, pairs_or_texts: bool) -> None:
+    """Row fields that change what a model reads but are not rendered here (tool definitions, images), and, for
+    pairs and SFT text, the types that are neither: one completion marked good or bad, or labelled steps."""
+    for name, reason, what in (("tools", "tool_calls", "tool definitions: only text turns are read here, so the "
+                                                        "conversation cannot be rendered as written"),
+                               ("images", "images", "images: only text is read here")):
+        if _given(obj.get(name)):
+            raise DataError(path, line_no, name, reason, what)
+    if not pairs_or_texts:
+        return
+    if "completions" in obj:
+        raise DataError(path, line_no, "completions", "stepwise", "stepwise supervision (labelled steps): not pairs "
+                                                                  "of answers, nor one answer to train on")
+    if "label" in obj and "completion" in obj:
+        raise DataError(path, line_no, "label", "unpaired", "unpaired preference data (one completion marked good or "
+                        "bad): the reward model learns from pairs of answers to one prompt (Eq. 2), and SFT would "
+                        "learn the bad ones too; pair them, or keep the rows labelled true without 'label' as SFT text")
+
+
+# ----------------------------------------------------------------------------------------------
 # Preference pairs, prompts, texts
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class PreferencePair:
-    """One comparison: prompt x, chosen response y_w, rejected response y_l (Eq. 1)."""
+    """One comparison: prompt x, chosen response y_w, rejected response y_l (Eq. 1). Read from messages, each is a
+    Chat (its messages kept for a chat template)."""
 
     prompt: str
     chosen: str
@@ -390,58 +620,67 @@ def split_hh_transcript(chosen: str, rejected: str, path="<transcript>",
     return prompt, chosen[cut["chosen"]:], rejected[cut["rejected"]:]
 
 
-SYSTEM = "System:"
-ROLES = {"system", "user", "assistant"}
+def _hh_like(text) -> bool:
+    """A text that uses HH's role markers ("Human:", "Assistant:"), so it is read as a transcript (or refused as a
+    broken one), never split where two plain texts first differ."""
+    return isinstance(text, str) and (HUMAN.strip() in text or ASSISTANT.strip() in text)
 
 
-def messages_to_hh(messages, path, line_no: int | None, field: str) -> str:
-    """Chat messages [{"role", "content"}] as one HH transcript ("\\n\\nHuman: …\\n\\nAssistant: …"), the one text form
-    every stage reads (hh_to_messages turns it back into messages for a chat template). A system message becomes a
-    leading "System: …"."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(path, line_no, field, "bad_messages", f"expected a non-empty list of messages, got "
-                                                              f"{_show(messages)}")
-    text = ""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DataError(path, line_no, f"{field}[{i}]", "bad_messages",
-                            f'expected {{"role": "system"|"user"|"assistant", "content": "..."}}, got {_show(m)}')
-        if m["role"] == "system":
-            text += f"{SYSTEM} {m['content']}" if i == 0 else f"{HUMAN} {m['content']}"
-        else:
-            text += f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}"
-    return text
+def split_shared_words(chosen: str, rejected: str, path="<texts>", line: int | None = None) -> tuple[str, str, str]:
+    """(prompt, chosen_response, rejected_response) of the standard implicit-prompt preference format, {"chosen":
+    "The sky is blue.", "rejected": "The sky is green."}: the prompt is the text both share up to the last
+    whitespace before they first differ, and each response starts with that whitespace (" blue.", " green."), so
+    prompt + response == text and no word is cut in two (TRL's extract_prompt moves one space the same way, but can
+    end a prompt inside a word)."""
+    at = next((k for k, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    cut = max((k for k in range(at) if chosen[k].isspace()), default=0)
+    while cut > 0 and chosen[cut - 1].isspace():  # a run of whitespace goes with the responses
+        cut -= 1
+    if not chosen[:cut].strip():
+        raise DataError(path, line, None, "no_shared_prompt",
+                        "chosen and rejected share no words before they differ, so no prompt can be read from them; "
+                        "write it in a 'prompt' field")
+    return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
-def _messages_pair(obj: dict, path, line_no: int) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) of {"chosen": [messages], "rejected": [messages]} whose last message is the
-    assistant's answer and whose earlier messages agree."""
-    for name in ("chosen", "rejected"):
-        msgs = obj.get(name)
-        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) \
-                or msgs[-1].get("role") != "assistant":
-            raise DataError(path, line_no, name, "bad_messages", "expected chat messages ending with the assistant's "
-                                                                 f"answer, got {_show(msgs)}")
-    if obj["chosen"][:-1] != obj["rejected"][:-1]:
+def _messages_pair(obj: dict, path, line_no: int) -> tuple[Chat, Chat, Chat]:
+    """(prompt, chosen, rejected) of the implicit-prompt conversational format, {"chosen": [messages], "rejected":
+    [messages]}: each side ends with the assistant's answer, and the messages before it, the prompt, agree."""
+    prompt, chosen = _conversation(obj, "chosen", path, line_no)
+    prompt_r, rejected = _conversation(obj, "rejected", path, line_no)
+    if prompt.messages != prompt_r.messages:
         raise DataError(path, line_no, None, "prompt_mismatch",
                         "chosen and rejected have different conversations before their last (assistant) message")
-    prompt = messages_to_hh(obj["chosen"], path, line_no, "chosen")
-    prompt = prompt[:prompt.rfind(ASSISTANT) + len(ASSISTANT)]
-    messages_to_hh(obj["rejected"], path, line_no, "rejected")  # checks every message of the rejected side too
-    return prompt, " " + obj["chosen"][-1]["content"], " " + obj["rejected"][-1]["content"]
+    return prompt, chosen, rejected
 
 
 def _parse_pair(obj: dict, path, line_no: int) -> PreferencePair:
-    if isinstance(obj.get("chosen"), list) or isinstance(obj.get("rejected"), list):  # chat messages
+    _refuse_unreadable(obj, path, line_no, pairs_or_texts=True)
+    for name in ("chosen", "rejected"):
+        if name not in obj:
+            raise DataError(path, line_no, name, "missing_field", f"missing: a preference row has 'chosen' and "
+                            f"'rejected' (this row reads as {row_format(obj)}; fields present: "
+                            f"{', '.join(repr(k) for k in obj) or 'none'})")
+    conversational = isinstance(obj.get("chosen"), list) or isinstance(obj.get("rejected"), list)
+    if conversational and isinstance(obj.get("prompt"), list):  # explicit prompt: prompt, then one answer each
+        prompt = _prompt_messages(read_messages(obj["prompt"], path, line_no, "prompt", last="user"), path, line_no,
+                                  "prompt")
+        chosen, rejected = (_answer(obj, name, path, line_no) for name in ("chosen", "rejected"))
+    elif conversational:  # implicit prompt (a string 'prompt' beside whole conversations is set aside, as by TRL)
         prompt, chosen, rejected = _messages_pair(obj, path, line_no)
+    elif isinstance(obj.get("prompt"), list):
+        name = "chosen" if "chosen" in obj else "rejected"
+        raise DataError(path, line_no, name, "bad_messages", 'the prompt is messages, so the answers must be too: '
+                        f'[{{"role": "assistant", "content": ...}}], got {_type_name(obj.get(name))}')
     elif "prompt" in obj:  # {"prompt", "chosen", "rejected"}
         prompt = _get_str(obj, "prompt", path, line_no, nonempty=True, reason="empty_prompt")
         chosen = _get_str(obj, "chosen", path, line_no)
         rejected = _get_str(obj, "rejected", path, line_no)
-    else:  # HH-RLHF transcripts {"chosen", "rejected"}
+    else:  # implicit prompt: HH-RLHF transcripts {"chosen", "rejected"}, or two plain texts
         chosen_t = _get_str(obj, "chosen", path, line_no)
         rejected_t = _get_str(obj, "rejected", path, line_no)
-        prompt, chosen, rejected = split_hh_transcript(chosen_t, rejected_t, path, line_no)
+        split = split_hh_transcript if _hh_like(chosen_t) or _hh_like(rejected_t) else split_shared_words
+        prompt, chosen, rejected = split(chosen_t, rejected_t, path, line_no)
     for name, text in (("chosen", chosen), ("rejected", rejected)):
         if not text.strip():
             raise DataError(path, line_no, name, "empty_response", f"expected a non-empty response, got {_show(text)}")
@@ -452,56 +691,93 @@ def _parse_pair(obj: dict, path, line_no: int) -> PreferencePair:
 
 
 def load_pairs(path, skip_bad: bool = False, report: DataReport | None = None) -> list[PreferencePair]:
-    """Preference pairs from HH transcripts or {"prompt","chosen","rejected"} lines (Eq. 1–2 data)."""
+    """Preference pairs (Eq. 1–2 data) of every preference format: explicit or implicit prompt, strings (HH-RLHF
+    transcripts among them) or messages."""
     return _load(path, _parse_pair, skip_bad, report)
 
 
 def _parse_prompt(obj: dict, path, line_no: int) -> tuple[str, str]:
+    _refuse_unreadable(obj, path, line_no, pairs_or_texts=False)
     if "chosen" in obj or "rejected" in obj:  # a pair file also gives prompts
         prompt = _parse_pair(obj, path, line_no).prompt
+    elif isinstance(obj.get("prompt"), list):  # conversational prompt-only (or prompt-completion, unpaired, ...)
+        prompt = _prompt_messages(read_messages(obj["prompt"], path, line_no, "prompt", last="user"), path, line_no,
+                                  "prompt")
+    elif "prompt" not in obj and "messages" in obj:  # a conversation: the prompt of its last answer
+        prompt = _conversation(obj, "messages", path, line_no)[0]
     else:
+        if "prompt" not in obj and "text" in obj:
+            raise DataError(path, line_no, "prompt", "missing_field", "missing: a language-modelling row {\"text\"} "
+                                                                      "has no prompt to sample an answer for")
         prompt = _get_str(obj, "prompt", path, line_no, nonempty=True, reason="empty_prompt")
     return prompt, f"{path}:{line_no}"
 
 
 def load_prompts(path, skip_bad: bool = False, report: DataReport | None = None,
                  with_source: bool = False) -> list[str] | list[tuple[str, str]]:
-    """PPO prompts from {"prompt"} lines (or the prompts of a pair file); (prompt, source) if with_source."""
+    """PPO prompts from prompt-only rows, a string or messages, or the prompts of any other type that has them
+    (pairs, prompt-completion, unpaired preference, a conversation's turns before its last answer); (prompt,
+    source) if with_source."""
     items = _load(path, _parse_prompt, skip_bad, report)
     return items if with_source else [p for p, _ in items]
 
 
 def _parse_text(obj: dict, path, line_no: int) -> tuple[str, str, str]:
     src = f"{path}:{line_no}"
+    _refuse_unreadable(obj, path, line_no, pairs_or_texts=True)
     if "text" in obj:
         return "", _get_str(obj, "text", path, line_no, nonempty=True, reason="empty_response"), src
+    if "completion" in obj and "prompt" in obj:  # prompt-completion, standard or conversational
+        if isinstance(obj["prompt"], list) or isinstance(obj["completion"], list):
+            if not isinstance(obj["prompt"], list):
+                raise DataError(path, line_no, "prompt", "bad_messages", "the completion is messages, so the prompt "
+                                f"must be too, got {_type_name(obj['prompt'])}")
+            prompt = _prompt_messages(read_messages(obj["prompt"], path, line_no, "prompt", last="user"), path,
+                                      line_no, "prompt")
+            response = _answer(obj, "completion", path, line_no)
+            if not response.strip():
+                raise DataError(path, line_no, "completion[0].content", "empty_response", "expected a non-empty "
+                                                                                          "response, got \"\"")
+            return prompt, response, src
+        prompt = _get_str(obj, "prompt", path, line_no)
+        return prompt, _get_str(obj, "completion", path, line_no, nonempty=True, reason="empty_response"), src
     if "prompt" in obj and "chosen" in obj and not {"rejected", "response"} & obj.keys():  # a demonstration
-        prompt = _get_str(obj, "prompt", path, line_no)  # {"prompt", "chosen"}: named as a pair's better half
+        if isinstance(obj["prompt"], list):  # {"prompt", "chosen"}: named as a pair's better half
+            prompt = _prompt_messages(read_messages(obj["prompt"], path, line_no, "prompt", last="user"), path,
+                                      line_no, "prompt")
+            response = _answer(obj, "chosen", path, line_no)
+            if not response.strip():
+                raise DataError(path, line_no, "chosen[0].content", "empty_response", "expected a non-empty "
+                                                                                      "response, got \"\"")
+            return prompt, response, src
+        prompt = _get_str(obj, "prompt", path, line_no)
         return prompt, _get_str(obj, "chosen", path, line_no, nonempty=True, reason="empty_response"), src
     if "chosen" in obj or "rejected" in obj:  # SFT on the chosen responses of a pair file
         pair = _parse_pair(obj, path, line_no)
         return pair.prompt, pair.chosen, src
-    if "messages" in obj:  # a chat: SFT on its last (assistant) message
-        msgs = obj["messages"]
-        text = messages_to_hh(msgs, path, line_no, "messages")
-        if msgs[-1]["role"] != "assistant":
-            raise DataError(path, line_no, "messages", "bad_messages", "expected the last message to be the "
-                                                                       "assistant's answer")
-        cut = text.rfind(ASSISTANT) + len(ASSISTANT)
-        return text[:cut], text[cut:], src
+    if "messages" in obj:  # a conversation: SFT on its last (assistant) message, the turns before it the prompt
+        prompt, response = _conversation(obj, "messages", path, line_no)
+        if not response.strip():
+            raise DataError(path, line_no, f"messages[{len(prompt.messages)}].content", "empty_response",
+                            "expected a non-empty answer, got \"\"")
+        return prompt, response, src
     if "prompt" not in obj and "response" not in obj:
         have = ", ".join(repr(k) for k in obj) or "none"
         raise DataError(path, line_no, "text", "missing_field",
-                        f'missing: expected {{"text"}}, {{"prompt", "response"}} or {{"messages"}} (fields present: '
-                        f'{have})')
+                        f'missing: expected {{"text"}}, {{"messages"}}, {{"prompt", "completion"}} or {{"prompt", '
+                        f'"response"}} (fields present: {have})')
+    if "response" not in obj:
+        raise DataError(path, line_no, "completion", "missing_field", "missing: a prompt-only row has no answer to "
+                        f"train on (fields present: {', '.join(repr(k) for k in obj)})")
     prompt = _get_str(obj, "prompt", path, line_no)
     return prompt, _get_str(obj, "response", path, line_no, nonempty=True, reason="empty_response"), src
 
 
 def load_texts(path, skip_bad: bool = False, report: DataReport | None = None,
                with_source: bool = False) -> list[tuple[str, str]] | list[tuple[str, str, str]]:
-    """(prompt, response) for SFT / ptx: {"text"} gives prompt "", {"prompt","response"} as is, pair lines and
-    {"prompt","chosen"} demonstrations give (prompt, chosen); (prompt, response, source) if with_source."""
+    """(prompt, response) for SFT / ptx: {"text"} gives prompt "", {"messages"} (the turns before the last answer,
+    that answer), {"prompt", "completion"} strings or messages and {"prompt", "response"} as they are, pair rows and
+    {"prompt", "chosen"} demonstrations give (prompt, chosen); (prompt, response, source) if with_source."""
     items = _load(path, _parse_text, skip_bad, report)
     return items if with_source else [(p, r) for p, r, _ in items]
 
@@ -528,7 +804,7 @@ def hh_to_messages(prompt: str) -> list[dict]:
     chat template; the final empty "Assistant:" turn is left for add_generation_prompt."""
     messages = []
     head = prompt.split(HUMAN)[0].strip()
-    if head.startswith(SYSTEM):  # messages_to_hh's system message
+    if head.startswith(SYSTEM):  # conversation_text's system message
         messages.append({"role": "system", "content": head[len(SYSTEM):].strip()})
     elif head:  # a plain prompt, not a transcript: one user turn
         return [{"role": "user", "content": prompt.strip()}]
@@ -574,20 +850,33 @@ def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
 
     1. fits → as is;  2. drop whole earliest turns (at "\\n\\nHuman:") until it fits;  3. its last turn alone too
     long → keep that turn's "\\n\\nHuman:" and closing "\\n\\nAssistant:" markers and the latest tokens between them;
-    4. not even the markers fit → the latest tokens of the text. Steps 2-4 count report.truncated. A limit that cannot
-    hold even the BOS or the template's own tokens is a DataError (prompt_too_long).
+    4. not even the markers fit → the latest tokens of the text. Steps 2-4 count report.truncated. A Chat is cut the
+    same way on its messages (fit_chat: its system message stays while it fits, a cut keeps it a Chat), and with a
+    chat template step 4 does not exist. A limit that cannot hold even the BOS or the template's own tokens is a
+    DataError (prompt_too_long); so is a conversation the chat template refuses (chat_template, special_token).
     """
+    try:
+        return _fit_prompt(prompt, tokenizer, max_prompt_tokens, source, report, known or Lengths({}, {}))
+    except TemplateRefused as e:  # a conversation the chat template will not render: this example, not the run
+        raise DataError(*_split_source(source), "prompt", e.reason, str(e)) from None
+
+
+def _fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str, report: DataReport | None,
+                known: Lengths) -> str:
     def fits(text: str) -> bool:
         return len(query_ids(text, tokenizer)) <= max_prompt_tokens
 
-    known = known or Lengths({}, {})
-    try:
-        if known.query_len(prompt, tokenizer) <= max_prompt_tokens:
-            return prompt
-    except TemplateRefused as e:  # a conversation the chat template will not render: this example, not the run
-        raise DataError(*_split_source(source), "prompt", "chat_template", str(e)) from None
+    if known.query_len(prompt, tokenizer) <= max_prompt_tokens:
+        return prompt
     if report is not None:
         report.truncated += 1
+    if isinstance(prompt, Chat):
+        cut = fit_chat(prompt, tokenizer, max_prompt_tokens)
+        if cut is not None:
+            return cut
+        if has_chat_template(tokenizer):
+            return _prompt_too_long(source, max_prompt_tokens, tokenizer)
+        prompt = str(prompt)  # without a template the model reads the text itself: the text's own last resort
     starts = []  # character offsets of the "\n\nHuman:" turns that can start a shorter prompt
     i = prompt.find(HUMAN, 1)
     while i > 0:
@@ -607,24 +896,54 @@ def fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str = "",
             text = head + _decode(ids[len(ids) - k:], tokenizer) + tail
             if fits(text):
                 return text
+    return _prompt_too_long(source, max_prompt_tokens, tokenizer)
+
+
+def _prompt_too_long(source: str, max_prompt_tokens: int, tokenizer):
     path, line = _split_source(source)
     raise DataError(path, line, "prompt", "prompt_too_long",
                     f"--max-prompt-tokens {max_prompt_tokens} leaves no room for any prompt text: the query's own "
                     f"tokens (BOS, chat template) take {len(query_ids('', tokenizer))} or more")
 
 
+def fit_chat(prompt: Chat, tokenizer, max_prompt_tokens: int) -> Chat | None:
+    """fit_prompt's steps 2-3 on a conversation's messages: drop whole earliest turns (a user message and what
+    follows it up to the next one) while a first system message stays; then the last user message alone, with the
+    system message if it still fits, keeping the latest tokens of its content. None when not even that fits."""
+    def fits(messages: list[dict]) -> bool:
+        return len(query_ids(Chat(messages), tokenizer)) <= max_prompt_tokens
+
+    messages = [dict(m) for m in prompt.messages]
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    body = messages[len(head):]
+    for s in (i for i, m in enumerate(body) if m["role"] == "user" and i > 0):
+        if fits(head + body[s:]):
+            return Chat(head + body[s:])
+    ids = token_ids(body[-1]["content"], tokenizer)  # the prompt's last message: the user's question
+    for keep in ([head, []] if head else [[]]):
+        room = max_prompt_tokens - len(query_ids(Chat(keep + [{"role": "user", "content": ""}]), tokenizer))
+        for k in range(min(len(ids), room + 2), 0, -1):  # one token fewer, as in fit_prompt
+            cut = keep + [{"role": "user", "content": _decode(ids[len(ids) - k:], tokenizer)}]
+            if fits(cut):
+                return Chat(cut)
+    return None
+
+
 def fit_response(response: str, tokenizer, max_response_tokens: int, cut: bool = False,
                  known: Lengths | None = None) -> str | None:
     """The response y, whose ids with their stop token (data.response_ids) must be at most max_response_tokens: as
     written if it fits; else None (training drops it: a cut answer would teach stopping mid-sentence) or, with cut
-    (scoring), the text of its first tokens."""
+    (scoring), the text of its first tokens (with a chat template, of its content; a Chat stays a Chat)."""
     if (known or Lengths({}, {})).response_len(response, tokenizer) <= max_response_tokens:
         return response
     if not cut:
         return None
-    ids = token_ids(response.strip() if has_chat_template(tokenizer) else response, tokenizer)[:max_response_tokens - 1]
+    template = has_chat_template(tokenizer)
+    ids = token_ids(answer_content(response) if template else str(response), tokenizer)[:max_response_tokens - 1]
     while True:  # a cut inside a UTF-8 character can re-encode longer: drop one more token
         text = _decode(ids, tokenizer)
+        if template and isinstance(response, Chat):
+            text = Chat([{"role": "assistant", "content": text}])
         if len(response_ids(text, tokenizer)) <= max_response_tokens or not ids:
             return text
         ids = ids[:-1]
@@ -637,9 +956,13 @@ def fit_example(prompt: str, responses: tuple[str, ...], tokenizer, max_prompt_t
     sequence [query_ids(x) + response_ids(y)] has at most max_prompt_tokens + max_response_tokens tokens (fit_prompt,
     fit_response). None when a response is too long for training (dropped, counted as response_too_long); with cut
     (scoring) such a response is cut instead and counted in report.truncated_responses. A prompt of "" (a {"text"}
-    row: all of it is the response) stays "". Records keep TEXT; every stage re-encodes exactly these tokens. `known`:
-    the token counts of these texts, counted beforehand for a whole data set (Lengths.count), or None."""
-    kept = [fit_response(r, tokenizer, max_response_tokens, cut, known) for r in responses]
+    row: all of it is the response) stays "". Records keep TEXT (a Chat keeps its messages); every stage re-encodes
+    exactly these tokens. `known`: the token counts of these texts, counted beforehand for a whole data set
+    (Lengths.count), or None."""
+    try:
+        kept = [fit_response(r, tokenizer, max_response_tokens, cut, known) for r in responses]
+    except TemplateRefused as e:  # an answer the template cannot render as written: this example, not the run
+        raise DataError(*_split_source(source), "response", e.reason, str(e)) from None
     if any(k is None for k in kept):
         if report is not None:
             report.drop("response_too_long", source)
@@ -653,28 +976,31 @@ def fit_example(prompt: str, responses: tuple[str, ...], tokenizer, max_prompt_t
 class Lengths:
     """len(query_ids(x)) and len(response_ids(y)) of a data set's texts, counted in batch calls of the tokenizer
     (`chunk` texts each, only the counts kept), so that fit_example's first question (does it fit as written?) costs
-    no call of its own per example. A text missing from them is counted by fit_example itself."""
-    query: dict[str, int]
-    response: dict[str, int]
+    no call of its own per example. A text missing from them is counted by fit_example itself. Keyed by chat_key."""
+    query: dict
+    response: dict
 
     @staticmethod
     def count(prompts: list[str], responses: list[str], tokenizer, chunk: int = 4096) -> Lengths:
-        def lengths(texts: list[str], encode: Callable) -> dict[str, int]:  # chunked: only the counts are kept
-            return {t: n for i in range(0, len(texts), chunk)
-                    for t, n in zip(texts[i:i + chunk], map(len, encode(texts[i:i + chunk], tokenizer)))}
-        try:
-            query = lengths(list(dict.fromkeys(p for p in prompts if p)), queries_ids)
-        except TemplateRefused:  # a conversation the chat template will not render: fit_prompt meets it on its own
-            query = {}
-        return Lengths(query, lengths(list(dict.fromkeys(responses)), responses_ids))
+        def lengths(texts: list[str], encode: Callable) -> dict:  # chunked: only the counts are kept
+            try:
+                return {chat_key(t): n for i in range(0, len(texts), chunk)
+                        for t, n in zip(texts[i:i + chunk], map(len, encode(texts[i:i + chunk], tokenizer)))}
+            except TemplateRefused:  # a text the chat template will not render: fit_example meets it on its own
+                return {}
+        distinct = lambda texts: list({chat_key(t): t for t in texts}.values())  # noqa: E731
+        return Lengths(lengths(distinct(p for p in prompts if p), queries_ids), lengths(distinct(responses),
+                                                                                          responses_ids))
 
     def query_len(self, prompt: str, tokenizer) -> int:
         """len(query_ids(prompt)): the count made beforehand, else one tokenizer call."""
-        return self.query[prompt] if prompt in self.query else len(query_ids(prompt, tokenizer))
+        key = chat_key(prompt)
+        return self.query[key] if key in self.query else len(query_ids(prompt, tokenizer))
 
     def response_len(self, response: str, tokenizer) -> int:
         """len(response_ids(response)): the count made beforehand, else one tokenizer call."""
-        return self.response[response] if response in self.response else len(response_ids(response, tokenizer))
+        key = chat_key(response)
+        return self.response[key] if key in self.response else len(response_ids(response, tokenizer))
 
 
 def _fit_all(items: list, fit: Callable, skip_bad: bool, report: DataReport | None) -> list[dict]:
@@ -743,6 +1069,12 @@ def text_key(text: str) -> str:
 
 HUMAN_KEY, ASSISTANT_KEY = text_key(HUMAN), text_key(ASSISTANT)  # "human:", "assistant:": the markers in a key
 FIRST_TURN = re.compile(rf"(?:^| ){HUMAN_KEY}(.*?)(?= {ASSISTANT_KEY}|$)")
+
+
+def question_words(prompt: str) -> str:
+    """text_key of a prompt without its role markers: "" for a prompt that holds no question ("\\n\\nHuman:
+    \\n\\nAssistant:"), what the split names when every prompt is one."""
+    return " ".join(w for w in text_key(prompt).split() if w not in (HUMAN_KEY, ASSISTANT_KEY, text_key(SYSTEM)))
 
 
 def first_turn_key(text: str) -> str:
@@ -826,6 +1158,9 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+PROBE = {"role": "user", "content": "q"}  # the one-turn conversation that shows how a template writes an answer
+
+
 def stop_id(tokenizer) -> int:
     """The token that ends a response, ends sampling and is scored: with a chat template its end-of-turn token (the
     first special token the template writes after an assistant message: Qwen's <|im_end|>, Llama 3's <|eot_id|>,
@@ -840,19 +1175,24 @@ def stop_id(tokenizer) -> int:
         return cached
     marker = "ppo-max-end-of-answer"
     try:
-        text = render_chat(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}])
+        text = render_chat(tokenizer, [PROBE, {"role": "assistant", "content": marker}])
     except TemplateRefused as e:  # not one example's fault: the template cannot render a user and an assistant turn
         raise TemplateRefused(f"{tokenizer.name_or_path or 'tokenizer'}: {e}: a user turn, then an assistant "
                               "turn") from None
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    after = token_ids(text[text.rindex(marker) + len(marker):], tokenizer)
+    after = encode_many([text[text.rindex(marker) + len(marker):]], tokenizer, markup=True)[0]
     tokenizer._ppo_max_stop_id = next((i for i in after if i in special), tokenizer.eos_token_id)
     return tokenizer._ppo_max_stop_id
 
 
 class TemplateRefused(UserError):
     """The tokenizer's chat template raised on a conversation (roles that do not alternate, a system turn it does
-    not take): str() is the template's own message, one line."""
+    not take; reason "chat_template"), or could not keep a special token's spelling inside a message as text
+    (reason "special_token"): str() is one line."""
+
+    def __init__(self, message: str, reason: str = "chat_template"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -865,45 +1205,104 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
         raise TemplateRefused(f"the tokenizer's chat template refuses this conversation ({first})") from None
 
 
+def _spellings(tokenizer):
+    """A regex of the spellings of the tokenizer's added tokens (special or not), or None when it has none: a
+    message that holds one is encoded through apply_chat_template's sanitize_control_tokens (chat_ids)."""
+    added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    key = tuple(sorted(added))
+    cached = getattr(tokenizer, "_ppo_max_spellings", None)
+    if cached is None or cached[0] != key:
+        pattern = re.compile("|".join(map(re.escape, sorted(key, key=len, reverse=True)))) if key else None
+        cached = (key, pattern)
+        try:
+            tokenizer._ppo_max_spellings = cached
+        except AttributeError:  # a tokenizer object that takes no attributes: counted again next time
+            pass
+    return cached[1]
+
+
+def chat_ids(conversations: list[list[dict]], tokenizer, add_generation_prompt: bool = False) -> list[list[int]]:
+    """The chat template's rendering of each conversation, as ids: what the template writes (its markers, its BOS,
+    its end of turn) are control tokens; a special token's spelling inside a message is text
+    (apply_chat_template(..., sanitize_control_tokens=True)). Conversations whose messages spell no added token give
+    the same ids through one batch call of the tokenizer on their rendered texts, which is how most are encoded.
+    TemplateRefused when the template raises, or cannot keep such a spelling as text."""
+    texts = [render_chat(tokenizer, c, add_generation_prompt) for c in conversations]
+    spelled = _spellings(tokenizer)
+    marked = {i for i, c in enumerate(conversations) if spelled and any(spelled.search(m["content"]) for m in c)}
+    plain = iter(encode_many([t for i, t in enumerate(texts) if i not in marked], tokenizer, markup=True))
+    out = []
+    for i, c in enumerate(conversations):
+        if i not in marked:
+            out.append(next(plain))
+            continue
+        try:
+            out.append(list(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=True, sanitize_control_tokens=True,
+                                                          return_dict=False)))
+        except Exception as e:  # transformers' "Can't sanitize ...", or the template's own error
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise TemplateRefused(f"the chat template's rendering cannot keep a special token's spelling in this "
+                                  f"conversation as text ({first})", "special_token") from None
+    return out
+
+
 def query_ids(prompt: str, tokenizer) -> list[int]:
-    """What the model reads before it answers: the chat template's rendering of the conversation with the
-    assistant's turn opened, when the tokenizer has a template; else [BOS] + x (no BOS where the tokenizer has none)."""
+    """What the model reads before it answers: the chat template's rendering of the conversation (a Chat's
+    messages, or an HH prompt's) with the assistant's turn opened, when the tokenizer has a template; else [BOS] + x
+    (no BOS where the tokenizer has none)."""
     return queries_ids([prompt], tokenizer)[0]
 
 
 def response_ids(response: str, tokenizer) -> list[int]:
     """y + [stop]: every response ends with stop_id (the EOS, or the template's end-of-turn token), which ends and
-    scores it. A template's assistant content is stripped, as hh_to_messages strips every turn."""
+    scores it. With a chat template, the answer (answer_content) as the template writes an assistant turn after a
+    user turn, through its end-of-turn token: the ids that follow the query in the template's rendering of the whole
+    conversation (Mistral's " " + answer, ChatML's answer alone); the text a template writes after that token
+    ("\\n") is not part of the response."""
     return responses_ids([response], tokenizer)[0]
 
 
 def queries_ids(prompts: list[str], tokenizer) -> list[list[int]]:
-    """query_ids of many prompts, encoded in one call of the tokenizer (encode_many)."""
+    """query_ids of many prompts, encoded in one call of the tokenizer (encode_many, chat_ids)."""
     if has_chat_template(tokenizer):
-        return encode_many([render_chat(tokenizer, hh_to_messages(p), add_generation_prompt=True) for p in prompts],
-                           tokenizer)
+        return chat_ids([messages_of(p) for p in prompts], tokenizer, add_generation_prompt=True)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [bos + ids for ids in encode_many(prompts, tokenizer)]
+    return [bos + ids for ids in encode_many([str(p) for p in prompts], tokenizer)]
 
 
 def responses_ids(responses: list[str], tokenizer) -> list[list[int]]:
-    """response_ids of many responses, encoded in one call of the tokenizer (encode_many)."""
-    template = has_chat_template(tokenizer)
-    stop = [stop_id(tokenizer)] if responses else []
-    return [ids + stop for ids in encode_many([r.strip() if template else r for r in responses], tokenizer)]
+    """response_ids of many responses, encoded in one call of the tokenizer (encode_many, chat_ids). With a chat
+    template: the rendering of [PROBE, the answer] after the rendering of [PROBE] with the assistant's turn opened,
+    cut after its first stop token; where the template's rendering does not go on from that query, or writes no
+    stop token after the answer, the answer's own ids and the stop token."""
+    if not responses:
+        return []
+    if not has_chat_template(tokenizer):
+        return [ids + [tokenizer.eos_token_id] for ids in encode_many([str(r) for r in responses], tokenizer)]
+    stop, contents = stop_id(tokenizer), [answer_content(r) for r in responses]
+    opened = chat_ids([[PROBE]], tokenizer, add_generation_prompt=True)[0]
+    whole = chat_ids([[PROBE, {"role": "assistant", "content": c}] for c in contents], tokenizer)
+    out = [ids[len(opened):] if ids[:len(opened)] == opened else [] for ids in whole]
+    out = [ids[:ids.index(stop) + 1] if stop in ids else None for ids in out]
+    alone = iter(encode_many([c for c, ids in zip(contents, out) if ids is None], tokenizer))
+    return [ids if ids is not None else next(alone) + [stop] for ids in out]
 
 
-def encode_many(texts: list[str], tokenizer) -> list[list[int]]:
+def encode_many(texts: list[str], tokenizer, markup: bool = False) -> list[list[int]]:
     """tokenizer.encode(text, add_special_tokens=False) of every text, each distinct text encoded once; a fast
     (Rust) tokenizer encodes them all in one call of its batch encoder, `tokenizer(texts)`, the function its encode
-    calls with one text (tests/test_data.py checks that the ids agree)."""
-    distinct = list(dict.fromkeys(texts))
+    calls with one text (tests/test_data.py checks that the ids agree). Text is text: a special token's spelling
+    ("</s>", "<pad>") is encoded as the characters it is (split_special_tokens=True), never as the control token;
+    `markup` (a chat template's rendering, whose special tokens are the template's own) keeps them special."""
+    distinct = list(dict.fromkeys(str(t) for t in texts))
+    split = {} if markup or not getattr(tokenizer, "added_tokens_encoder", None) else {"split_special_tokens": True}
     if getattr(tokenizer, "is_fast", False) and distinct:
-        encoded = tokenizer(distinct, add_special_tokens=False)["input_ids"]
+        encoded = tokenizer(distinct, add_special_tokens=False, **split)["input_ids"]
     else:
-        encoded = [tokenizer.encode(t, add_special_tokens=False) for t in distinct]
+        encoded = [tokenizer.encode(t, add_special_tokens=False, **split) for t in distinct]
     ids = dict(zip(distinct, encoded))
-    return [list(ids[t]) for t in texts]
+    return [list(ids[str(t)]) for t in texts]
 
 
 def encode_rows(rows: list[tuple[str, str]], tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -999,7 +1398,7 @@ class RolloutBatches:
                  world: int = 1, device="cpu"):
         self.prompt_rows, self.sft_rows, self.tokenizer = prompts, sft_rows, tokenizer
         self.rng, self.rank, self.world, self.device = random.Random(seed), rank, world, device
-        self.query = dict(zip(prompts, queries_ids(prompts, tokenizer)))              # prompt → its query ids
+        self.query = {chat_key(p): q for p, q in zip(prompts, queries_ids(prompts, tokenizer))}  # prompt → query ids
         self.sft_ids = encode_rows(sft_rows, tokenizer)                                # (query ids, response ids)
         self.stop_id = stop_id(tokenizer)                                              # ends and scores a response
 
@@ -1009,7 +1408,7 @@ class RolloutBatches:
         (r, r + W, …), so no group is split across ranks; G = 1 draws exactly what it always did."""
         prompts = [self.rng.choice(self.prompt_rows) for _ in range(n // group)][self.rank::self.world]
         rows = [p for p in prompts for _ in range(group)]
-        query, query_mask = pad([self.query[p] for p in rows], self.tokenizer.pad_token_id, "left")
+        query, query_mask = pad([self.query[chat_key(p)] for p in rows], self.tokenizer.pad_token_id, "left")
         return rows, query.to(self.device), query_mask.to(self.device)
 
     def ptx(self, n: int):
@@ -1072,16 +1471,18 @@ def load_tokenizer(path):
 
 
 def _kind(path) -> str:
+    """What the first row of a file is read as: pairs (preference rows, and the unpaired and stepwise types, which
+    load_pairs then refuses), texts (language modelling, prompt-completion), else prompts."""
     for _, obj in records(path, skip_bad=True):
-        if "chosen" in obj or "rejected" in obj:
+        if {"chosen", "rejected", "completions"} & obj.keys() or {"completion", "label"} <= obj.keys():
             return "pairs"
-        return "texts" if "text" in obj or "response" in obj else "prompts"
+        return "texts" if {"text", "response", "completion", "messages"} & obj.keys() else "prompts"
     return "pairs"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Validate a data file: counts, mean lengths in characters, and lines skipped by reason."""
-    ap = OneLineParser(prog="data.py", description=main.__doc__)
+    """Validate a data file: the format detected, counts, mean lengths in characters, and lines skipped by reason."""
+    ap = OneLineParser(prog="python -m plumbing.data", description=main.__doc__)
     ap.add_argument("file", help=".jsonl[.gz], .json, .parquet, a save_to_disk folder or a cached hub dataset id")
     ap.add_argument("--kind", choices=["auto", "pairs", "prompts", "texts"], default="auto")
     ap.add_argument("--skip-bad", action="store_true", help="skip bad lines and count them by reason")
@@ -1109,10 +1510,11 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     cli_guard(main)()
-    # $ python data.py data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
+    # $ python -m plumbing.data data/hh-rlhf/harmless-base-test.dev.jsonl.gz --skip-bad
     # 1794 pairs; mean chars: prompt 480.5, chosen 170.0, rejected 211.2; mean turns 2.48
-    # kept 1794; skipped 6: empty_response 4 (first at data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87),
-    #   prompt_mismatch 2 (first at data/hh-rlhf/harmless-base-test.dev.jsonl.gz:1255); truncated 0 prompts; dropped 0
+    # format HH-RLHF transcripts (standard preference, implicit prompt); kept 1794; skipped 6: empty_response 4
+    #   (first at data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87), prompt_mismatch 2 (first at
+    #   data/hh-rlhf/harmless-base-test.dev.jsonl.gz:1255); truncated 0 prompts; dropped 0
     # (the 4 empty ones: a chosen response of a single space; the 2 mismatches: a chosen response holding a
     #  second "\n\nAssistant:" turn, so its last marker is not the rejected one's.) Without --skip-bad: exit 2,
     # error: data/hh-rlhf/harmless-base-test.dev.jsonl.gz:87: field 'chosen': expected a non-empty response, got " "

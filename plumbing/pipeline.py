@@ -67,6 +67,7 @@ def base_key(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
     limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
               "note": "ids = query_ids(prompt) ([BOS] + prompt, latest turns kept) ≤ P + response + [EOS] ≤ T"}
     key = {"data": data.fingerprint(data_source(run, run.data)), "split": "by first human turn",
+           "read": "TRL's formats; a conversation as messages until rendered; a special token's spelling as text",
            "keep_out": "text as written, one key (whitespace, case): same prompt, prefix, first turn",
            "limits": limits, "vocab_size": run.vocab_size, "heldout_frac": run.heldout_frac, "skip_bad": run.skip_bad,
            "judge_frac": run.judge_frac,
@@ -154,31 +155,81 @@ def split_pairs(run, report: data.DataReport) -> dict[str, list]:
     > 0) the judge's: a second reward model PPO never optimises (Gao et al. 2022). The groups are conversations that
     open with the same human turn (data.first_turn_key, on the text as written): all pairs of one prompt, and of
     prompts that continue one conversation, go to one part together, so no prompt is both trained on and evaluated
-    and no evaluation prompt begins with a training one."""
+    and no evaluation prompt begins with a training one. A part the split leaves empty is a DataError that names
+    why (split_cause), before any work."""
     pairs = data.load_pairs(data_source(run, run.data), skip_bad=run.skip_bad, report=report)  # DataError: exit 2
     key = lambda p: data.first_turn_key(p.prompt)  # noqa: E731
     train_pairs, heldout = data.train_heldout_split(pairs, run.heldout_frac, run.seed, key)
     proxy, judge = data.train_heldout_split(train_pairs, run.judge_frac, run.seed + 1, key) if run.judge_frac else (
         train_pairs, [])
-    return {"pairs_train": proxy, "pairs_judge": judge, "pairs_heldout": heldout}
+    splits = {"pairs_train": proxy, "pairs_judge": judge, "pairs_heldout": heldout}
+    empty = [PART_NAMES[name] for name in splits if not splits[name] and (name != "pairs_judge" or run.judge_frac)]
+    if empty:
+        raise data.DataError(run.data, None, None, "too_few_prompts", split_cause(
+            [(p.prompt, p.source) for p in pairs], "pairs", " and ".join(empty), run, splits))
+    return splits
+
+
+PART_NAMES = {"pairs_train": "training", "pairs_heldout": "held-out", "pairs_judge": "judge"}
+
+
+def split_cause(prompts: list[tuple[str, str]], what: str, empty: str, run, splits: dict | None = None) -> str:
+    """Why a split of these (prompt, source) rows left the `empty` part(s) with nothing, in the words of the cause:
+    one row; prompts that hold no question (nothing but role markers: a prompt lost before the file was read);
+    one prompt for every row; one conversation (first human turn) for every row; else the fractions that took
+    every conversation. The split keeps a conversation on one side, so it needs one per part."""
+    parts = 3 if splits is not None and run.judge_frac else 2
+    names = "held out, trained on and judged" if parts == 3 else "held out and trained on"
+    turns = Counter(data.first_turn_key(p) for p, _ in prompts)
+    need = f"give {what} of at least {parts} different conversations (one for each part: {names})"
+    if len(prompts) == 1:
+        return f"one row ({prompts[0][1]}): the split holds nothing out of one; {need}"
+    if not any(data.question_words(p) for p, _ in prompts):
+        return (f"every prompt holds no question, nothing but role markers (e.g. {prompts[0][1]}: "
+                f"{data.show(prompts[0][0])}): the prompts were lost before the file was read, so no {empty} "
+                f"{what} are left; write each question in the prompt")
+    if len({data.text_key(p) for p, _ in prompts}) == 1:
+        return (f"all {len(prompts)} {'rows' if what == 'prompts' else what} have the same prompt "
+                f"{data.show(prompts[0][0])}: the split keeps a prompt on one side, so none is left for the "
+                f"{empty} part; {need}")
+    if len(turns) < parts:
+        return (f"{len(prompts)} {what} in only {len(turns)} conversation(s) (prompts that open with the same human "
+                f"turn, e.g. {data.show(turns.most_common(1)[0][0])}): the split keeps a conversation on one side, "
+                f"so none are left for the {empty} part; {need}")
+    took = ", ".join(f"{PART_NAMES[k]} {len({data.first_turn_key(p.prompt) for p in v})}"
+                     for k, v in (splits or {}).items())
+    return (f"{len(turns)} conversations (first human turns), split by --heldout-frac {run.heldout_frac}"
+            + (f" and --judge-frac {run.judge_frac}" if parts == 3 else "") + f" into {took}: none are left for "
+            f"the {empty} part; change the fractions or give more {what}")
 
 
 def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataReport) -> dict[str, list]:
     """The limits applied once to every split (data.pair_records), and a clear error when one is left empty. A pair
     that meets a prompt of a later part (held out, then the judge's) as written or once cut (evaluation_parts,
     keep_out) leaves its part too, counted by kind (same_prompt_as_heldout, prefix_of_judge, ...): cut prompts keep
-    only their latest turns, so two different prompts can become one."""
+    only their latest turns, so two different prompts can become one. A part left empty names its cause: every
+    pair beyond the limits, or every pair within them left out."""
     lim = (run.max_prompt_tokens, run.max_response_tokens)
-    out = {name: data.pair_records(pairs, tokenizer, *lim, run.skip_bad, report) for name, pairs in splits.items()}
+    fitted = {name: data.pair_records(pairs, tokenizer, *lim, run.skip_bad, report) for name, pairs in splits.items()}
+    out, left = dict(fitted), {}
     held = evaluation_parts(splits, out, ("pairs_heldout",))
-    out["pairs_judge"] = keep_out(out["pairs_judge"], held, report)[0]
-    out["pairs_train"] = keep_out(out["pairs_train"], evaluation_parts(splits, out), report)[0]
+    out["pairs_judge"], left["pairs_judge"] = keep_out(out["pairs_judge"], held, report)
+    out["pairs_train"], left["pairs_train"] = keep_out(out["pairs_train"], evaluation_parts(splits, out), report)
     print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
           f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
-    for name, what in (("pairs_train", "training"), ("pairs_heldout", "held-out"), ("pairs_judge", "judge")):
-        if not out[name] and (name != "pairs_judge" or run.judge_frac):
-            raise data.DataError(run.data, None, None, "all_skipped", f"no {what} pairs left within the limits "
-                                 f"({report.summary()}); raise --max-response-tokens or give more pairs")
+    for name, what in PART_NAMES.items():
+        if out[name] or (name == "pairs_judge" and not run.judge_frac):
+            continue
+        if not fitted[name]:
+            hint = ("raise --max-response-tokens (a response is never cut for training)"
+                    if report.dropped.get("response_too_long") else "see the reasons counted")
+            cause = (f"none of its {len(splits[name])} pairs fits --max-prompt-tokens {lim[0]} and "
+                     f"--max-response-tokens {lim[1]} ({report.summary()}); {hint}, or give more pairs")
+        else:
+            cause = (f"its {len(fitted[name])} pairs within the limits all meet a held-out or judge prompt once cut "
+                     f"to --max-prompt-tokens {lim[0]} ({left_out(left[name])}: a cut prompt keeps only its latest "
+                     f"turns, so two prompts can become one); raise --max-prompt-tokens")
+        raise data.DataError(run.data, None, None, "all_skipped", f"no {what} pairs left: {cause}")
     return out
 
 
@@ -245,7 +296,7 @@ def run_records(run, tokenizer, report: data.DataReport | None = None, splits: d
         evaluation = evaluation_parts(splits, out)
     if run.prompts:
         rows = data.load_prompts(data_source(run, run.prompts), skip_bad=run.skip_bad, with_source=True)
-        rows = data.prompt_records(rows, tokenizer, P, run.skip_bad, report)
+        rows = every = data.prompt_records(rows, tokenizer, P, run.skip_bad, report)
         if not run.data:  # --prompts is its own evaluation: its held-out part, whole conversations on one side
             rows, held = data.train_heldout_split(data.distinct_prompts(rows), run.heldout_frac, run.seed,
                                                   lambda r: data.first_turn_key(r["uncut"]))
@@ -254,9 +305,10 @@ def run_records(run, tokenizer, report: data.DataReport | None = None, splits: d
         prompts, dropped = keep_out(rows, evaluation, report)
         out["prompts_train"] = data.distinct_prompts(prompts)
         if not out["prompts_train"] or not out["prompts_heldout"]:
-            raise data.DataError(run.prompts, None, None, "all_skipped", (
-                "every prompt is a held-out or judge prompt of --data" if run.data else
-                "fewer than 2 distinct prompts: some are held out for the evaluation") + f" ({report.summary()})")
+            raise data.DataError(run.prompts, None, None, "all_skipped" if run.data else "too_few_prompts", (
+                "every prompt is a held-out or judge prompt of --data" if run.data else split_cause(
+                    [(r["uncut"], r["source"]) for r in every], "prompts", "rollout" if not out["prompts_train"]
+                    else "evaluation", run)) + f" ({report.summary()})")
         print(f"[data] --prompts {run.prompts}: {len(out['prompts_train'])} rollout prompts, {left_out(dropped)} (they "
               f"meet a held-out or judge prompt)" + ("" if run.data else
                                                      f", {len(out['prompts_heldout'])} held out for the evaluation"))
@@ -407,9 +459,16 @@ def train_judge(sft_dir, tokenizer, records: dict, rm_cfg: RMConfig, seed: int, 
 
 
 def write_json(path: Path, obj) -> None:
+    """`obj` as JSON in `path`, whole or not at all (written beside it, then renamed over it). A write that fails (a
+    full disk) leaves the old file, no temporary one, and raises cli.WriteFailed naming `path` and the bytes."""
+    text = json.dumps(obj, indent=2)
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
+    try:
+        with checkpoint.writing(path, len(text.encode())):
+            tmp.write_text(text)
+            tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def resolve_real_models(run, cfg: PPOConfig) -> dict[str, str | None]:
@@ -471,8 +530,12 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 
 
 def check_weights(model_dir) -> None:
-    """The directory holds weights, and every safetensors file's header reads (a truncated or overwritten file fails
-    here in one line, not half-way into a stage); the tensors themselves are read when the stage loads them."""
+    """The directory holds weights, every safetensors file's header reads (a truncated or overwritten file fails
+    here in one line, not half-way into a stage), and without a model.safetensors (which from_pretrained would read
+    instead) every pickled pytorch_model*.bin loads as data alone: one whose pickle names anything but tensors and
+    plain containers (it would run code) is refused here in one line, before any work, rather than by
+    torch.load(weights_only=True) half-way into a stage. The tensors themselves are read when the stage loads them
+    (weights_only=True still)."""
     from safetensors import safe_open
     if not any((Path(model_dir) / f).exists() for f in WEIGHTS):
         fail(f"{model_dir}: no model weights in it (expected one of {', '.join(WEIGHTS)})")
@@ -482,6 +545,12 @@ def check_weights(model_dir) -> None:
                 pass
         except Exception as e:  # safetensors' own SafetensorError, or an OSError
             fail(f"{f}: damaged safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    safetensors = any((Path(model_dir) / f).exists() for f in WEIGHTS[:2])  # from_pretrained reads those then
+    for f in [] if safetensors else sorted(Path(model_dir).glob("pytorch_model*.bin")):
+        if problem := checkpoint.unsafe_pickle(f):
+            fail(f"{f}: {problem}; only weights load here (torch.load weights_only=True): use the model's "
+                 f"model.safetensors, or convert this file to safetensors where you trust its source")
+
 
 
 def check_models(dirs: dict) -> None:
@@ -666,7 +735,8 @@ def ppo_inputs(run, cfg: PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
         records = {k: records.get(k, []) for k in ("prompts_train", "prompts_heldout", "sft", "pairs_train",
                                                    "pairs_heldout", "pairs_judge")}  # the pairs: --method dpo
         if main_rank:  # read by nobody during the run: no other rank waits for it
-            toy_world.write_dataset({"prompts_heldout": records["prompts_heldout"]}, Path(run.out) / "data")
+            toy_world.write_dataset({"prompts_heldout": [data.as_row(r) for r in records["prompts_heldout"]]},
+                                    Path(run.out) / "data")  # a conversation as its messages, for its template
         return Inputs(dirs["sft"], dirs["sft"], dirs["reward"], dirs["critic"], tokenizer, records,
                       judge=dirs.get("judge"), rows=stage_records(records, run, cfg))
     if not main_rank:

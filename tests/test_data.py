@@ -203,7 +203,7 @@ def test_load_prompts_and_texts_formats(tmp_path):
     expect_error(write(tmp_path / "e.jsonl", [{"prompt": " "}]), "empty_prompt", 1, "prompt", data.load_prompts)
     texts = write(tmp_path / "t.jsonl", [{"text": "Plain text."}, {"prompt": "Q?", "response": " A."}, GOOD])
     assert data.load_texts(texts) == [("", "Plain text."), ("Q?", " A."), (f"{H} What is two plus two?{A}", " Four.")]
-    expect_error(write(tmp_path / "m.jsonl", [{"prompt": "Q?"}]), "missing_field", 1, "response", data.load_texts)
+    expect_error(write(tmp_path / "m.jsonl", [{"prompt": "Q?"}]), "missing_field", 1, "completion", data.load_texts)
     expect_error(write(tmp_path / "n.jsonl", [{"body": "x"}]), "missing_field", 1, "text", data.load_texts)
     demo = write(tmp_path / "d.jsonl", [{"prompt": "Q?", "chosen": " A."}])  # a demonstration, no 'rejected'
     assert data.load_texts(demo) == [("Q?", " A.")]

@@ -102,6 +102,25 @@ def test_train_data_missing_file_exit_2(tmp_path, monkeypatch, capsys):
     assert_one_line_error(e.value.code, capsys.readouterr().err, "nope.jsonl", "no such file")
 
 
+@pytest.mark.parametrize("rows, where, what", [
+    ([GOOD, json.dumps({"prompt": "Q?", "completion": " A.", "label": True})], ":2: field 'label'",
+     "unpaired preference data"),
+    ([GOOD], ": one row", "the split holds nothing out of one"),
+    ([json.dumps({"prompt": [{"role": "user", "content": "tell me about bread"}], "chosen": [
+        {"role": "assistant", "content": f"Bread {i}."}], "rejected": [{"role": "assistant", "content": "No."}]})
+      for i in range(20)], ": all 20 pairs have the same prompt", "tell me about bread")])
+def test_train_data_that_cannot_be_read_or_split_exit_2_before_any_work(rows, where, what, tmp_path, monkeypatch,
+                                                                        capsys):
+    """A format read as written but not usable (unpaired preference), and a file the split can hold nothing out of:
+    one line naming the file (and line and field), exit 2, before the tokenizer or any stage is built."""
+    monkeypatch.chdir(tmp_path)
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        cli_guard(train.main)(["--data", str(path), "--threads", "1", "--out", str(tmp_path / "run")])
+    assert_one_line_error(e.value.code, capsys.readouterr().err, f"{path}{where}", what)
+    assert not list(tmp_path.glob("runs/_base/real-*")) and not (tmp_path / "run" / "records.json").exists()
+
+
 def test_eval_score_model_without_tokenizer_exit_2(tmp_path, capsys):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -197,6 +216,28 @@ def test_eval_score_writes_scores_and_histogram(real_run, tmp_path):
     res = evaluation.score(["--reward-model", str(base / "reward_model"), "--data", str(recs),
                             "--out", str(tmp_path / "r.jsonl")])
     assert res["responses"] == 2 and len((tmp_path / "r.jsonl").read_text().splitlines()) == 2
+    # the same pair in TRL's conversational formats scores as its transcript (a tokenizer without a template reads
+    # the conversation text), and prompt-completion rows score as {"prompt", "response"} records
+    q, yes, no = "How do I cook rice?", "Rinse it first.", "No."
+    user, answer = {"role": "user", "content": q}, lambda c: [{"role": "assistant", "content": c}]  # noqa: E731
+    hh = lambda y: f"\n\nHuman: {q}\n\nAssistant: {y}"  # noqa: E731
+    forms = {"hh": {"chosen": hh(yes), "rejected": hh(no)},
+             "explicit": {"prompt": [user], "chosen": answer(yes), "rejected": answer(no)},
+             "implicit": {"chosen": [user] + answer(yes), "rejected": [user] + answer(no)},
+             "completion": {"prompt": [user], "completion": answer(yes)}}
+
+    def scored(name: str) -> tuple[dict, dict]:
+        out = tmp_path / f"{name}.out"
+        res = evaluation.score(["--reward-model", str(base / "reward_model"), "--out", str(out),
+                                "--data", str(write_jsonl(tmp_path / f"{name}.jsonl", [forms[name]]))])
+        return res, json.loads(out.read_text().splitlines()[0])
+    margins = {name: scored(name)[1]["margin"] for name in ("hh", "explicit", "implicit")}
+    assert margins["explicit"] == margins["implicit"] == pytest.approx(margins["hh"])
+    res, row = scored("completion")  # prompt-completion: a {"prompt", "response"} record by another name
+    assert res["responses"] == 1 and res["data_report"]["formats"] == {
+        str(tmp_path / "completion.jsonl"): {"conversational prompt-completion": 1}}
+    assert row["score"] == pytest.approx(evaluation.score_texts(*evaluation.load_scorer(str(base / "reward_model"))[:2],
+                                                                [(hh("").rstrip(), " " + yes)])[0], abs=1e-5)
 
 
 @pytest.mark.slow
@@ -349,6 +390,6 @@ def test_prompts_that_leave_nothing_to_train_or_evaluate_fail_clearly(tmp_path):
                                    vocab_size=300)
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "\n\nHuman: Only one?\n\nAssistant:"}] * 3)
     run = plumbing.flags.parse_configs(["--model", str(model), "--prompts", str(one)])[0]
-    with pytest.raises(data.DataError, match="fewer than 2 distinct prompts") as info:
+    with pytest.raises(data.DataError, match="all 3 rows have the same prompt") as info:
         pipeline.real_model_records(run, {"model": str(model), "sft": None})
     assert str(info.value).startswith(str(one))
