@@ -386,6 +386,9 @@ def score(argv=None) -> dict:
 PANELS = [(("reward/score",), "reward-model score (raw)"), (("reward/gold", "reward/judge"), "gold reward / judge"),
           (("kl/ref",), "KL to the reference (nats/token)"), (("policy/perplexity",), "perplexity on own samples"),
           (("response/length",), "response length (tokens)"), (None, "win rate vs SFT (win + ½ tie, held out)")]
+# drawn when a run has it (--rollout-mismatch / --rollout-correction): how far the sampler's log-probs are from the
+# trainer's on the sampled tokens
+MISMATCH_PANEL = (("mismatch/mean_abs_logp_diff",), "rollout/training mismatch: mean |log π_rollout − log π_old|")
 
 
 def plot_run(run: str) -> tuple[list[dict], list[dict]]:
@@ -422,9 +425,13 @@ def plot(argv=None) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharex=True)
+    mismatch = any(r.get(MISMATCH_PANEL[0][0]) is not None for rows, _ in runs for r in rows)
+    panels = PANELS + [MISMATCH_PANEL] if mismatch else PANELS
+    fig, axes = plt.subplots(2, 4 if mismatch else 3, figsize=(17 if mismatch else 13, 7), sharex=True)
+    if mismatch:
+        axes[1, 3].set_visible(False)
     drawn = []
-    for ax, (keys, title) in zip(axes.flat, PANELS):
+    for ax, (keys, title) in zip([a for a in axes.flat if a.get_visible()], panels):
         for (rows, wins), label in zip(runs, labels):
             if keys is None:  # the win rate (win + ½ tie) of each evaluated checkpoint against SFT
                 if wins:

@@ -30,6 +30,7 @@ References:
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (the KL-shaped reward, Eq. 3/19).
     Yu et al. 2025, "DAPO", arXiv 2503.14476 (overlong reward shaping).
 """
+import dataclasses
 import math
 
 import torch
@@ -38,14 +39,14 @@ from torch import Tensor
 # the recipe half (below the score half) builds on the equation files; its models step through plumbing/engine.py
 # (one process or DeepSpeed) and its logged numbers are plumbing/monitor.py's
 import critic_free
-from gae import compute_gae
+from gae import adaptive_lam, compute_gae, compute_gae_decoupled
 from plumbing.config import PPOConfig
 from plumbing.data import position_ids_from_mask
 from plumbing.engine import all_mean, all_sum, backward_step, gather_batch, set_lr, world_size
 from plumbing.monitor import check_finite, experience_stats, minibatch_stats, update_stats
 from reward_model import last_token_index
-from ppo_loss import (aggregate, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits,
-                      masked_whiten, policy_loss, ptx_loss, value_loss)
+from ppo_loss import (aggregate, cispo_loss, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits,
+                      masked_whiten, policy_loss, ptx_loss, rollout_correction, rollout_mismatch, value_loss)
 
 # ======================================================================================================
 # Score half: reward normalization, scaling and KL shaping (Eq. 18–19)
@@ -261,13 +262,15 @@ def critic_values(critic, query, query_mask, response, response_mask) -> torch.T
 
 
 def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
-            top_p: float = 1.0, repetition_penalty: float = 1.0):
+            top_p: float = 1.0, repetition_penalty: float = 1.0, return_logprobs: bool = False):
     """Step 1: sample responses with the KV cache, stopping at EOS, the policy in eval mode (it stays in it).
     Returns response (B, T), response_mask (B, T), finished (B,) — T ≤ max_new_tokens; the mask covers every token
     up to and including the first EOS. Sampling draws from softmax(logits / temperature) over the whole vocabulary
     (top_p and repetition_penalty as given, 1.0: off), whatever the model's generation_config.json says: its own
     settings (no_repeat_ngram_size, min_new_tokens, typical_p, forced_eos_token_id, ...) are set aside for the call,
-    so the log-probs of steps (4) and (6) are those of the distribution that was sampled."""
+    so the log-probs of steps (4) and (6) are those of the distribution that was sampled. With return_logprobs, a
+    fourth tensor (B, T): the log-probability of each sampled token under the distribution it was drawn from, as the
+    sampler computed it (generate's processed scores: temperature, top_p; 0 at padding)."""
     from transformers import GenerationConfig
     policy.eval()
     hf = [mod for mod in policy.modules() if isinstance(vars(mod).get("generation_config"), GenerationConfig)]
@@ -276,13 +279,15 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
         mod.generation_config = GenerationConfig()  # the library's defaults; the call's arguments set the rest
     try:
         with torch.no_grad():
-            seq = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
+            out = policy.generate(input_ids=query, attention_mask=query_mask, do_sample=True, top_k=0, top_p=top_p,
                                   temperature=temperature, repetition_penalty=repetition_penalty,
                                   max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-                                  use_cache=True)
+                                  use_cache=True, **({"output_scores": True, "return_dict_in_generate": True}
+                                                     if return_logprobs else {}))
     finally:
         for mod, config in zip(hf, saved):
             mod.generation_config = config
+    seq = out.sequences if return_logprobs else out                             # (B, P + T)
     response = seq[:, query.shape[1]:]                                          # (B, T)
     is_eos = response == eos_id
     # positions strictly after the first EOS are padding
@@ -290,16 +295,121 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
     response_mask = (~after_eos).float()
     response = response.masked_fill(after_eos, pad_id)
     finished = is_eos.any(1)
-    return response, response_mask, finished
+    if not return_logprobs:
+        return response, response_mask, finished
+    scores = torch.stack(out.scores, 1).float()                                 # (B, T, V) what was sampled from
+    sampled = logprobs_from_logits(scores, response)                            # (B, T) log π_rollout(y_t)
+    return response, response_mask, finished, torch.where(response_mask != 0, sampled, 0.0)
+
+
+class Sampler:
+    """Step (1): responses for a batch of prompts, and what the sampler saw: (response, response_mask (B, T),
+    finished (B,), sampled = {"logprobs": the sampler's own log π_rollout(y_t) (B, T) or None, "stats": ...}).
+
+    --rollout-mismatch none: the policy itself (rollout). Otherwise a path that differs from the trainer's in one
+    known way, whose own per-token log-probs are kept, so that steps (2)-(6) can measure and correct the mismatch:
+      bf16   a bf16 copy of the policy, its weights copied from the policy before every rollout
+      top-p  the policy, sampling from its nucleus (p = MISMATCH_TOP_P, renormalised): the trainer's log-probs are
+             those of the full distribution
+      stale  the weights of the step before (copied before each update), as an asynchronous run samples
+    With --rollout-correction alone the sampler's log-probs are the policy's own along generate's KV-cache path:
+    the trainer's up to float rounding. refill() is DAPO's dynamic sampling (--dynamic-sampling)."""
+
+    MISMATCH_TOP_P = 0.9
+
+    def __init__(self, cfg: PPOConfig, eos_id: int, pad_id: int):
+        self.cfg, self.eos_id, self.pad_id, self.copy = cfg, eos_id, pad_id, None
+        self.keep_logprobs = cfg.rollout_mismatch != "none" or cfg.rollout_correction != "none"
+
+    def __call__(self, policy, query, query_mask):
+        cfg = self.cfg
+        kw = dict(max_new_tokens=cfg.max_new_tokens, eos_id=self.eos_id, pad_id=self.pad_id,
+                  temperature=cfg.temperature)
+        if not self.keep_logprobs:  # the default: the policy samples, its log-probs are the trainer's (steps 4, 6)
+            return (*rollout(policy, query, query_mask, **kw), {"logprobs": None, "stats": {}})
+        sampler = self.sampler_model(policy)
+        top_p = self.MISMATCH_TOP_P if cfg.rollout_mismatch == "top-p" else 1.0
+        response, response_mask, finished, logprobs = rollout(sampler, query, query_mask, **kw, top_p=top_p,
+                                                              return_logprobs=True)
+        if cfg.rollout_mismatch == "stale":  # the next step samples with the weights of this one, before its update
+            self.copy_weights(policy)
+        return response, response_mask, finished, {"logprobs": logprobs, "stats": {}}
+
+    def sampler_model(self, policy):
+        """The model that samples: the policy (none, top-p), its bf16 copy refreshed now, or the stale copy."""
+        from plumbing.engine import unwrap
+        mode = self.cfg.rollout_mismatch
+        if mode in ("none", "top-p"):
+            return policy
+        if self.copy is None:  # the first step: a copy of the policy as it starts (stale: no step before it)
+            import copy
+            self.copy = copy.deepcopy(unwrap(policy)).to(torch.bfloat16 if mode == "bf16" else None)
+        if mode == "bf16":
+            self.copy_weights(policy)
+        return self.copy
+
+    def copy_weights(self, policy) -> None:
+        """The policy's weights into the sampler's copy (cast to its dtype)."""
+        from plumbing.engine import unwrap
+        with torch.no_grad():
+            for dst, src in zip(self.copy.parameters(), unwrap(policy).parameters()):
+                dst.copy_(src)
+
+    def refill(self, policy, reward_model, batches, prompts, query, query_mask, response, response_mask, finished,
+               sampled, rounds: int = 8):
+        """DAPO's dynamic sampling: the groups (G responses to one prompt) whose proxy scores do not spread
+        (critic_free.dynamic_sampling, max − min ≤ 1e-6: every advantage of the group would be 0) are dropped, and
+        groups of new prompts sampled and scored until the batch is full again, at most `rounds` more rollouts;
+        groups still missing then are filled with dropped ones (dynamic/short counts them). Returns (prompts, query,
+        query_mask, response, response_mask, finished, sampled) of the same sizes, sampled["stats"] counting
+        dynamic/dropped (groups) and dynamic/rounds. Under DeepSpeed each rank refills its own share."""
+        G, B = self.cfg.group_size, len(prompts)
+        batch = (prompts, query, query_mask, response, response_mask, finished, sampled["logprobs"])
+        kept, dropped, n = [], [], 0
+        for n in range(rounds + 1):
+            p, q, qm, r, rm, f, lp = batch
+            with torch.no_grad():
+                scores = reward_model.score(torch.cat([q, r], 1), torch.cat([qm, rm], 1)).float()  # (b,)
+            spread = critic_free.dynamic_sampling(scores, G, tol=1e-6)                            # (b/G,)
+            for g, ok in enumerate(spread.tolist()):
+                rows = slice(g * G, (g + 1) * G)
+                (kept if ok else dropped).append((p[rows], q[rows], qm[rows], r[rows], rm[rows], f[rows],
+                                                  None if lp is None else lp[rows]))
+            if len(kept) * G >= B or n == rounds:
+                break
+            p, q, qm = batches.prompts(self.cfg.rollout_batch, G)   # this rank's share of a new batch of prompts
+            r, rm, f, s = self(policy, q, qm)
+            batch = (p, q, qm, r, rm, f, s["logprobs"])
+        groups = (kept + dropped)[:B // G]   # groups with spread first; short of them, dropped ones fill the batch
+        stats = {"dynamic/dropped": float(len(dropped)), "dynamic/rounds": float(n),
+                 "dynamic/short": float(max(0, B // G - len(kept)))}
+        prompts, query, query_mask, response, response_mask, finished, logprobs = self.stack(groups)
+        return (prompts, query, query_mask, response, response_mask, finished,
+                {"logprobs": logprobs, "stats": {**sampled["stats"], **stats}})
+
+    def stack(self, groups: list[tuple]) -> tuple:
+        """Groups of (prompts, query, query_mask, response, response_mask, finished, logprobs or None) as one batch:
+        queries left-padded to the longest, responses right-padded (padding as rollout's: pad id, mask 0)."""
+        import torch.nn.functional as F
+        P, T = max(g[1].shape[1] for g in groups), max(g[3].shape[1] for g in groups)
+        left = lambda x, fill: F.pad(x, (P - x.shape[1], 0), value=fill)    # noqa: E731  (b, P)
+        right = lambda x, fill: F.pad(x, (0, T - x.shape[1]), value=fill)   # noqa: E731  (b, T)
+        return ([x for g in groups for x in g[0]], torch.cat([left(g[1], self.pad_id) for g in groups]),
+                torch.cat([left(g[2], 0.0) for g in groups]), torch.cat([right(g[3], self.pad_id) for g in groups]),
+                torch.cat([right(g[4], 0.0) for g in groups]), torch.cat([g[5] for g in groups]),
+                None if groups[0][6] is None else torch.cat([right(g[6], 0.0) for g in groups]))
+
 
 
 def make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
-                    moments: "RunningMoments", cfg: PPOConfig, kl_coef: float) -> dict:
+                    moments: "RunningMoments", cfg: PPOConfig, kl_coef: float, sampled: dict | None = None) -> dict:
     """Steps (2)-(5) of a PPO iteration on one rollout batch, computed once, without grad. Returns the batch's
     tensors (query, response, mask, logprobs, ref_logprobs, values, advantages, returns, scores, kl_coef), "stats"
     (the logged numbers) and "nonfinite" (None, or the name of the first NaN/inf value: the update is then skipped).
     With W data-parallel ranks "all_scores" (W·B,) is every rank's scores, so Eq. 18's moments see them all.
-    With a critic-free --advantage, `critic` is None and "values" too: step (5) is critic_free.advantages."""
+    With a critic-free --advantage, `critic` is None and "values" too: step (5) is critic_free.advantages.
+    `sampled` is what the Sampler saw: with its own log-probs (--rollout-mismatch, --rollout-correction) the batch
+    also holds the mismatch (mismatch/*) and the correction's "weights" and "policy_mask" (step 6's policy loss)."""
     with torch.no_grad():  # targets and baselines: nothing here is differentiated
         mask = response_mask                                                           # (B, T)
         full_ids = torch.cat([query, response], 1)                                     # (B, L)
@@ -318,6 +428,9 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
             rewards_seq = scale_rewards(scores, moments)
         else:
             rewards_seq = scores
+        if cfg.overlong_buffer:  # DAPO's overlong shaping, on the normalised score: −P·(how far into the last L tokens)
+            rewards_seq = rewards_seq + overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_buffer,
+                                                         cfg.overlong_penalty).to(rewards_seq)
         # (4) token-level KL penalty against the frozen SFT reference (Eq. 19); with --kl-in loss it acts in (6)
         logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
         ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
@@ -331,18 +444,35 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
         #     or without a critic, from the group of G responses per prompt or the batch (critic_free.py)
         if cfg.advantage == "gae":
             values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
-            advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, cfg.lam)
+            # λ_policy: --lam, or VAPO's 1 − 1/(α·l) per response; λ_critic of the returns: the same, or --lam-critic
+            lam = adaptive_lam(mask.sum(1), cfg.lam_adaptive) if cfg.lam_adaptive else cfg.lam       # scalar or (B,)
+            if cfg.lam_critic is None:
+                advantages, returns = compute_gae(rewards, values, mask, cfg.gamma, lam)
+            else:  # decoupled λ (VC-PPO, VAPO): advantages of λ_policy, value targets of λ_critic
+                advantages, returns = compute_gae_decoupled(rewards, values, mask, cfg.gamma, lam, cfg.lam_critic)
         else:
             values = None
             advantages, returns = critic_free.advantages(cfg.advantage, rewards, mask, cfg.group_size, cfg.gamma,
                                                          all_sum)  # (B, T), (B, T)
         exp = {"query": query, "query_mask": query_mask, "response": response, "mask": mask, "logprobs": logprobs,
                "ref_logprobs": ref_logprobs, "values": values, "advantages": advantages, "returns": returns,
-               "scores": scores, "all_scores": all_scores, "kl_coef": kl_coef, "nonfinite": None}
+               "scores": scores, "all_scores": all_scores, "kl_coef": kl_coef, "nonfinite": None,
+               "weights": None, "policy_mask": mask}
+        extra = dict((sampled or {}).get("stats", {}))
+        rollout_logprobs = (sampled or {}).get("logprobs")
+        if rollout_logprobs is not None:  # the sampler's log π_rollout against the trainer's log π_old (= logprobs)
+            extra.update({f"mismatch/{k}": v for k, v in rollout_mismatch(logprobs, rollout_logprobs, mask).items()})
+            if cfg.rollout_correction != "none":  # TIS weights, or MIS's mask, for step (6)'s policy loss
+                exp["weights"], exp["policy_mask"], corr = rollout_correction(
+                    logprobs, rollout_logprobs, mask, cfg.rollout_correction, cfg.rollout_correction_cap,
+                    cfg.rollout_correction_level)
+                extra.update({f"correction/{k}": v for k, v in corr.items()})
         # the guard (every rank skips together) and the logged numbers; neither changes the batch
         if bad := check_finite({"logprobs": logprobs, "values": values, "advantages": advantages}):
             return {**exp, "nonfinite": bad, "stats": {}}
         exp["stats"] = experience_stats(exp, logits, kl_exact, rewards_seq, rewards)
+        if extra:  # the sampler's and the correction's numbers (the same keys on every rank)
+            exp["stats"].update(all_mean(extra, mask.device))
         return exp
 
 
@@ -374,8 +504,14 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
             # policy: PPO-clip (Eq. 15) + entropy bonus (Fig. 16) + ptx (Eq. 17)
             logits = policy_logits(policy, q, qm, r, m, cfg.temperature)                # (b, T, V)
             logprobs = logprobs_from_logits(logits, r)                                  # (b, T)
-            pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages, m, cfg.clip_eps or None,
-                                            **loss_conventions(cfg))
+            weights, pm = None if exp["weights"] is None else exp["weights"][idx], exp["policy_mask"][idx]
+            if cfg.policy_loss == "cispo":  # a clipped, detached weight on every token's log π_θ (MiniMax-M1)
+                pg_loss, pg_stats = cispo_loss(logprobs, old_logprobs[idx], advantages, pm, cfg.cispo_eps_low,
+                                               cfg.cispo_eps_high, weights=weights, agg=cfg.loss_agg,
+                                               max_len=cfg.max_new_tokens)
+            else:  # Eq. 15, with clip-higher, GSPO's ratio and the rollout correction where the flags ask for them
+                pg_loss, pg_stats = policy_loss(logprobs, old_logprobs[idx], advantages, pm, cfg.clip_eps or None,
+                                                weights=weights, **loss_conventions(cfg))
             loss = pg_loss
             kl_loss = torch.zeros(())
             if cfg.kl_in == "loss":  # GRPO: + η·KL_t(π_θ ‖ π_SFT) in the loss, aggregated like the policy loss
@@ -418,8 +554,11 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
     """PPO-max §5.3.3: before any policy update, fit V_φ to the returns of the initial policy's rollouts
     (same rewards and GAE targets PPO will use), one fresh rollout batch per round, until the loss plateaus
     (mean of the last 3 rounds within 5% of the 3 before) or `critic_pretrain_steps` rounds. `progress` wraps
-    the rounds (a progress bar)."""
+    the rounds (a progress bar). --critic-pretrain-target returns: the targets are the Monte-Carlo returns of the SFT
+    policy (λ = 1, VC-PPO), whatever --lam is."""
     log: list[dict] = []
+    if cfg.critic_pretrain_target == "returns":  # GAE(γ, 1)'s returns: Σ_l γ^l r_{t+l}   (Eq. 11)
+        cfg = dataclasses.replace(cfg, lam_critic=1.0)
     for it in progress(range(cfg.critic_pretrain_steps)):
         _, query, query_mask = prompt_batch()
         response, response_mask, _ = rollout(policy, query, query_mask, cfg.max_new_tokens, eos_id, pad_id,
@@ -452,9 +591,10 @@ def sampled_kl(logprobs: Tensor, ref_logprobs: Tensor, cfg: PPOConfig) -> Tensor
 
 
 def loss_conventions(cfg: PPOConfig) -> dict:
-    """policy_loss's keyword arguments for the peers' conventions (--dual-clip, --log-ratio-clamp, --loss-agg)."""
+    """policy_loss's keyword arguments for the peers' conventions (--dual-clip, --log-ratio-clamp, --loss-agg) and the
+    newer tricks (--clip-eps-high, --ratio)."""
     return dict(dual_clip=cfg.dual_clip or None, log_ratio_clamp=cfg.log_ratio_clamp or None, agg=cfg.loss_agg,
-                max_len=cfg.max_new_tokens)
+                max_len=cfg.max_new_tokens, clip_eps_high=cfg.clip_eps_high, ratio_level=cfg.ratio)
 
 
 if __name__ == "__main__":

@@ -72,9 +72,10 @@ def ppo(m: plumbing.Models, batches, state: LoopState, loop: LoopPlumbing, cfg: 
     tokenizer = batches.tokenizer
     eos, pad_id = batches.stop_id, tokenizer.pad_token_id  # eos: EOS or the template's end of turn (data.stop_id)
     # the arguments every iteration passes unchanged, named here so that each numbered call is one line in pdb
-    sampling = dict(max_new_tokens=cfg.max_new_tokens, eos_id=eos, pad_id=pad_id, temperature=cfg.temperature)
     models = (m.policy, m.ref, m.reward_model, m.critic)  # π_θ, π_SFT, the reward model, V_φ (None: critic-free)
     optimizers = (m.policy_opt, m.critic_opt)             # AdamW (or DeepSpeed engines) of π_θ and V_φ
+    moments = state.moments                               # Eq. 18's running mean and std of the scores
+    sampler = ppo_max.Sampler(cfg, eos, pad_id)           # step (1): the policy, or a path that differs from it
     ptx_batch = functools.partial(batches.ptx, cfg.ptx_batch)  # Eq. 17's text, drawn by step (6) when it needs it
     for step in loop.steps():  # PLUMBING: the bar; ends early on a signal, the guard or --on-collapse stop
         if step == run.break_at:
@@ -83,12 +84,17 @@ def ppo(m: plumbing.Models, batches, state: LoopState, loop: LoopPlumbing, cfg: 
         #     B prompts of the training split, left-padded: query, query_mask (B, P), G rows per prompt
         lr_scale = ppo_max.warmup(step, run.steps, cfg.warmup_frac)
         prompts, query, query_mask = batches.prompts(cfg.rollout_batch, cfg.group_size)
-        # (1) sample responses with the KV cache, stopping at EOS: response, response_mask (B, T), finished (B,)
-        response, response_mask, finished = ppo_max.rollout(m.policy, query, query_mask, **sampling)
+        # (1) sample responses with the KV cache, stopping at EOS: response, response_mask (B, T), finished (B,), and
+        #     what the sampler saw (its own log-probs, under --rollout-mismatch or --rollout-correction)
+        response, response_mask, finished, sampled = sampler(m.policy, query, query_mask)
+        if cfg.dynamic_sampling:  # DAPO: groups whose proxy scores do not spread are dropped, the batch refilled
+            prompts, query, query_mask, response, response_mask, finished, sampled = sampler.refill(
+                m.policy, m.reward_model, batches, prompts, query, query_mask, response, response_mask, finished,
+                sampled)
         # (2)-(5) score, normalise and clip (Eq. 18), KL-shape (Eq. 19) with η = kl_coef, values and GAE (Eq. 9) or,
         #         without a critic, the group's or the batch's baseline (critic_free.py)
-        kl_coef = state.kl_ctl.value  # η of Eq. 19 (it adapts only with --kl-target)
-        exp = ppo_max.make_experience(*models, query, query_mask, response, response_mask, state.moments, cfg, kl_coef)
+        eta = state.kl_ctl.value  # η of Eq. 19 (it adapts only with --kl-target)
+        exp = ppo_max.make_experience(*models, query, query_mask, response, response_mask, moments, cfg, eta, sampled)
         if loop.skip(step, exp["nonfinite"]):  # PLUMBING: a NaN/inf in (2)-(5) skips the update (the guard)
             continue
         # (6) PPO epochs over minibatches: clipped policy loss, clipped value loss, ptx, global gradient clip; then

@@ -7,8 +7,14 @@ Implements (no equation; nothing here is part of the algorithm, and no equation 
     check_value(value, spec)      → what is wrong with a value under a spec (None if nothing)
     check_flags(args, ranges)     → an argparse result's flags each within its spec, else one line naming the flag
     UserError, fail(message)      → a user's mistake: one line `error: …` on stderr, exit status 2, no traceback
-    OneLineParser                 → argparse whose own errors are such lines
-    cli_guard(main)               → an entry point whose UserError / FileNotFoundError become such lines
+    WriteFailed, WRITE_FAILED     → a file the run could not write (a full disk, a read-only folder): one line naming
+                                    the path, exit status 3 (work up to the last complete checkpoint is kept)
+    OneLineParser                 → argparse whose own errors are such lines, and whose values may be negative numbers
+                                    in any notation (--policy-lr -1e-5)
+    cli_guard(main)               → an entry point whose UserError / FileNotFoundError / WriteFailed become such lines
+
+Exit statuses of train.py and the other entry points: 0 done (or stopped by a signal, resumable); 1 stopped on
+non-finite values (monitor.NonFiniteGuard); 2 a mistake, found before any work; 3 a write failed during the run.
 
 Run: python train.py --clip-eps -1        (error: --clip-eps -1.0: must be ≥ 0; exit 2)
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 from typing import Callable
 
@@ -34,7 +41,10 @@ def allowed(cls) -> dict[str, str]:
 
 def check_value(value, spec: str) -> str | None:
     """What is wrong with a flag's value under `spec` (None if nothing): ">0", ">=0", ">=1", "[0,1]", "(0,1)",
-    "[0,1)", or "a|b|c" (choices). Numbers must also be finite."""
+    "[0,1)", or "a|b|c" (choices). Numbers must also be finite. None (an optional flag left unset, whose help says
+    what that means, e.g. --clip-eps-high) is always allowed."""
+    if value is None:
+        return None
     if "|" in spec:
         choices = spec.split("|")
         return None if str(value) in choices else f"choose one of {', '.join(choices)}"
@@ -71,9 +81,51 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+WRITE_FAILED = 3  # the exit status of a run that could not write a file (cli_guard)
+
+
+class WriteFailed(Exception):
+    """A file the run could not write (checkpoint.write_failure makes one): `path`, the `reason`, whether the disk is
+    `full` and the bytes the write `needed` when known, and a `hint` of what to do next. Its line says, for a full
+    disk, the bytes free on that file system when it is printed (after the partial files are gone). cli_guard prints
+    it as one line `error: …` and exits WRITE_FAILED. Not an OSError, so that no `except OSError` on the way up takes
+    it for a file that could not be read."""
+
+    def __init__(self, path, reason: str, needed: int | None = None, full: bool = False, hint: str = ""):
+        super().__init__(str(path), reason)
+        self.path, self.reason, self.needed, self.full, self.hint = str(path), reason, needed, full, hint
+
+    def __str__(self) -> str:
+        import os
+        import shutil
+        from pathlib import Path
+        line = f"cannot write {self.path}: {self.reason}"
+        if self.full:
+            where = Path(self.path).absolute()
+            while not where.exists() and where != where.parent:
+                where = where.parent
+            try:
+                shown = os.path.relpath(where)
+                free = f"{shutil.disk_usage(where).free:,} bytes free on {where if shown.startswith('..') else shown}"
+            except (OSError, ValueError):
+                free = "free space unknown"
+            line += f" ({'' if self.needed is None else f'about {self.needed:,} bytes needed, '}{free})"
+        return line + (f"; {self.hint}" if self.hint else "")
+
+
+# a value that is a negative number, in the notations float() reads: -1, -.5, -1e-5, -2.5E+3, -inf
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose own errors (a value that is not a number, an unknown flag, a missing one) are one line and
-    exit 2, like every other user mistake here."""
+    exit 2, like every other user mistake here. A negative number after a flag is its value in any notation
+    (argparse alone takes `-1e-5` for a flag and says the value is missing); the range check then says what is
+    wrong with it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str) -> None:
         fail(f"{message} ({self.prog} --help lists every flag)")
@@ -81,7 +133,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def cli_guard(fn: Callable) -> Callable:
     """Wrap a CLI entry point: UserError (data.DataError among them) / FileNotFoundError → one line `error: …` on
-    stderr, exit 2."""
+    stderr, exit 2; WriteFailed, or any other error of a write that failed on the way (a full disk, a read-only
+    folder, a quota: checkpoint.write_failure tells them from other errors) → one line naming the file, exit 3."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -89,6 +142,16 @@ def cli_guard(fn: Callable) -> Callable:
             print(f"error: {e}", file=sys.stderr)
         except FileNotFoundError as e:
             print(f"error: {e.filename or ''}: {e.strerror or e}".replace("\n", " "), file=sys.stderr)
+        except WriteFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(WRITE_FAILED) from None
+        except Exception as e:
+            from plumbing.checkpoint import write_failure
+            failed = write_failure(e)
+            if failed is None:
+                raise
+            print(f"error: {failed}", file=sys.stderr)
+            raise SystemExit(WRITE_FAILED) from None
         raise SystemExit(2)
     wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     return wrapped

@@ -13,6 +13,29 @@ wins), in this order:
 So `python train.py` runs these defaults with nothing on top (PRESETS["ppo-max"] is empty). The synthetic world's own
 knobs (`--world-*`) are toy_world.WorldConfig; the flags of `--plan` are plumbing/scale.py's.
 
+Flags a run ignores. A flag given on the command line that the run would not read is refused before any work
+(one line `error: …` naming it, exit 2), since a run that quietly ignores it is not the run asked for:
+  * --method dpo / best-of-n (no PPO loop): a --preset other than ppo-max; every PPO flag but --max-new-tokens (the
+    evaluation's length cap, which every method samples with) and, for dpo, --policy-init (where DPO starts); the
+    loop's own flags (--break-at, --save-every, --keep-last, --heldout-every, --heldout-samples, --max-bad-steps,
+    --on-collapse, --alarm-*, --log-with, --critic-model); --resume.
+  * --dpo-* without --method dpo; --bon-n without --method best-of-n.
+  * a critic-free --advantage: the critic's flags (--critic-lr, --critic-init, --value-clip, --vf-coef, --lam,
+    --critic-model, --stages ending in critic).
+  * a setting that acts only through another that is off: --kl-target without η (--kl-coef 0), --kl-horizon without
+    --kl-target, --entropy-clip without --entropy-coef, --adv-clip without --adv-norm, --reward-clip without
+    --reward-norm (0 = off is always accepted), --ptx-data without --ptx-coef, --heldout-samples with
+    --heldout-every 0, --lora-alpha / --lora-dropout / --lora-targets without --lora-r, --lora-bits without --lora-r.
+  * the synthetic world's --world-* flags with --data or a real --model; --data's own flags (--data-split,
+    --data-config, --skip-bad, --heldout-frac, --vocab-size, --max-prompt-tokens, --max-response-tokens,
+    --judge-frac) in the synthetic world; --rebuild-base with --resume (a resume continues on the stages it trained).
+The documented exception is PPO's budget (plumbing/flags.py BUDGET: --steps, --rollout-batch, --minibatch,
+--critic-pretrain-steps, and an explicit --preset ppo-max): one budget is passed to every method and estimator alike
+(notebooks/runs.py's small budget, the tests' TINY lists), so where it is unused it is accepted and said once, in a
+line `[flags] … not used`. The loop also needs --minibatch to divide --rollout-batch (equal minibatches; they are
+drawn shuffled, so a group of G responses is never kept within one minibatch and needs no alignment there) and
+--break-at inside the run (0 … --steps − 1, or -1).
+
 Symbols: B rollout batch, G group size, T response length cap, η KL coefficient (Eq. 19), δ reward clip (Eq. 18),
 ε PPO clip (Eq. 15), γ discount, λ GAE (Eq. 9), λ_ptx (Eq. 17), β_rm (Eq. 2), β of DPO (Rafailov et al., Eq. 7).
 plumbing/flags.py turns these fields into the parser, checks every value against its `allowed` range before any
@@ -29,7 +52,7 @@ from plumbing.monitor import KL_MAX, PATIENCE  # the collapse alarm's defaults l
 
 @dataclass
 class RunConfig:
-    preset: str = arg("ppo-max", "a named set of PPO flags (PRESETS, below): ppo-max, vanilla, moss-release")
+    preset: str = arg("ppo-max", "a named set of PPO flags (PRESETS, below): ppo-max, vanilla, moss-release, dapo, vapo")
     seed: int = arg(0, "seed of the world, every model init and every sample", "[0,2147483647]")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
@@ -43,8 +66,8 @@ class RunConfig:
     heldout_samples: int = arg(1, "samples per held-out prompt at each --heldout-every point", ">=1")
     threads: int = arg(1, "torch CPU threads (0 = torch's default); the tiny models gain nothing from more, and on a "
                           "shared machine extra threads mostly wait for each other", ">=0")
-    break_at: int = arg(-1, "call breakpoint() at the top of PPO step STEP (pdb: `n` walks steps (0)-(7)); with "
-                            "--critic-pretrain-steps 0 it stops within seconds; -1 = never", ">=-1")
+    break_at: int = arg(-1, "call breakpoint() at the top of PPO step STEP, 0 … --steps − 1 (pdb: `n` walks steps "
+                            "(0)-(7)); with --critic-pretrain-steps 0 it stops within seconds; -1 = never", ">=-1")
     rebuild_base: bool = arg(False, "train stages 1-2 (SFT, reward model) again even when runs/_base or --out holds "
                                     "them")
     stages: str = arg("sft,rm,critic,ppo", "the stages to run, in order (sft, rm, critic, ppo); the run stops after "
@@ -58,7 +81,8 @@ class RunConfig:
     bon_n: int = arg(16, "--method best-of-n: candidates per response; KL to SFT = log n − (n − 1)/n nats", ">=1")
     # long runs (checkpoint.py, monitor.py)
     save_every: int = arg(20, "write a checkpoint every N PPO steps (and at the end); 0 = only at the end", ">=0")
-    keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted)", ">=0")
+    keep_last: int = arg(3, "checkpoints kept under <out>/checkpoints (older ones are deleted once a newer one is "
+                            "complete, so a save needs room for one more); 0 = keep every checkpoint", ">=0")
     resume: str = arg("", "continue a run exactly: its directory or one of its checkpoints (same flags as the run)")
     max_bad_steps: int = arg(3, "stop after this many consecutive steps with a non-finite score/advantage/gradient",
                              ">=1")
@@ -156,7 +180,7 @@ class PPOConfig:
                              ">=1")
     group_size: int = arg(1, "G: responses sampled per prompt, kept together (on one rank under DeepSpeed); the group "
                              "estimators (grpo, dr-grpo, rloo, reinforce++-baseline) need G ≥ 2", ">=1")
-    minibatch: int = arg(16, "sequences per gradient step (paper 32)", ">=1")
+    minibatch: int = arg(16, "sequences per gradient step (paper 32); divides --rollout-batch", ">=1")
     ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)", ">=1")
     max_new_tokens: int = arg(24, "response length cap T", ">=1")
     temperature: float = arg(1.0, "rollout sampling temperature T: samples from π^(1/T), and the log-probs of the "
@@ -222,6 +246,43 @@ class PPOConfig:
     critic_init: str = arg("rm", "initialise the critic from the reward model ('rm') or the SFT model ('sft')",
                            "rm|sft")
     policy_init: str = arg("sft", "'sft' or 'pretrained' (the non-SFT LM; Fig. 8)", "sft|pretrained")
+    # --- what PPO gained since the paper (docs/methods.md); each off by default: the paper's PPO-max as above ---
+    clip_eps_high: float = arg(None, "ε_high of DAPO's clip-higher: clip(ρ, 1 − ε, 1 + ε_high) (DAPO: ε 0.2, ε_high "
+                                     "0.28); default: equal to --clip-eps", ">=0")
+    ratio: str = arg("token", "the importance ratio: 'token' (ρ_t, Eq. 15) or 'sequence' (GSPO: the length-normalised "
+                              "sequence ratio s_i = (π_θ(y|x)/π_old(y|x))^(1/|y|), clipped per sequence, in its token "
+                              "form; implies --loss-agg seq-mean-token-mean unless given)", "token|sequence")
+    policy_loss: str = arg("ppo-clip", "'ppo-clip' (Eq. 15) or 'cispo' (MiniMax-M1: −sg(clip(ρ_t, 1 − ε_low, 1 + "
+                                       "ε_high))·Â_t·log π_θ(y_t), every token keeps its gradient)", "ppo-clip|cispo")
+    cispo_eps_low: float = arg(1.0, "ε_low of CISPO's weight clip; 1 = no lower bound (ρ ≥ 0)", "[0,1]")
+    cispo_eps_high: float = arg(4.0, "ε_high of CISPO's weight clip: the weight is at most 1 + ε_high (ScaleRL: 5)",
+                                ">=0")
+    lam_critic: float = arg(None, "λ of the critic's targets (VC-PPO, VAPO: 1, Monte-Carlo returns), --lam then only "
+                                  "for the advantages; default: --lam for both (Eq. 9)", "[0,1]")
+    lam_adaptive: float = arg(0.0, "α of VAPO's length-adaptive λ_policy = 1 − 1/(α·l) per response of l tokens "
+                                   "(VAPO: 0.05 for its thousands of tokens); 0 = off (--lam)", ">=0")
+    critic_pretrain_target: str = arg("gae", "what critic pre-training regresses on: 'gae' (PPO-max: the returns of "
+                                             "--lam, Eq. 16) or 'returns' (VC-PPO: Monte-Carlo returns, λ = 1, of the "
+                                             "fixed SFT policy)", "gae|returns")
+    dynamic_sampling: bool = arg(False, "DAPO's dynamic sampling, with --group-size G > 1: groups whose proxy scores do "
+                                        "not spread (max − min ≤ 1e-6) are dropped and the batch refilled from more "
+                                        "prompts (at most 8 rounds), counted in dynamic/*")
+    overlong_buffer: int = arg(0, "DAPO's overlong reward shaping: a penalty growing linearly over the last L tokens "
+                                  "before --max-new-tokens, −P at the cap (on the normalised score); 0 = off", ">=0")
+    overlong_penalty: float = arg(1.0, "P of --overlong-buffer: the penalty at the length cap", ">=0")
+    rollout_mismatch: str = arg("none", "sample the rollout through a path that differs from the trainer's in one "
+                                        "known way: 'bf16' (a bf16 copy of the policy), 'top-p' (nucleus sampling, "
+                                        "p 0.9, while the trainer's log-probs are the full distribution's), 'stale' "
+                                        "(the previous step's weights, as an asynchronous run); the sampler's own "
+                                        "log-probs are kept and mismatch/* logged every step",
+                                "none|bf16|top-p|stale")
+    rollout_correction: str = arg("none", "correct the policy loss for tokens the sampler drew: 'tis' (truncated "
+                                          "importance sampling, w_t = min(π_old/π_rollout, C)) or 'mis' (masked: "
+                                          "tokens, or sequences with --rollout-correction-level sequence, whose ratio "
+                                          "leaves [1/C, C] leave the loss)", "none|tis|mis")
+    rollout_correction_cap: float = arg(2.0, "C of --rollout-correction (verl's TIS: 2)", ">=1")
+    rollout_correction_level: str = arg("token", "where --rollout-correction mis masks: 'token' or 'sequence' (the "
+                                                 "sequence ratio Π_t ρ_t, as verl)", "token|sequence")
 
 
 @dataclass
@@ -245,6 +306,16 @@ PRESETS: dict[str, dict] = {
     # never binds)
     "moss-release": dict(reward_norm=False, reward_clip=0.0, reward_scale=True, kl_coef=0.01, critic_pretrain_steps=0,
                          ptx_coef=0.0, adv_norm=False, minibatch=64, ppo_epochs=1),
+    # DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO's group advantage, clip-higher, dynamic sampling, the token-level
+    # loss and overlong shaping, no KL penalty, no critic; on this world's scale (docs/methods.md says what differs)
+    "dapo": dict(advantage="grpo", group_size=4, clip_eps=0.2, clip_eps_high=0.28, dynamic_sampling=True,
+                 overlong_buffer=4, overlong_penalty=1.0, kl_coef=0.0, reward_norm=False, reward_clip=0.0,
+                 critic_pretrain_steps=0, ptx_coef=0.0),
+    # VAPO (Yue et al. 2025, arXiv 2504.05118): PPO with a critic pre-trained on Monte-Carlo returns, decoupled λ
+    # (λ_critic 1, a length-adaptive λ_policy), clip-higher and the token-level loss, no KL penalty; α = 1 gives
+    # λ_policy ≈ 0.9 at this world's ~9 tokens (VAPO's α = 0.05 is for thousands)
+    "vapo": dict(critic_pretrain_target="returns", lam_critic=1.0, lam_adaptive=1.0, clip_eps=0.2, clip_eps_high=0.28,
+                 kl_coef=0.0, ptx_coef=0.0),
 }
 
 # --data with the tiny model: real text on a CPU in minutes (a smaller model and budget; its timings:
@@ -286,13 +357,16 @@ def apply_preset(name: str, **overrides) -> PPOConfig:
 
 def implied(cfg: PPOConfig, given: set[str]) -> PPOConfig:
     """Layer 4, for the flags not in `given`: Dr. GRPO is its advantage AND its constant loss divisor (--loss-agg
-    seq-mean-token-sum-norm); the KL in the loss is GRPO's k3 (--kl-estimator k3). A flag given that contradicts
+    seq-mean-token-sum-norm); the KL in the loss is GRPO's k3 (--kl-estimator k3); GSPO's sequence ratio comes with
+    its per-sequence mean (--loss-agg seq-mean-token-mean). A flag given that contradicts
     them is refused by plumbing/flags.py."""
     changes = {}
     if cfg.advantage == "dr-grpo" and "loss_agg" not in given:
         changes["loss_agg"] = "seq-mean-token-sum-norm"
     if cfg.kl_in == "loss" and "kl_estimator" not in given:
         changes["kl_estimator"] = "k3"
+    if cfg.ratio == "sequence" and "loss_agg" not in given:  # GSPO: its sequence ratio with a per-sequence mean
+        changes["loss_agg"] = "seq-mean-token-mean"
     return dataclasses.replace(cfg, **changes)
 
 

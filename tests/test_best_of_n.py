@@ -162,7 +162,8 @@ def test_method_best_of_n_samples_only_the_heldout_prompts(tiny, tmp_path, monke
     cfg = ppo_max.PPOConfig(max_new_tokens=4)
     # what each consumer reads, taken as train.py takes it (pipeline.stage_records)
     inp = Inputs(sft, sft, rm_dir, rm_dir, tokenizer, records, rows=stage_records(records, run, cfg))
-    summary = plumbing.run.other_method(run, cfg, dpo.DPOConfig(), inp, {"sft": str(sft)}, 0, 1, torch.device("cpu"),
-                                 time.time())
+    s = plumbing.run.Setup([], run, plumbing.config.SFTConfig(), plumbing.config.RMConfig(), cfg, None,
+                           dpo.DPOConfig(), {"sft": str(sft)}, tmp_path, 0, 1, torch.device("cpu"), time.time())
+    summary = plumbing.run.other_method(s, inp)
     assert summary["method"] == "best-of-n" and summary["frontier"]["kl_seq"] == best_of_n.bon_kl(2)
     assert len(sampled) == 3 and all(sorted(set(p)) == sorted(heldout) for p in sampled), sampled

@@ -78,7 +78,7 @@ def statement_starts(function: str) -> set[int]:
 
 # the README's table ("Step through one iteration"): the line of train.ppo that carries each numbered step, and what
 # to print once `n` has run it
-STEPS = {"(0)": ("lr_scale = ", ("p lr_scale", "1.0")), "(1)": ("ppo_max.rollout(", ("p response.shape", "torch.Size([16, ")),
+STEPS = {"(0)": ("lr_scale = ", ("p lr_scale", "1.0")), "(1)": ("= sampler(", ("p response.shape", "torch.Size([16, ")),
          "(2)-(5)": ("ppo_max.make_experience(", ('p exp["advantages"].shape', "torch.Size([16, ")),
          "(6)": ("ppo_max.ppo_update(", ('p "loss/pg" in upd', "True")), "(7)": ("loop.end_step(", None)}
 

@@ -140,9 +140,11 @@ def test_group_estimators_with_one_response_per_prompt_give_zero_advantages():
 def test_critic_free_rejects_bad_shapes_and_names_with_a_message():
     with pytest.raises(ValueError, match=r"scores must be \(B,\) with B a multiple of the group size G = 2"):
         critic_free.grpo(torch.zeros(4, 1, dtype=F64), 2)  # (B, 1): a column, not a vector of scores
-    with pytest.raises(ValueError, match=r"must be \(B, T\) with the same shape; got \(2, 3\), \(2, 4\)"):
+    # the reward-to-go is GAE's (λ = 1, V = 0): its shape check names the tensors
+    with pytest.raises(ValueError, match=r"must all be \(B, T\) with the same shape; got rewards \(2, 3\), "
+                                         r"values \(2, 3\), mask \(2, 4\)"):
         critic_free.discounted_returns(torch.zeros(2, 3), torch.ones(2, 4), 1.0)
-    with pytest.raises(ValueError, match=r"same shape; got \(3,\), \(3,\)"):
+    with pytest.raises(ValueError, match=r"same shape; got rewards \(3,\), values \(3,\), mask \(3,\)"):
         critic_free.discounted_returns(torch.zeros(3), torch.ones(3), 1.0)
     with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
         critic_free.advantages("ppo", torch.zeros(2, 3), torch.ones(2, 3), 2)

@@ -101,9 +101,9 @@ def test_presets_and_flags_parse():
     _, _, _, cfg, *_ = plumbing.flags.parse_configs(["--preset", "vanilla", "--kl-coef", "0.1"])
     assert cfg.kl_coef == 0.1, "an explicit flag overrides the preset"
     _, _, _, cfg, *_ = plumbing.flags.parse_configs([])
-    assert cfg == config.apply_preset("ppo-max")
+    assert cfg == plumbing.config.apply_preset("ppo-max")
     with pytest.raises(ValueError):
-        config.apply_preset("nope")
+        plumbing.config.apply_preset("nope")
     run, *_ = plumbing.flags.parse_configs(["--alarm-kl-max", "0.3", "--alarm-patience", "3", "--on-collapse", "stop"])
     assert (run.alarm_kl_max, run.alarm_patience, run.on_collapse) == (0.3, 3, "stop")
 
