@@ -1346,6 +1346,35 @@ def run_operating_point() -> dict:
     return out
 
 
+def run_operating_point_v2() -> dict:
+    """registry_v2.OPERATING_POINT's pilot: every candidate on its pilot seeds, and the rule's choice, written to
+    notebooks/results/v2/operating-point.json (with each run's win − lose, KL per token and per response, gold − SFT)."""
+    import registry_v2
+    import runs
+    op = registry_v2.OPERATING_POINT
+    runs.configure(full=True)
+    specs = [(f"op2-{i}", flags, s, None) for i, (_, flags) in enumerate(op["candidates"]) for s in op["pilot_seeds"]]
+    done = runs.run_many(specs)
+    rows = {}
+    for i, (name, flags) in enumerate(op["candidates"]):
+        rs = [r for (n, *_), r in zip(specs, done) if n == f"op2-{i}"]
+        rows[name] = {"flags": list(flags), "win_lose": [r["win_rate_vs_sft"]["win"] - r["win_rate_vs_sft"]["lose"]
+                                                         for r in rs],
+                      "kl_tok": [r["final"]["kl"] for r in rs], "kl_seq": [r["frontier"]["kl_seq"] for r in rs],
+                      "gold_vs_sft": [r["final"]["gold_reward"] - r["sft"]["gold_reward"] for r in rs]}
+    choice = registry_v2.choose_operating_point(rows)
+    out = {"pilot_seeds": list(op["pilot_seeds"]), "tie": op["tie"], "candidates": rows, "choice": choice,
+           "code": runs.code_version(), "commit": git_commit(), "machine": machine()}
+    (RESULTS / "v2").mkdir(parents=True, exist_ok=True)
+    (RESULTS / "v2" / "operating-point.json").write_text(json.dumps(out, indent=1) + "\n")
+    for name, row in rows.items():
+        print(f"{name:<40} win − lose {np.mean(row['win_lose']):+.3f} {[round(x, 3) for x in row['win_lose']]}  "
+              f"KL/token {np.mean(row['kl_tok']):.3f}  gold − SFT {np.mean(row['gold_vs_sft']):+.3f}")
+    print(f"choice: {choice}")
+    print(runs.report())
+    return out
+
+
 def parse_seeds(text: str) -> set[int]:
     """'6-9' or '6,7,8' (or both, comma-separated) → {6, 7, 8, 9}; a bad one is a one-line exit 2."""
     out = set()
@@ -1376,6 +1405,8 @@ def main(argv: list[str] | None = None) -> None:
                    "trained by COMMIT's code (the records' own, or linked) on this machine instead of the records "
                    "(for a machine that rounds differently from the records')")
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
+    p.add_argument("--operating-point-v2", action="store_true", help="run registry_v2.OPERATING_POINT's pilot, write "
+                   "notebooks/results/v2/operating-point.json and print its choice")
     p.add_argument("--records", action="store_true", help="write every record again from the cached runs")
     p.add_argument("--summary", action="store_true", help="the README's table of SFT, PPO-max, vanilla and "
                    "best-of-4 from the records (with --run: trains those runs missing on --seeds, or on every seed, "
@@ -1393,6 +1424,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
     if args.operating_point:
         run_operating_point()
+    if args.operating_point_v2:
+        run_operating_point_v2()
     if args.run and not args.summary:
         run_registry(ids or None, parse_seeds(args.seeds) if args.seeds else None)
     if args.table:

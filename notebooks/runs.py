@@ -56,7 +56,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import plumbing.flags
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -101,9 +100,8 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
 def expected(argv: list[str]) -> dict:
     """What summary.json must say for a cached run to stand for `argv`: preset, steps, the method's config (PPO's,
     DPO's, best-of-n's n), base directory."""
-    from plumbing import pipeline
-    import train
-    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg, dpo_cfg = plumbing.flags.parse_configs(argv)
+    from plumbing import flags, pipeline
+    run_cfg, sft_cfg, rm_cfg, ppo_cfg, world_cfg, dpo_cfg = flags.parse_configs(argv)
     config = {"ppo": dataclasses.asdict(ppo_cfg), "dpo": dataclasses.asdict(dpo_cfg),
               "best-of-n": {"bon_n": run_cfg.bon_n}}[run_cfg.method]
     if run_cfg.method != "ppo":  # the evaluation's length cap, which every method's result depends on
@@ -133,12 +131,14 @@ def run(name: str, *flags: str, seed: int = 0, steps: int | None = None) -> dict
 
 
 def code_version(files: dict[str, str] | None = None) -> str:
-    """A hash of the project's code, the top-level .py files every run imports, each as its syntax tree without
-    docstrings: an edit of a comment or a docstring keeps it, any change of code changes it. `files` ({name: text})
-    hashes those instead of this tree's (another commit's, read from git)."""
+    """A hash of the project's code, the .py files every run imports (the concept files and the package plumbing/),
+    each as its syntax tree without docstrings: an edit of a comment or a docstring keeps it, any change of code
+    changes it. `files` ({relative path: text}) hashes those instead of this tree's (another commit's, read from
+    git)."""
     import ast
     import hashlib
-    files = files if files is not None else {path.name: path.read_text() for path in ROOT.glob("*.py")}
+    files = files if files is not None else {str(path.relative_to(ROOT)): path.read_text()
+                                             for path in [*ROOT.glob("*.py"), *ROOT.glob("plumbing/*.py")]}
     h = hashlib.sha256()
     for name in sorted(files):
         tree = ast.parse(files[name])

@@ -60,9 +60,9 @@ def test_every_new_flag_runs_on_the_world_and_logs_its_numbers(world_runs):
     for name in ("vapo", "dapo"):  # bf16, top-p: from the first step
         assert all(m["mismatch/mean_abs_logp_diff"] > 1e-4 and m["mismatch/token_mult_prob_error"] > 1 for m in
                    world_runs[name]), name
-    stale = world_runs["stale"]  # the weights of the step before: none before the first update
-    assert stale[0]["mismatch/max_abs_logp_diff"] == 0 and all(m["mismatch/mean_abs_logp_diff"] > 1e-4
-                                                               for m in stale[1:])
+    stale = world_runs["stale"]  # the weights of the step before: none before the first update (rounding only)
+    assert stale[0]["mismatch/max_abs_logp_diff"] < 1e-5 and all(m["mismatch/mean_abs_logp_diff"] > 1e-4
+                                                                 for m in stale[1:])
     for m in world_runs["tis-alone"]:
         assert m["mismatch/max_abs_logp_diff"] < 1e-5 and abs(m["correction/weight_mean"] - 1) < 1e-5, m
         assert m["correction/weight_max"] <= 1.5
