@@ -6,6 +6,7 @@ Implements: no equation; the monitoring metrics of §5.2 and the win rate of Fig
   compare()       the above for a policy and the SFT model, plus win / tie / lose judged by gold (synthetic world)
                   or by a reward model (real data, where no gold judge exists: rm_judge(), on the sampled ids)
   heldout_point() the held-out curve's point of a PPO step (--heldout-every): judge, proxy, KL, length
+  text_perplexity() the likelihood of pre-training text no stage trained on (the alignment tax Eq. 17's ptx limits)
   frontier_point() gold and proxy reward against d = √KL(π ‖ π_SFT) per response, sampled at temperature 1: one
                   point of the over-optimisation curve (Gao et al. 2022)
   score()         r(x, y) of every pair or response of a data file with a saved reward model: pairwise accuracy
@@ -33,7 +34,7 @@ from plumbing import models
 import ppo_max
 import toy_world
 from plumbing.monitor import progress
-from ppo_loss import kl_full, logprobs_from_logits
+from ppo_loss import kl_full, logprobs_from_logits, ptx_loss
 
 # The paper's evaluation sampling (§ hyperparameters): top-p 0.9, temperature 0.8, repetition penalty 1.1.
 EVAL_SAMPLING = dict(top_p=0.9, temperature=0.8, repetition_penalty=1.1)
@@ -165,6 +166,21 @@ def heldout_point(policy, ref, reward_model, tokenizer, prompts: list[str], n: i
     policy.train(was_training)
     return {**({key: r["gold_reward"]} if key else {}), "heldout/score": r["reward"], "heldout/kl": r["kl"],
             "heldout/length": r["response_length"]}
+
+
+@torch.no_grad()
+def text_perplexity(model, tokenizer, texts: list[str], batch: int = 256) -> float:
+    """exp of the mean NLL per token of `texts`, each read after an empty prompt as ptx reads D_pretrain (Eq. 17):
+    the policy's likelihood of pre-training text, whose loss against SFT's is the alignment tax."""
+    device = next(model.parameters()).device
+    nll, tokens = 0.0, 0.0
+    for i in range(0, len(texts), batch):
+        ids, attn, resp = (t.to(device) for t in data.lm_batch([("", x) for x in texts[i:i + batch]], tokenizer))
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=data.position_ids_from_mask(attn),
+                       use_cache=False).logits                                   # (B, L, V)
+        loss, stats = ptx_loss(logits.float(), ids, resp)                        # mean NLL of the text's tokens
+        nll, tokens = nll + loss.item() * stats["ptx_tokens"], tokens + stats["ptx_tokens"]
+    return math.exp(nll / tokens)
 
 
 @torch.no_grad()

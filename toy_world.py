@@ -354,6 +354,14 @@ def make_dataset(cfg: WorldConfig) -> dict:
     }
 
 
+def heldout_pretraining_text(prompts: list[str], seed: int, n: int = 2) -> list[str]:
+    """Pre-training text no stage trains on: n responses to each held-out prompt with the prompt dropped, the language
+    of `pretrain` on prompts only evaluation sees. What Eq. 17's ptx is there to keep: the policy's likelihood of it
+    (eval.text_perplexity) against SFT's is the alignment tax."""
+    rng = random.Random(seed + 7_919)   # a stream of its own: the world's data and the evaluation's samples unchanged
+    return [sample_response(parse_prompt(text), rng) for text in prompts for _ in range(n)]
+
+
 def write_dataset(data: dict, out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
