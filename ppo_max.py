@@ -131,7 +131,7 @@ def normalize_and_clip_rewards(
 def scale_rewards(scores: Tensor, moments: RunningMoments, eps: float = 1e-8) -> Tensor:
     """Reward scaling, the paper's ablation (Fig. 6): r / std(r) with the running std, no centring, no clip.
 
-    This is what the authors' released scripts enable (see README, notes); the paper finds it ≈ vanilla PPO.
+    This is what the authors' released scripts enable (docs/differences.md); the paper finds it ≈ vanilla PPO.
     Same order as Eq. 18: update the moments with the batch first, then scale; this function only reads them.
     eps: the smallest std that counts as a spread, as in normalize_and_clip_rewards: a history without one (one
     score, or all scores equal) leaves the scores as they are (a score of 2.0 stays 2.0, not 2.0 / eps = 2e8).
@@ -159,10 +159,10 @@ def shape_rewards(
     Returns rewards (B, T), 0 where mask is 0, whatever logprobs, ref_logprobs or kl hold there (even inf or NaN).
 
     Where the score goes: on the LAST REAL response token, index mask.sum(1) − 1, because that token is the
-    action that ended the episode and the score judges the whole sequence it completed. Some peers (e.g. some
-    trl versions) put the score one position later, on the pad/EOS-following slot; with a right-padded mask
-    that position is masked out (the score is silently lost to GAE and the loss), and making it count needs a
-    terminal pseudo-token whose value the critic must also learn. We do not.
+    action that ended the episode and the score judges the whole sequence it completed. Some peers (some trl
+    versions; docs/differences.md) put the score one position later, on the pad/EOS-following slot; with a
+    right-padded mask that position is masked out (the score is silently lost to GAE and the loss), and making it
+    count needs a terminal pseudo-token whose value the critic must also learn. We do not.
     """
     check_shaping_inputs(scores, logprobs, ref_logprobs, mask, kl)  # a silent broadcast would corrupt Eq. 19
     B = mask.shape[0]

@@ -16,13 +16,13 @@ Implements (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"
     save(model, out_dir, tokenizer, base)
                                    a stage's result: the adapters in peft's format in out_dir/adapter/, and the
                                    merged model in out_dir/ itself, a plain Hugging Face directory any tool loads
-    merge(adapter_dir, out_dir)    W = W₀ + (α/r)·B·A written out (also `python lora.py merge`)
+    merge(adapter_dir, out_dir)    W = W₀ + (α/r)·B·A written out (also `python -m plumbing.lora merge`)
     load_kwargs(run, bf16)         from_pretrained's keywords for a frozen base: bf16 / as saved, or 8-bit / 4-bit
                                    (bitsandbytes, CUDA only; check_bits says so on any other machine)
 
 Run: python train.py --lora-r 8                      (the synthetic world: stages 3-4 train adapters)
      python train.py --model DIR --data PAIRS --lora-r 16     (a real model: every stage trains adapters)
-     python lora.py merge runs/x/policy/adapter --out policy-merged   (an adapter → a plain HF directory)
+     python -m plumbing.lora merge runs/x/policy/adapter --out policy-merged   (an adapter → a plain HF directory)
 
 In the synthetic world and with --data alone, stages 1-2 train a from-scratch tiny model, where adapters on random
 weights would learn nothing useful; there LoRA applies to the critic and the policy. On a real (pretrained) --model
@@ -334,7 +334,7 @@ def quantization(run) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line: merge an adapter directory (the trainable-parameter counts: `python scale.py --lora-r R`)
+# Command line: merge an adapter directory (the trainable-parameter counts: `python -m plumbing.scale --lora-r R`)
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     from plumbing.cli import OneLineParser, fail

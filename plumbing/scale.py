@@ -20,9 +20,9 @@ ZeRO-2 and gradient checkpointing", section 5; this file turns that set-up into 
     deepspeed_config(...)            DeepSpeed JSON of a trained engine (paper preset = ds_config_zero2.json)
     inference_deepspeed_config(...)  DeepSpeed JSON of a frozen engine (reference, reward model)
 
-Run: python scale.py --model llama-7b [--num-gpus 8 --gpu-mem 80 --zero-stage 2 --micro-batch 4 ...]
+Run: python -m plumbing.scale --model llama-7b [--num-gpus 8 --gpu-mem 80 --zero-stage 2 --micro-batch 4 ...]
      (defaults = the paper preset; prints the plan; `--ds-config` also prints the DeepSpeed JSON)
-     python scale.py --model llama-7b --num-gpus 1 --gpu-mem 24 --lora-r 16 [--lora-bits 4]   (one GPU, LoRA)
+     python -m plumbing.scale --model llama-7b --num-gpus 1 --gpu-mem 24 --lora-r 16 [--lora-bits 4]   (one GPU, LoRA)
 
 Symbols: N parameters, t parameter tensors, ℓ layers, h hidden size, i MLP size, a attention heads, k key/value heads
 (GQA), d = h/a head size, V vocabulary, G GPUs, β bytes per number of the weights' dtype (2 for bf16), b micro batch,
@@ -1242,7 +1242,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Worked example: `python scale.py` = the paper preset for llama-7b as train.py runs it (8 × A100-80GB, ZeRO-2,
+    # Worked example: `python -m plumbing.scale` = the paper preset for llama-7b as train.py runs it (8 × A100-80GB, ZeRO-2,
     # bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows per GPU,
     # L = 1024 + 1024). Printed (tests/test_scale.py checks 72.17, 92.29 and 73.47):
     #   policy     weights          12.55  always                     2·N   (N = 6,738,415,616)

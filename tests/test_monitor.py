@@ -49,7 +49,7 @@ def test_monitor_drift_fires_after_patience_with_reasons():
 
 
 def test_monitor_defaults_fire_on_the_first_bad_step():
-    # numbers printed by `python monitor.py`: drift starts at step 5 (KL 0.02 + 0.1 = 0.12 > 0.08), patience 1
+    # numbers printed by `python -m plumbing.monitor`: drift starts at step 5 (KL 0.02 + 0.1 = 0.12 > 0.08), patience 1
     alarms = run(CollapseMonitor(), drifting_stream())
     assert [(a.step, a.reasons) for a in alarms] == [(5, ["kl/ref 0.120 > 0.080"])]
 
