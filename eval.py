@@ -343,8 +343,9 @@ def score(argv=None) -> dict:
     from reward_model import accuracy
     p = cli.OneLineParser(prog="eval.py score", description=score.__doc__)
     p.add_argument("--reward-model", required=True, help="reward-model directory (with its tokenizer), from train.py")
-    p.add_argument("--data", required=True, help="HH-RLHF / {prompt,chosen,rejected} pairs, or {prompt,response} / "
-                                                 "{text} records; .jsonl or .jsonl.gz")
+    p.add_argument("--data", required=True, help="preference pairs in any format train.py --data reads (HH "
+                                                 "transcripts, prompt/chosen/rejected, conversational), or "
+                                                 "prompt-completion / text records; .jsonl, .jsonl.gz or a hub id")
     p.add_argument("--data-split", default="train", help="with --data as a hub id or a folder of several splits")
     p.add_argument("--data-config", default=None, help="with --data as a hub id: its configuration")
     p.add_argument("--out", default="scores.jsonl", help="per-example scores (JSONL)")
