@@ -8,15 +8,19 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
                                                                   sizes COMPLETE recorded (resume falls back to it)
     load_checkpoint(ckpt_dir, models=, optimizers=, rngs=)     → weights, optimizer/scheduler states and every RNG
                                                                   stream restored in place; returns state.json
-    GracefulExit, debugger_active                              → SIGINT/SIGTERM set a flag: checkpoint, then exit 0
-    NonFiniteGuard(max_consecutive=K)                          → skip an update whose score/loss/grad is NaN or ±inf;
-                                                                  stop after K bad steps in a row
+    writing(path, needed, hint)                                → a block whose failed write (a full disk, a read-only
+                                                                  folder, a quota) leaves as cli.WriteFailed: one line
+                                                                  naming the path, on a full disk the bytes needed
+                                                                  and free (cli.write_failure tells it from a bug)
     RunCheckpoints(out, models, optimizers, rngs, ...)         → the PPO loop's save(step, state) and resume(path),
                                                                   one process or DeepSpeed engines alike
     build_once(dir, build)                                     → (a cached stage directory, built here?): the base,
                                                                   built in a temporary directory, renamed when DONE,
                                                                   one process at a time (exclusive(.dir.lock))
     seed_everything(seed), config_hash(obj)                    → python / numpy / torch seeded; a stable short hash
+
+(SIGINT/SIGTERM and the non-finite guard, which decide when the loop checkpoints: monitor.py's GracefulExit and
+NonFiniteGuard.)
 
 Run: python checkpoint.py        (saves a tiny model, perturbs everything, resumes; prints the layout and proof)
 
@@ -38,6 +42,10 @@ Why each step of a save:
       one, never a half-written directory that looks complete (a crash in save_pretrained leaves only a .tmp-*).
     * fsync the files, then the directory: without it a power loss after the rename can leave the new name
       pointing at empty files (ext4 / xfs delayed allocation).
+    * A write that fails (ENOSPC: the disk is full) removes the `.tmp-*` directory and ends the run with one line
+      (cli.WriteFailed) naming the file, the bytes the checkpoint needs and those free: the newest complete
+      checkpoint is untouched (older ones are deleted only after a new one is complete), so `--resume` continues
+      from it once there is room.
     * `latest` is written after the rename; if it is missing or names a deleted directory, find_latest falls back
       to the highest complete step-N.
     * Loading never unpickles code: weights through safetensors, the rest through torch.load(weights_only=True)
@@ -51,6 +59,7 @@ References:
     POSIX rename(2) atomicity; "Files are hard" (Dan Luu, 2015) on fsync of the file and its directory.
 """
 import contextlib
+import errno
 import json
 import os
 import random
@@ -63,6 +72,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import safetensors.torch
 import torch
+
+from plumbing.cli import WRITE_ERRNOS, write_failure
 
 CKPT_SUBDIR = "checkpoints"
 LATEST = "latest"
@@ -87,8 +98,9 @@ def _fsync_path(path: Path) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:  # a directory may not sync (some platforms); a file that does not holds lost data
+        if e.errno in WRITE_ERRNOS | {errno.EIO} and not path.is_dir():
+            raise
     finally:
         os.close(fd)
 
@@ -100,14 +112,32 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old content or the new, never a torn file."""
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, needed: int | None = None, hint: str = ""):
+    """The block writes `path`: an error that is a failure to write leaves it as cli.WriteFailed (cli.write_failure,
+    writing=True), naming `path`; any other error leaves as it is."""
+    try:
+        yield
+    except Exception as e:
+        failed = write_failure(e, path, needed, hint, writing=True)
+        if failed is None:
+            raise
+        raise failed from None
+
+
+def atomic_write_text(path: Path, text: str, hint: str = "") -> None:
+    """Write `text` to `path` so that a reader sees the old content or the new, never a torn file. A failed write
+    leaves the old content and no temporary file, and raises cli.WriteFailed naming `path`."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with writing(path, len(text.encode()), hint):
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     _fsync_path(path.parent)
 
 
@@ -207,29 +237,68 @@ def set_rng_state(state: dict, rngs: Mapping[str, Any] | None = None) -> None:
 # Save
 # ======================================================================================================
 def _write_checkpoint(tmp: Path, step: int, models: dict, optimizers: dict, schedulers: dict, rngs: dict,
-                      extra_json: str, tokenizer) -> None:
-    """Every file of one checkpoint into `tmp`, fsynced, COMPLETE last."""
+                      extra_json: str, tokenizer, shown: Path, needed: int, hint: str) -> None:
+    """Every file of one checkpoint into `tmp`, fsynced, COMPLETE last. A write that fails raises cli.WriteFailed
+    naming the file under `shown` (the checkpoint's own name), `needed` bytes for the whole checkpoint."""
+    def file(name: str):
+        return writing(shown / name, needed, hint)
+
     for mname, model in models.items():
-        model.save_pretrained(tmp / mname)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / mname)
+        with file(mname):
+            model.save_pretrained(tmp / mname)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / mname)
     for oname, opt in optimizers.items():
-        torch.save(opt.state_dict(), tmp / f"optimizer-{oname}.pt")
+        with file(f"optimizer-{oname}.pt"):
+            torch.save(opt.state_dict(), tmp / f"optimizer-{oname}.pt")
     for sname, sch in schedulers.items():
-        torch.save(sch.state_dict(), tmp / f"scheduler-{sname}.pt")
-    torch.save(rng_state(rngs), tmp / RNG)
+        with file(f"scheduler-{sname}.pt"):
+            torch.save(sch.state_dict(), tmp / f"scheduler-{sname}.pt")
+    with file(RNG):
+        torch.save(rng_state(rngs), tmp / RNG)
     state = json.loads(extra_json)
     state.update(format=FORMAT_VERSION, models=sorted(models), optimizers=sorted(optimizers),
                  schedulers=sorted(schedulers), rngs=sorted(rngs))
-    (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
-    _fsync_tree(tmp)
+    with file(STATE):
+        (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
+    with writing(shown, needed, hint):
+        _fsync_tree(tmp)
     # COMPLETE last: the names and sizes of every file, so a loader can also notice a truncated one
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    with open(tmp / COMPLETE, "w") as f:
-        json.dump({"step": int(step), "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    with file(COMPLETE):
+        with open(tmp / COMPLETE, "w") as f:
+            json.dump({"step": int(step), "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
     _fsync_path(tmp)
+
+
+def checkpoint_bytes(ckpt: Path | None, models: Mapping[str, Any] = (), optimizers: Mapping[str, Any] = ()) -> int:
+    """About what one checkpoint takes on disk: the newest complete one's files (its COMPLETE list), or before the
+    first, the tensors of the models' weights and of the optimizers' states."""
+    if ckpt is not None:
+        try:
+            return sum(json.loads((ckpt / COMPLETE).read_text())["files"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+
+    def tensors(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, Mapping):
+            return sum(tensors(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(tensors(v) for v in x)
+        return 0
+    total = 0
+    for m in dict(models).values():
+        if isinstance(m, torch.nn.Module):  # LoRA: a checkpoint holds what trains (its adapters) only
+            total += tensors({n: p for n, p in m.named_parameters() if p.requires_grad} if _frozen(m)
+                             else m.state_dict())
+    for o in dict(optimizers).values():
+        sd = getattr(o, "state_dict", None)
+        total += tensors(sd()) if callable(sd) else 0
+    return total
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[str, Any],
@@ -244,7 +313,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[st
         the global python, numpy and torch streams are always saved.
     extra_state: plain JSON (RunningMoments.state_dict(), the KL coefficient, the monitor's state, …).
     keep_last: complete checkpoints to keep; the one just written is never deleted (≤ 0 keeps all).
-    Returns the checkpoint directory. Raises whatever a writer raised; the previous checkpoints are untouched then.
+    Returns the checkpoint directory. A write that fails (a full disk) raises cli.WriteFailed naming the file, the
+    bytes a checkpoint needs (checkpoint_bytes) and, with the partial directory removed, those free; any other error
+    of a writer is raised as it is. The previous checkpoints are untouched either way.
     """
     models, optimizers, schedulers, rngs = (_check_names(k, d) for k, d in
                                             [("model", models), ("optimizer", optimizers),
@@ -255,22 +326,28 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[st
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint.py: extra_state must be plain JSON (dicts, lists, str, finite numbers); {e}")
     root = _checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{int(step):06d}"
+    final = root / name
+    previous = find_latest(root) if root.is_dir() else None
+    needed = checkpoint_bytes(previous, models, optimizers)
+    hint = (f"the newest complete checkpoint, {previous}, is intact: with more room, `train.py --resume {run_dir}` "
+            f"continues from it" if previous else "no checkpoint of this run was written yet")
+    with writing(root, needed, hint):
+        root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("*.tmp-*"):  # earlier saves killed mid-way; one writer per run dir, so none is live
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     for stale in root.glob("*.old-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
-    name = f"step-{int(step):06d}"
-    final = root / name
     tmp = root / f"{name}.tmp-{os.getpid()}"
-    tmp.mkdir()
+    with writing(final, needed, hint):
+        tmp.mkdir()
     hf_logging = sys.modules.get("transformers.utils.logging")  # silence its "Writing model shards" bar
     bar_was_on = hf_logging is not None and hf_logging.is_progress_bar_enabled()
     if bar_was_on:
         hf_logging.disable_progress_bar()
     try:
-        _write_checkpoint(tmp, step, models, optimizers, schedulers, rngs, extra_json, tokenizer)
+        _write_checkpoint(tmp, step, models, optimizers, schedulers, rngs, extra_json, tokenizer, final, needed, hint)
     except BaseException:  # an exception (not a kill): remove the partial directory now, re-raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -278,15 +355,17 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[st
         if bar_was_on:
             hf_logging.enable_progress_bar()
 
-    if final.exists():  # the same step saved again (e.g. after a resume): move the old one aside first
-        old = root / f"{name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)  # the atomic step: from here on step-N is a complete checkpoint
-    _fsync_path(root)
-    atomic_write_text(root / LATEST, name + "\n")
+    with writing(final, needed, hint):
+        if final.exists():  # the same step saved again (e.g. after a resume): move the old one aside first
+            old = root / f"{name}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)  # the atomic step: from here on step-N is a complete checkpoint
+        _fsync_path(root)
+    atomic_write_text(root / LATEST, name + "\n", hint=f"{final} is complete; `train.py --resume {run_dir}` continues "
+                                                       f"from it")
 
     if keep_last > 0:
         others = [p for _, p in _step_dirs(root) if p != final]
@@ -361,6 +440,28 @@ def unreadable(d: Path) -> str | None:
                 json.loads(p.read_text(encoding="utf-8"))
         except Exception as e:  # noqa: BLE001  (any unreadable file is damage, whatever the library raises)
             return f"{p}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def unsafe_pickle(path: str | os.PathLike) -> str | None:
+    """What keeps a pickled torch checkpoint from loading as data alone (None when nothing does): the globals its
+    pickle names beyond the tensors and plain containers of torch.load(weights_only=True), read without running it;
+    a file in the legacy format, which cannot be read that way, is loaded with weights_only=True on the CPU. Used to
+    refuse a model directory's pytorch_model*.bin in one line before any work (pipeline.check_weights)."""
+    import pickle
+    import zipfile
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+    try:
+        if zipfile.is_zipfile(path):
+            found = get_unsafe_globals_in_checkpoint(path)
+            return (f"its pickle would run code on loading ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+                    if found else None)
+        torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [l for l in str(e).splitlines() if "GLOBAL" in l]
+        return f"its pickle would run code on loading ({lines[0].strip() if lines else 'a global torch refuses'})"
+    except Exception as e:  # noqa: BLE001  (whatever torch raises for a file it cannot read)
+        return f"not a readable torch checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None
 
 
@@ -501,6 +602,8 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
     """(`path`, whether this process built it): built by build(tmp) into `path`.tmp and renamed into place once
     `tmp/DONE` is written, so a build killed half-way is never mistaken for a finished one. Reused as it is when
     DONE exists, unless `rebuild`.
+    A write that fails while it builds (a full disk: safetensors, torch.save or any file; no half-built directory is
+    kept) raises cli.WriteFailed naming the file, or the directory when the writer names none.
     Two processes that need the same missing directory (two runs started together in one folder) build it once:
     the second waits on the lock .<name>.lock beside it and then reuses what the first built.
     With several ranks that all build (each holds a DeepSpeed engine), rank 0 alone touches the file system and
@@ -521,17 +624,29 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
+        hint = f"nothing half-built is kept: with more room, the next run builds {path.name} again"
         try:
             build(tmp)
-        except BaseException:  # a failed build (bad data, a signal) leaves no half-built directory behind
+        except BaseException as e:  # a failed build (bad data, a signal) leaves no half-built directory behind
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            failed = write_failure(e, hint=hint) if isinstance(e, Exception) else None
+            if failed is None:
+                raise
+            if failed.path == "a file":  # safetensors and torch name no file: the directory being built
+                failed.path = str(path)
+            failed.hint = failed.hint or hint
+            raise failed from None
         barrier()
         if rank == 0:
-            (tmp / DONE).write_text("ok\n")
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
+            with writing(path, hint=hint):
+                try:
+                    (tmp / DONE).write_text("ok\n")
+                    shutil.rmtree(path, ignore_errors=True)
+                    tmp.rename(path)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
         barrier()
     return path, True
 
@@ -587,10 +702,14 @@ class RunCheckpoints:
     def save(self, n_done: int, extra_state: dict) -> Path | None:
         tag = f"step-{n_done:06d}"
         if self.engines:  # every rank: its ZeRO shards and its RNG streams
+            hint = (f"`train.py --resume {self.out}` continues from the newest complete checkpoint under "
+                    f"{self.ds_dir.parent}")
             for name, engine in self.models.items():  # frozen weights (LoRA's base) come from the stage dirs
-                engine.save_checkpoint(str(self.ds_dir / name), tag=tag, exclude_frozen_parameters=_frozen(engine))
-            (self.ds_dir / "rng").mkdir(parents=True, exist_ok=True)
-            torch.save(rng_state(self.rngs), self.ds_dir / "rng" / f"{tag}-rank{self.rank}.pt")
+                with writing(self.ds_dir / name / tag, hint=hint):
+                    engine.save_checkpoint(str(self.ds_dir / name), tag=tag, exclude_frozen_parameters=_frozen(engine))
+            with writing(self.ds_dir / "rng" / f"{tag}-rank{self.rank}.pt", hint=hint):
+                (self.ds_dir / "rng").mkdir(parents=True, exist_ok=True)
+                torch.save(rng_state(self.rngs), self.ds_dir / "rng" / f"{tag}-rank{self.rank}.pt")
             self.barrier()
         path = None
         if self.rank == 0:

@@ -9,6 +9,8 @@ Implements (no equation; nothing here is part of the algorithm, and no equation 
     UserError, fail(message)      → a user's mistake: one line `error: …` on stderr, exit status 2, no traceback
     WriteFailed, WRITE_FAILED     → a file the run could not write (a full disk, a read-only folder): one line naming
                                     the path, exit status 3 (work up to the last complete checkpoint is kept)
+    write_failure(exc, path)      → an error as WriteFailed when it is a failure to write (errno, safetensors' and
+                                    torch.save's own errors), else None
     OneLineParser                 → argparse whose own errors are such lines, and whose values may be negative numbers
                                     in any notation (--policy-lr -1e-5)
     cli_guard(main)               → an entry point whose UserError / FileNotFoundError / WriteFailed become such lines
@@ -22,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import math
+import os
 import re
+import shutil
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -85,7 +91,7 @@ WRITE_FAILED = 3  # the exit status of a run that could not write a file (cli_gu
 
 
 class WriteFailed(Exception):
-    """A file the run could not write (checkpoint.write_failure makes one): `path`, the `reason`, whether the disk is
+    """A file the run could not write (write_failure makes one): `path`, the `reason`, whether the disk is
     `full` and the bytes the write `needed` when known, and a `hint` of what to do next. Its line says, for a full
     disk, the bytes free on that file system when it is printed (after the partial files are gone). cli_guard prints
     it as one line `error: …` and exits WRITE_FAILED. Not an OSError, so that no `except OSError` on the way up takes
@@ -96,14 +102,9 @@ class WriteFailed(Exception):
         self.path, self.reason, self.needed, self.full, self.hint = str(path), reason, needed, full, hint
 
     def __str__(self) -> str:
-        import os
-        import shutil
-        from pathlib import Path
         line = f"cannot write {self.path}: {self.reason}"
         if self.full:
-            where = Path(self.path).absolute()
-            while not where.exists() and where != where.parent:
-                where = where.parent
+            where = _existing(self.path)
             try:
                 shown = os.path.relpath(where)
                 free = f"{shutil.disk_usage(where).free:,} bytes free on {where if shown.startswith('..') else shown}"
@@ -111,6 +112,70 @@ class WriteFailed(Exception):
                 free = "free space unknown"
             line += f" ({'' if self.needed is None else f'about {self.needed:,} bytes needed, '}{free})"
         return line + (f"; {self.hint}" if self.hint else "")
+
+
+# errors that only a write raises: with any of these an error is a failure to write wherever it comes from
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# what torch.save's zip writer says when a write fails (it names neither the file nor the cause: a full disk reads
+# "unexpected pos 666432 vs 666320"); its reader's errors say PytorchStreamReader
+TORCH_WRITER = ("PytorchStreamWriter", "unexpected pos", "file write failed")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # safetensors' (Rust's) spelling of an errno
+
+
+def write_failure(exc: BaseException, path: str | os.PathLike | None = None, needed: int | None = None,
+                  hint: str = "", writing: bool = False) -> WriteFailed | None:
+    """`exc` as a cli.WriteFailed when it is a failure to write, else None (a bug, or a file that could not be
+    read, stays what it is). writing=True: `exc` came out of a write (of `path`), so any OSError, safetensors I/O
+    error or torch writer error is one; otherwise only the errors no read raises (ENOSPC, EDQUOT, EFBIG, EROFS, and
+    torch's writer). `path` is what the line names (else the file the OSError names); `needed` the bytes the write
+    needed, when known; `hint` what the reader can do next (e.g. the checkpoint --resume continues from). A full
+    disk is ENOSPC / EDQUOT, or an error without an errno (torch's) with less than `needed` (or 1 MiB) left free."""
+    if isinstance(exc, WriteFailed):
+        return exc
+    causes, e = [], exc  # exc and what it was raised from (not what it was raised while handling: that may be any)
+    while e is not None and len(causes) < 10:
+        causes.append(e)
+        e = e.__cause__
+    os_error = next((e for e in causes if isinstance(e, OSError) and e.errno), None)
+    code = os_error.errno if os_error is not None else None
+    io_error = any(type(e).__name__ == "SafetensorError" and "I/O error" in str(e) for e in causes)
+    if code is None and io_error:
+        found = next((m for e in causes for m in [_OS_ERROR.search(str(e))] if m), None)
+        code = int(found.group(1)) if found else None
+    chain, e = [], exc
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    torch_writer = any(isinstance(e, RuntimeError) and any(t in str(e) for t in TORCH_WRITER) for e in chain)
+    if not (code in WRITE_ERRNOS or torch_writer or (writing and (code is not None or io_error))):
+        return None
+    where = path if path is not None else (os_error.filename if os_error is not None and os_error.filename else None)
+    full = code in FULL_ERRNOS or (code is None and _free_bytes(where) < max(needed or 0, 1 << 20))
+    if full:
+        reason = "no space left on device"
+    elif code is not None:
+        reason = os.strerror(code).lower()
+    else:
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return WriteFailed(where if where is not None else "a file", reason, needed=needed if full else None, full=full,
+                       hint=hint)
+
+
+def _free_bytes(path) -> int:
+    """Bytes free to this user on the file system of `path` (its nearest existing folder); a large number when it
+    cannot be told."""
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return 1 << 62
+
+
+def _existing(path) -> Path:
+    p = Path(path if path is not None else ".").absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
 
 
 # a value that is a negative number, in the notations float() reads: -1, -.5, -1e-5, -2.5E+3, -inf
@@ -134,7 +199,7 @@ class OneLineParser(argparse.ArgumentParser):
 def cli_guard(fn: Callable) -> Callable:
     """Wrap a CLI entry point: UserError (data.DataError among them) / FileNotFoundError → one line `error: …` on
     stderr, exit 2; WriteFailed, or any other error of a write that failed on the way (a full disk, a read-only
-    folder, a quota: checkpoint.write_failure tells them from other errors) → one line naming the file, exit 3."""
+    folder, a quota: write_failure tells them from other errors) → one line naming the file, exit 3."""
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -146,7 +211,6 @@ def cli_guard(fn: Callable) -> Callable:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(WRITE_FAILED) from None
         except Exception as e:
-            from plumbing.checkpoint import write_failure
             failed = write_failure(e)
             if failed is None:
                 raise

@@ -19,20 +19,22 @@ Flags a run ignores. A flag given on the command line that the run would not rea
     evaluation's length cap, which every method samples with) and, for dpo, --policy-init (where DPO starts); the
     loop's own flags (--break-at, --save-every, --keep-last, --heldout-every, --heldout-samples, --max-bad-steps,
     --on-collapse, --alarm-*, --log-with, --critic-model); --resume.
-  * --dpo-* without --method dpo; --bon-n without --method best-of-n.
+  * --dpo-beta, --dpo-lr, --dpo-eval-every without --method dpo; --bon-n without --method best-of-n.
   * a critic-free --advantage: the critic's flags (--critic-lr, --critic-init, --value-clip, --vf-coef, --lam,
-    --critic-model, --stages ending in critic).
+    --lam-critic, --lam-adaptive, --critic-pretrain-target, --critic-model, --stages ending in critic).
   * a setting that acts only through another that is off: --kl-target without η (--kl-coef 0), --kl-horizon without
     --kl-target, --entropy-clip without --entropy-coef, --adv-clip without --adv-norm, --reward-clip without
     --reward-norm (0 = off is always accepted), --ptx-data without --ptx-coef, --heldout-samples with
-    --heldout-every 0, --lora-alpha / --lora-dropout / --lora-targets without --lora-r, --lora-bits without --lora-r.
+    --heldout-every 0, --overlong-penalty without --overlong-buffer, --cispo-eps-* without --policy-loss cispo,
+    --rollout-correction-cap without --rollout-correction, --rollout-correction-level without --rollout-correction
+    mis, --lora-alpha / --lora-dropout / --lora-targets without --lora-r, --lora-bits without --lora-r.
   * the synthetic world's --world-* flags with --data or a real --model; --data's own flags (--data-split,
     --data-config, --skip-bad, --heldout-frac, --vocab-size, --max-prompt-tokens, --max-response-tokens,
     --judge-frac) in the synthetic world; --rebuild-base with --resume (a resume continues on the stages it trained).
-The documented exception is PPO's budget (plumbing/flags.py BUDGET: --steps, --rollout-batch, --minibatch,
---critic-pretrain-steps, and an explicit --preset ppo-max): one budget is passed to every method and estimator alike
-(notebooks/runs.py's small budget, the tests' TINY lists), so where it is unused it is accepted and said once, in a
-line `[flags] … not used`. The loop also needs --minibatch to divide --rollout-batch (equal minibatches; they are
+The documented exception is a method's budget (plumbing/flags.py BUDGET: --steps, --rollout-batch, --minibatch,
+--critic-pretrain-steps, and an explicit --preset ppo-max; DPO_BUDGET: --dpo-epochs, --dpo-batch): one budget is
+passed to every method and estimator alike (notebooks/runs.py's small budget, the tests' TINY lists), so where it is
+unused it is accepted and said once, in a line `[flags] … not used`. The loop also needs --minibatch to divide --rollout-batch (equal minibatches; they are
 drawn shuffled, so a group of G responses is never kept within one minibatch and needs no alignment there) and
 --break-at inside the run (0 … --steps − 1, or -1).
 

@@ -129,6 +129,127 @@ def validate_estimator(run: RunConfig, cfg: PPOConfig) -> None:
             fail(f"--stages {run.stages}: --advantage {a} has no critic to pre-train; end the stages with ppo or rm")
 
 
+# What each kind of run reads; config.py's docstring states the rule these tables implement.
+BUDGET = ("steps", "rollout_batch", "minibatch", "critic_pretrain_steps")  # PPO's budget: unused flags said once
+DPO_BUDGET = ("dpo_epochs", "dpo_batch")                                   # DPO's: the same
+LOOP = ("break_at", "save_every", "keep_last", "heldout_every", "heldout_samples", "max_bad_steps", "on_collapse",
+        "alarm_kl_max", "alarm_patience", "log_with", "critic_model")   # the PPO loop's own run flags
+SAMPLING = ("max_new_tokens",)    # every method's evaluation samples with it
+CRITIC = ("critic_lr", "critic_init", "value_clip", "vf_coef", "lam", "lam_critic", "lam_adaptive",
+          "critic_pretrain_target")                                   # what only a critic (GAE's) reads
+DATA_ONLY = ("data_split", "data_config", "skip_bad", "heldout_frac", "vocab_size", "max_prompt_tokens",
+             "max_response_tokens", "judge_frac")                    # what only real text reads
+OFF_UNLESS = (  # (flag, what turns it on when given, the setting it needs, whether that setting is on)
+    ("kl_target", lambda c: c.kl_target > 0, "--kl-coef > 0 (the adaptive controller scales η)",
+     lambda c: c.kl_coef > 0),
+    ("kl_horizon", lambda c: True, "--kl-target > 0 (the adaptive controller's horizon)", lambda c: c.kl_target > 0),
+    ("entropy_clip", lambda c: c.entropy_clip > 0, "--entropy-coef > 0 (it clips the entropy bonus)",
+     lambda c: c.entropy_coef > 0),
+    ("adv_clip", lambda c: c.adv_clip > 0, "--adv-norm (it clips whitened advantages)", lambda c: c.adv_norm),
+    ("reward_clip", lambda c: c.reward_clip > 0, "--reward-norm (δ of Eq. 18 clips normalised scores)",
+     lambda c: c.reward_norm),
+    ("ptx_data", lambda c: True, "--ptx-coef > 0 (λ_ptx of Eq. 17)", lambda c: c.ptx_coef > 0),
+    ("overlong_penalty", lambda c: True, "--overlong-buffer > 0 (the penalty at its end)",
+     lambda c: c.overlong_buffer > 0),
+    ("cispo_eps_low", lambda c: True, "--policy-loss cispo (its weight clip)", lambda c: c.policy_loss == "cispo"),
+    ("cispo_eps_high", lambda c: True, "--policy-loss cispo (its weight clip)", lambda c: c.policy_loss == "cispo"),
+    ("rollout_correction_cap", lambda c: True, "--rollout-correction tis|mis (its C)",
+     lambda c: c.rollout_correction != "none"),
+    ("rollout_correction_level", lambda c: True, "--rollout-correction mis (what it masks)",
+     lambda c: c.rollout_correction == "mis"),
+)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfig,
+                          world_cfg: toy_world.WorldConfig, dpo_cfg: DPOConfig, given: set[str]) -> None:
+    """A flag given on the command line that this run would ignore (config.py's docstring: "Flags a run ignores"),
+    and the combinations the PPO loop cannot run as asked: one line naming the flags, exit 2, before any work. The
+    budget flags (BUDGET, DPO_BUDGET) that a method or estimator does not use are accepted (ignored_budget says them
+    once)."""
+    preset_given = "preset" in given and run.preset != "ppo-max"
+    if run.method != "ppo":
+        if preset_given:
+            fail(f"--preset {run.preset} with --method {run.method}: a preset names PPO's settings and "
+                 f"--method {run.method} trains no PPO; drop --preset")
+        uses = set(SAMPLING) | ({"policy_init"} if run.method == "dpo" else set())
+        ppo_only = [n for n in [f.name for f in dataclasses.fields(PPOConfig)] + list(LOOP)
+                    if n in given and n not in uses and n not in BUDGET]
+        if ppo_only:
+            fail(f"{', '.join(flag(n) for n in ppo_only)} with --method {run.method}: only PPO reads "
+                 f"{'it' if len(ppo_only) == 1 else 'them'} ({run.method} reads "
+                 f"{', '.join(flag(n) for n in sorted(uses))} of PPO's flags); drop "
+                 f"{'it' if len(ppo_only) == 1 else 'them'}")
+    other = [n for n in [f.name for f in dataclasses.fields(DPOConfig)]
+             if n in given and run.method != "dpo" and n not in DPO_BUDGET]
+    other += ["bon_n"] if "bon_n" in given and run.method != "best-of-n" else []
+    if other:
+        fail(f"{', '.join(flag(n) for n in other)} with --method {run.method}: "
+             f"{'--method dpo' if other[0] != 'bon_n' else '--method best-of-n'} reads "
+             f"{'it' if len(other) == 1 else 'them'}; drop {'it' if len(other) == 1 else 'them'} or choose that method")
+    if run.resume and "rebuild_base" in given:
+        fail(f"--rebuild-base with --resume {run.resume}: a resumed run continues on the SFT and reward model it "
+             f"trained with; rebuilding them would change what it continues")
+    real = bool(run.data) or run.model != "tiny"
+    world = sorted(n for n in given if n.startswith("world_"))
+    if world and real:
+        fail(f"{flag(world[0])}: the synthetic world's flag, and this run trains on "
+             f"{'--data ' + run.data if run.data else '--model ' + run.model}; drop it")
+    data_only = [n for n in DATA_ONLY if n in given]
+    if data_only and not real:
+        fail(f"{flag(data_only[0])}: reads --data (real text), and this run is the synthetic world's; add --data "
+             f"PAIRS or drop it")
+    lora_only = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if n in given]
+    if lora_only and not run.lora_r:
+        fail(f"{flag(lora_only[0])}: sets LoRA's adapters, and without --lora-r R there are none; add --lora-r "
+             f"(e.g. 16) or drop it")
+    if run.method != "ppo":
+        return
+    if cfg.advantage != "gae":
+        critic = [n for n in CRITIC if n in given]
+        if critic:
+            fail(f"{', '.join(flag(n) for n in critic)} with --advantage {cfg.advantage}: "
+                 f"{'it sets' if len(critic) == 1 else 'they set'} the critic, and --advantage {cfg.advantage} has "
+                 f"none; drop {'it' if len(critic) == 1 else 'them'}")
+    for name, set_on, needs, needed_on in OFF_UNLESS:
+        if name in given and set_on(cfg) and not needed_on(cfg):
+            fail(f"{flag(name)} {getattr(cfg, name)!r}: acts only with {needs}, which is off in this run"
+                 + (f" (--preset {run.preset})" if run.preset != "ppo-max" else ""))
+    if "heldout_samples" in given and not run.heldout_every:
+        fail(f"--heldout-samples {run.heldout_samples}: the held-out curve's samples, and --heldout-every 0 turns "
+             f"the curve off")
+    if cfg.rollout_batch % cfg.minibatch:
+        fail(f"--minibatch {cfg.minibatch}: must divide --rollout-batch {cfg.rollout_batch} (each PPO epoch takes "
+             f"the rollout batch in equal minibatches; e.g. --minibatch "
+             f"{max(d for d in range(1, cfg.minibatch + 1) if cfg.rollout_batch % d == 0)})")
+    if run.break_at >= run.steps:
+        fail(f"--break-at {run.break_at}: the run's steps are 0 … {run.steps - 1} (--steps {run.steps}); "
+             f"-1 = never")
+
+
+def ignored_budget(run: RunConfig, cfg: PPOConfig, given: set[str], dpo_cfg: DPOConfig | None = None) -> str | None:
+    """One line on the budget flags given that this run does not use (PPO's with a method without PPO, or an
+    estimator without a critic; DPO's without --method dpo), or None: they are accepted, so that one budget can be
+    passed to every method (notebooks/runs.py, the tests' TINY lists)."""
+    unused, why = [], []
+    if run.method != "ppo" and (ppo := [n for n in BUDGET + ("preset",) if n in given]):
+        unused += ppo
+        why.append(f"--method {run.method} trains no PPO")
+    elif run.method == "ppo" and cfg.advantage != "gae" and "critic_pretrain_steps" in given:
+        unused.append("critic_pretrain_steps")
+        why.append(f"--advantage {cfg.advantage} has no critic")
+    if run.method != "dpo" and (dpo := [n for n in DPO_BUDGET if n in given]):
+        unused += dpo
+        why.append(f"--method {run.method} trains no DPO")
+    if not unused:
+        return None
+    values = {**dataclasses.asdict(run), **dataclasses.asdict(cfg), **dataclasses.asdict(dpo_cfg or DPOConfig())}
+    return f"[flags] {' and '.join(why)}: {', '.join(f'{flag(n)} {values[n]}' for n in unused)} not used"
+
+
 class HelpAll(argparse.Action):
     """--help-all: every flag of every configuration, then exit (as --help does)."""
 
@@ -219,6 +340,7 @@ def parse_configs(argv=None):
         data_tag = f"-{Path(run.data).name.split('.')[0]}" if run.data and run.model == "tiny" else ""
         run.out = f"runs/{run_name(run, ppo)}{data_tag}{lora_tag(run)}-seed{run.seed}"
     validate(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg)
+    validate_combinations(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg, given)
     return run, sft_cfg, rm_cfg, ppo, world, dpo_cfg
 
 
@@ -273,7 +395,11 @@ def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfi
         except ValueError as e:
             fail(str(e))
         argv = resumed_argv(argv, run)
-    return (argv, *resolve(argv))
+    configs = resolve(argv)
+    note = ignored_budget(configs[0], configs[3], given_flags(argv), configs[5])
+    if note and int(os.environ.get("RANK", "0")) == 0:  # once, by the process that prints
+        print(note)
+    return (argv, *configs)
 
 
 def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
@@ -290,6 +416,7 @@ def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         fail(f"{record}: damaged run record ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
              f"restore it, or delete it to resume with the flags given now")
+    recorded = [a for a in recorded if a != "--rebuild-base"]  # the run's stages 1-2 were built; a resume reuses them
     combined = recorded + argv + ["--out", run.out]
     before, after = resolve(recorded + ["--out", run.out]), resolve(combined)
     for prefix, old, new in zip(("", "", "", "", "world-", ""), before, after):

@@ -36,7 +36,6 @@ References: Hu et al. 2021 (LoRA); Dettmers et al. 2023 (QLoRA: 4-bit NF4 frozen
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import shutil

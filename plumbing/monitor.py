@@ -494,7 +494,10 @@ class LogLines(io.TextIOBase):
 class RunLog:
     """What the PPO loop writes and prints, behind one call per step (record). metrics.jsonl holds exactly the
     completed steps: a resumed run rewrites it from `history` (the steps before the checkpoint), samples.jsonl from
-    `samples` (their rows; [] for a new run), and appends; only rank 0 writes (the other ranks write to os.devnull)."""
+    `samples` (their rows; [] for a new run), and appends; only rank 0 writes (the other ranks write to os.devnull).
+    Each step's rows reach both files whole or not at all: a write that fails (a full disk) cuts both files back to
+    where the step began, so neither ends in a cut line, and raises cli.WriteFailed naming the file (a resume reads
+    the rows of the steps before its checkpoint, all complete)."""
 
     def __init__(self, out, monitor: CollapseMonitor, history: list[dict], samples: list[dict], main_rank: bool = True,
                  tracker: Tracker | None = None):
@@ -503,13 +506,40 @@ class RunLog:
         self.monitor, self.history, self.main_rank = monitor, history, main_rank
         self.tracker = tracker if main_rank and tracker is not None else Tracker("none", out, "")
         self.alarm_info: dict | None = None
+        self.out = out
         if main_rank:  # atomic: a crash here loses nothing, and another rank reading metrics.jsonl never sees it torn
             from plumbing.checkpoint import atomic_write_text
             atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
             atomic_write_text(out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
-        import os
-        self.metrics_f = open(out / "metrics.jsonl" if main_rank else os.devnull, "a")
-        self.samples_f = open(out / "samples.jsonl" if main_rank else os.devnull, "a")
+        self.paths = (out / "metrics.jsonl", out / "samples.jsonl") if main_rank else (os.devnull, os.devnull)
+        # unbuffered: what write() took is in the file, so a failed write leaves nothing behind to be flushed later
+        self.metrics_f, self.samples_f = (open(path, "ab", buffering=0) for path in self.paths)
+
+    def append(self, rows: list[tuple[Any, Any, str]]) -> None:
+        """Each (file, path, text) of one step, all or none: on a failed write every file is cut back to its length
+        before this call (ftruncate frees blocks, so it works on a full disk too), then cli.WriteFailed names the path
+        that failed, the bytes of the step's rows, and the checkpoint a --resume would continue from."""
+        started = []
+        for f, path, text in rows:
+            data = memoryview(text.encode())
+            try:
+                started.append((f, f.seek(0, os.SEEK_END)))
+                while data:
+                    data = data[f.write(data):]
+            except Exception as e:
+                for g, length in started:
+                    try:
+                        g.truncate(length)
+                    except OSError:
+                        pass
+                from plumbing.checkpoint import write_failure
+                latest = find_latest(self.out)
+                failed = write_failure(e, path, sum(len(t.encode()) for _, _, t in rows),
+                                       f"its rows end with the step before; `train.py --resume {self.out}` continues "
+                                       f"from {latest.name if latest else 'the start'} with more room", writing=True)
+                if failed is None:
+                    raise
+                raise failed from None
 
     def steps(self, start: int, total: int, bar: bool = True):
         """range(start, total) under a progress bar (rank 0 only; none with bar=False) that starts at `start` of
@@ -527,16 +557,15 @@ class RunLog:
         from tqdm import tqdm
         alarm = self.monitor.update(step, m, scores)
         m["alarm/collapse"] = alarm is not None
+        gold = judged if judge_key == "reward/gold" else None
+        sample = {"step": step, "scores": scores, "gold": gold,
+                  **({} if gold is not None or judged is None else {"judge": judged}),
+                  "examples": [[p, t] for p, t in zip(prompts[:4], texts[:4])]}
+        self.append([(self.metrics_f, self.paths[0], json.dumps(m) + "\n"),
+                     (self.samples_f, self.paths[1], json.dumps(sample) + "\n")])
         self.history.append(m)
-        self.metrics_f.write(json.dumps(m) + "\n")
-        self.metrics_f.flush()
         if self.tracker.writer is not None:  # --log-with tensorboard / wandb
             self.tracker.log(m, step)
-        gold = judged if judge_key == "reward/gold" else None
-        self.samples_f.write(json.dumps({"step": step, "scores": scores, "gold": gold,
-                                         **({} if gold is not None or judged is None else {"judge": judged}),
-                                         "examples": [[p, t] for p, t in zip(prompts[:4], texts[:4])]}) + "\n")
-        self.samples_f.flush()
         name = "gold" if judge_key == "reward/gold" else "judge"
         gold_s = "n/a" if m.get(judge_key) is None else f"{m[judge_key]:+.2f}"
         self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{name: gold_s}, kl=f"{m['kl/ref']:.3f}",

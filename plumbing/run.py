@@ -20,9 +20,11 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -75,12 +77,13 @@ class Setup:
     # and samples.jsonl rows
     done: bool = False
     result: dict | None = None
+    lock: "OutLock | None" = None   # this run's hold on --out (hold_out_dir), let go of when the Setup goes
 
 
 def start(argv: list[str]) -> Setup:
     """Every flag and combination checked (plumbing/flags.py), real models resolved and read, the data files read
-    once, --out made and probed, the processes started, an earlier finished run in --out replaced, the run's record
-    written and its start-up line printed: all before any stage trains."""
+    once, --out made, probed and held (one run per folder: hold_out_dir), the processes started, an earlier finished
+    run in --out replaced, the run's record written and its start-up line printed: all before any stage trains."""
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = flags.configure(argv)  # with --resume: the recorded flags
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     if dirs:  # every id of the tokenizer must have an embedding, every text a stage builds fit every model's positions
@@ -89,12 +92,14 @@ def start(argv: list[str]) -> Setup:
     flags.check_data_files(run)
     flags.check_lora(run, sft_cfg, dirs)
     out = make_out_dir(run)
+    lock = hold_out_dir(out)
     rank, world, device = start_processes(run, cfg)
     replace_earlier_run(run, out, rank)
     if rank == 0:  # --resume DIR alone continues from this record
         flags.write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
     print(flags.startup_line(run, (run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)))
-    return Setup(argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg, dirs, out, rank, world, device, time.time())
+    return Setup(argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg, dirs, out, rank, world, device, time.time(),
+                 lock=lock)
 
 
 def stages_1_2(s: Setup) -> Inputs | None:
@@ -222,6 +227,88 @@ def replace_earlier_run(run: RunConfig, out: Path, rank: int) -> None:
         shutil.rmtree(out / checkpoint.CKPT_SUBDIR)
         (out / "summary.json").unlink()  # until this run writes its own, the directory holds no finished run
     engine.barrier()
+
+
+OUT_LOCK = ".run.lock"  # in --out: the file a live run holds locked (hold_out_dir)
+
+
+class OutLock:
+    """An exclusive flock on <out>/.run.lock, with the holder's pid, host and command written in it for the run it
+    turns away. The kernel lets go of it when its file closes: release(), this object's end (the run's Setup that
+    holds it is gone), or the process's, even by SIGKILL."""
+
+    held: "weakref.WeakSet[OutLock]" = weakref.WeakSet()  # this process's, at most one: the latest start()'s
+
+    def __init__(self, path: Path, file):
+        self.path, self.file = path, file
+        OutLock.held.add(self)
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def __del__(self):
+        self.release()
+
+
+def holder(text: str) -> str:
+    """The process named in a lock file's text, as `pid N: its command line` (`pid N on HOST: …` when another
+    machine holds it), the live process's own command line when this machine can read it, on one line."""
+    try:
+        info = json.loads(text)
+        pid, host, argv = int(info["pid"]), str(info["host"]), [str(a) for a in info["argv"]]
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet"
+    if host == socket.gethostname():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").rstrip("\0").split("\0")
+        except OSError:
+            pass
+    command = " ".join(" ".join(argv).split())  # one line, whatever its arguments hold (python -c "…")
+    return f"pid {pid}{'' if host == socket.gethostname() else f' on {host}'}: {command[:200]}"
+
+
+def hold_out_dir(out: Path) -> OutLock | None:
+    """One run per output folder: the exclusive lock on <out>/.run.lock (OutLock), taken without waiting. Held, a
+    second run on the same --out stops here with one line naming the process that holds it, exit 2, before it writes
+    anything there; a killed run's lock goes with it, so it never blocks its own --resume. Under the `deepspeed`
+    launcher every rank of one run shares --out, and rank 0 (the launcher's RANK) holds it for them all: a second
+    launch's rank 0 is turned away and the launcher then stops its other ranks. A start() in a process that ran a run
+    before (the tests, the notebooks' workers) first lets go of that run's lock. None where nothing is locked (ranks
+    other than 0; Windows, without fcntl; a file system without locks, said in one line)."""
+    for earlier in list(OutLock.held):
+        earlier.release()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    path = out / OUT_LOCK
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        fail(f"--out {out}: cannot write there ({e.strerror or e})")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        text = f.read()
+        f.close()
+        fail(f"--out {out} is in use by another run ({holder(text)}); wait for it to end, or pass another --out")
+    except OSError as e:  # e.g. ENOLCK on a network file system without locks
+        f.close()
+        print(f"[out] {path}: cannot be locked ({e.strerror or e}); nothing keeps a second run out of {out}")
+        return None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "argv": sys.argv}) + "\n")
+        f.flush()
+    except OSError:
+        pass  # the lock holds without its note (a full disk); the run turned away names "a process"
+    return OutLock(path, f)
 
 
 def make_out_dir(run: RunConfig) -> Path:
@@ -412,6 +499,11 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: li
     out["frontier"] = evaluation.frontier_point(engine.unwrap(m.policy).eval(), sft_model, m.reward_model,
                                                 inp.tokenizer, heldout, run.eval_samples, run.seed + 1,
                                                 cfg.max_new_tokens, judge.score if judge else proxy)
+    if judge and judge.name == "gold":  # the alignment tax: pre-training text none of the stages trained on
+        texts = toy_world.heldout_pretraining_text(heldout, run.seed)
+        out["pretrain_text"] = {"policy_ppl": evaluation.text_perplexity(engine.unwrap(m.policy), inp.tokenizer, texts),
+                                "sft_ppl": evaluation.text_perplexity(sft_model, inp.tokenizer, texts),
+                                "texts": len(texts)}
     return out
 
 

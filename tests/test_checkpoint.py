@@ -10,7 +10,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from plumbing.checkpoint import GracefulExit, NonFiniteGuard, find_latest, load_checkpoint, save_checkpoint
+from plumbing.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from plumbing.monitor import GracefulExit, NonFiniteGuard
 import plumbing.config
 
 

@@ -311,16 +311,16 @@ def test_plan_of_a_missing_model_fails_clearly(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ --model
-def test_llama_preset_applies_to_flags_not_given(capsys):
+def test_llama_preset_applies_to_flags_not_given():
     argv = ["--model", "llama-7b", "--critic-lr", "1e-6"]
-    run, _, _, cfg, *_ = plumbing.flags.parse_configs(argv)
-    run, cfg, *_ = train.model_preset_configs(argv, run, cfg)
+    configs = plumbing.flags.parse_configs(argv)
+    run, sft_cfg, rm_cfg, cfg = configs[:4]
     assert (cfg.policy_lr, cfg.warmup_frac, cfg.rollout_batch, cfg.minibatch) == (5e-7, 0.1, 128, 32)
     assert (cfg.lam, cfg.clip_eps, cfg.kl_coef, run.grad_ckpt) == (0.9, 0.2, 0.05, True)
     assert cfg.critic_lr == 1e-6, "a flag on the command line wins over the preset"
-    out = capsys.readouterr().out
-    assert "[model] llama-7b" in out and '"policy_lr": 5e-07' in out and "critic_lr" not in out
-    assert "top_p" in out  # the paper's evaluation sampling
+    line = plumbing.flags.startup_line(run, configs)
+    assert line.startswith("preset 'ppo-max' + 'llama-7b' + 'real model'"), line   # the layers, named
+    assert '"policy-lr": 5e-07' in line and '"critic-lr": 1e-06' in line          # what differs from the preset
 
 
 @pytest.mark.parametrize("name", ["llama-7b", "someone/missing-model"])

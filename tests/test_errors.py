@@ -41,6 +41,22 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_lora_bits_without_lora": (["train.py", "--lora-bits", "8"], "--lora-r"),
     "lora_merge_not_an_adapter": (["plumbing/lora.py", "merge", "empty", "--out", "merged"], "empty"),
     "lora_merge_bad_config": (["plumbing/lora.py", "merge", "bad_adapter", "--out", "merged"], "bad_adapter"),
+    # flags a run would ignore, or combinations the loop cannot run (plumbing/config.py: "Flags a run ignores")
+    "train_method_ignores_preset": (["train.py", "--method", "dpo", "--preset", "vanilla", "--steps", "1"],
+                                    "--preset vanilla with --method dpo"),
+    "train_uneven_minibatches": (["train.py", "--rollout-batch", "3", "--minibatch", "2"],
+                                 "--minibatch 2: must divide"),
+    "train_uneven_minibatches_64_48": (["train.py", "--rollout-batch", "64", "--minibatch", "48"],
+                                       "--minibatch 48: must divide --rollout-batch 64"),
+    "train_critic_flag_without_critic": (["train.py", "--advantage", "grpo", "--group-size", "4", "--value-clip",
+                                          "0.1"], "--value-clip with --advantage grpo"),
+    "train_break_at_after_the_run": (["train.py", "--break-at", "5", "--steps", "2"], "--break-at 5"),
+    "train_negative_number_value": (["train.py", "--policy-lr", "-1e-5"], "--policy-lr -1e-05: must be ≥ 0"),
+    "train_dpo_flag_without_dpo": (["train.py", "--dpo-beta", "0.2"], "--dpo-beta with --method ppo"),
+    "train_resume_rebuild_base": (["train.py", "--resume", "empty", "--rebuild-base"], "--rebuild-base with --resume"),
+    # a model directory whose pytorch_model.bin would run code when unpickled: refused before it is loaded
+    "train_model_pickle_runs_code": (["train.py", "--model", "evil_model", "--data", "bad.jsonl"],
+                                     "pytorch_model.bin: its pickle would run code"),
 }
 
 
@@ -52,7 +68,30 @@ def mistake_dir(root: Path) -> Path:
     (root / "empty").mkdir()
     (root / "bad_adapter").mkdir()
     (root / "bad_adapter" / "adapter_config.json").write_text("{not json")
+    evil_model(root / "evil_model", root / "PWNED")
     return root
+
+
+class Evil:
+    """An object whose unpickling runs a shell command (what a malicious pytorch_model.bin holds)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def evil_model(path: Path, marker: Path) -> Path:
+    """A GPT-2 model folder whose only weights are a pytorch_model.bin that would create `marker` if unpickled."""
+    import torch
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                                  "vocab_size": 300, "n_positions": 64, "n_embd": 32, "n_layer": 1,
+                                                  "n_head": 2}))
+    torch.save({"transformer.wte.weight": torch.zeros(300, 32), "x": Evil(marker)}, path / "pytorch_model.bin")
+    return path
 
 
 def run_mistake(name: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -84,6 +123,7 @@ def test_a_mistake_is_one_line_and_exit_2(name, ran):
     assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not (cwd / "runs").exists() or name.startswith("train_resume"), "a mistake must not leave work behind"
+    assert not (cwd / "PWNED").exists(), "no code of a model's pickle ran"
 
 
 # ---- the same, in-process: eval.py's flags, output paths and damaged files, each caught before any work ----------

@@ -173,3 +173,118 @@ def test_a_new_run_replaces_a_finished_run_and_refuses_an_unfinished_one(tmp_pat
     plumbing.run.replace_earlier_run(run, tmp_path, rank=0)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "summary.json").exists()
     assert "replaces it" in capsys.readouterr().out
+
+
+# ---- faults during a run: a disk that fills, a second run on the folder; --resume finishes either --------------------
+FILLS_AT_STEP_6 = r"""
+import shutil, sys, torch
+sys.path.insert(0, {root!r})
+real_save, real_usage = torch.save, shutil.disk_usage
+
+def save(obj, f, *a, **k):  # the second checkpoint's first torch.save meets a full disk, as torch reports it
+    if "step-000006" in str(f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 666432 vs 666320")
+    return real_save(obj, f, *a, **k)
+
+torch.save = save
+shutil.disk_usage = lambda path: real_usage(path)._replace(free=0)
+import train
+from plumbing import cli
+sys.argv = ["train.py", *sys.argv[1:]]
+cli.cli_guard(train.main)()
+"""
+
+ON_A_SMALL_DISK = """
+set -e
+mount -t tmpfs -o size={size} tmpfs {disk}
+set +e
+{python} {train} "$@" --out {disk}/run
+status=$?
+cp -a {disk}/run {copy}
+exit $status
+"""
+
+
+def small_disk(work: Path, size: int, copy: Path) -> list[str] | None:
+    """A shell command that runs train.py with --out on a tmpfs of `size` bytes (in a mount namespace of its own:
+    a user namespace, or as root its own), then copies what the run left there to `copy`; None where no tmpfs can
+    be mounted."""
+    import shutil
+    disk = work / "small-disk"
+    disk.mkdir(exist_ok=True)
+    if shutil.which("unshare") is None:
+        return None
+    for way in (["unshare", "-rm"], ["unshare", "-m"]):
+        probe = subprocess.run(way + ["sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {disk}"], capture_output=True)
+        if probe.returncode == 0:
+            script = ON_A_SMALL_DISK.format(size=size, disk=disk, python=sys.executable, train=ROOT / "train.py",
+                                            copy=copy)
+            return way + ["sh", "-c", script, "sh"]
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", ["tmpfs", "patched"])
+def test_a_disk_that_fills_during_a_checkpoint_ends_in_one_line_and_resume_finishes(work, uninterrupted, metrics,
+                                                                                   disk):
+    """The disk fills during the second checkpoint (step 6; steps 3, 6, 9 saved): a tmpfs with room for one
+    checkpoint and the run's other files but not two (where a tmpfs can be mounted), or torch.save's own error on a
+    full disk (everywhere). The run ends with one line naming the file and the bytes free, exit 3 (cli.WRITE_FAILED),
+    no traceback; step 3's checkpoint is intact, both logs hold whole lines only, and --resume on a disk with room
+    finishes with the uninterrupted run's metrics.jsonl and samples.jsonl."""
+    from plumbing import data
+    copy = work / f"filled-{disk}"
+    if disk == "tmpfs":
+        full = work / "full"
+        ckpt = sum(json.loads((full / "checkpoints" / "step-000009" / "COMPLETE").read_text())["files"].values())
+        rest = sum(p.stat().st_size for p in full.iterdir() if p.is_file() and p.name != "summary.json")
+        cmd = small_disk(work, rest + ckpt * 3 // 2 + (256 << 10), copy)
+        if cmd is None:
+            pytest.skip("cannot mount a tmpfs here (no user namespaces, not root)")
+        proc = subprocess.run(cmd + [*TINY, "--steps", "9"], cwd=work, capture_output=True, text=True, timeout=900)
+    else:
+        proc = subprocess.run([sys.executable, "-c", FILLS_AT_STEP_6.format(root=str(ROOT)), *TINY, "--steps", "9",
+                               "--out", str(copy)], cwd=work, capture_output=True, text=True, timeout=900)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error") or "Traceback" in l]
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write "), lines
+    assert "/checkpoints/step-000006/" in lines[0] and "no space left on device" in lines[0], lines[0]
+    assert "bytes free on" in lines[0] and "step-000003, is intact" in lines[0], lines[0]
+    assert checkpoint.find_intact(copy).name == "step-000003"
+    assert not [p for p in (copy / "checkpoints").iterdir() if ".tmp-" in p.name]
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        assert (copy / log).read_bytes().endswith(b"\n")
+        assert [r["step"] for r in data.read_records(copy / log)] == list(range(6))
+    train.main(["--resume", str(copy)])
+    assert metrics(copy) == uninterrupted
+    assert (copy / "samples.jsonl").read_text() == (work / "full" / "samples.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_live_runs_folder_is_turned_away_and_a_killed_run_resumes(work, uninterrupted, metrics):
+    """Two real processes on one --out: while the first trains (held stopped here, with its step-3 checkpoint
+    written), `train.py --resume` of that folder exits 2 in one line naming the first one's pid, and writes nothing;
+    the first is then killed with SIGKILL (no handler runs), and --resume, the kernel having let go of its lock,
+    finishes with the uninterrupted run's metrics."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "--steps", "9", "--out", "locked"]
+    first = subprocess.Popen(cmd, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while checkpoint.find_latest(work / "locked") is None and time.time() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)  # a live run, between two of its writes
+        assert first.poll() is None, "the first run ended before the second one started"
+        before = {p: p.read_bytes() for p in sorted((work / "locked").rglob("*")) if p.is_file()}
+        second = subprocess.run([sys.executable, str(ROOT / "train.py"), "--resume", "locked"], cwd=work,
+                                capture_output=True, text=True, timeout=300)
+        lines = [l for l in second.stderr.splitlines() if l.strip() and not l.startswith("[")]
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith("error: --out locked is in use by another run "
+                                                       f"(pid {first.pid}: "), lines
+        assert "train.py" in lines[0]
+        assert {p: p.read_bytes() for p in sorted((work / "locked").rglob("*")) if p.is_file()} == before
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    train.main(["--resume", "locked"])
+    assert metrics(work / "locked") == uninterrupted
