@@ -122,6 +122,25 @@ def validate_estimator(run: RunConfig, cfg: PPOConfig) -> None:
         fail(f"--kl-in loss with --kl-estimator {cfg.kl_estimator}: {why}; use k3 (GRPO's) or k2")
     if cfg.dual_clip and cfg.dual_clip <= 1:
         fail(f"--dual-clip {cfg.dual_clip:g}: must be > 1 (for Â < 0 the objective is bounded below by c·Â) or 0 = off")
+    if cfg.dynamic_sampling and (a not in critic_free.GROUPED or G < 2):
+        fail(f"--dynamic-sampling with --advantage {a} --group-size {G}: it drops groups of G responses whose rewards "
+             f"do not differ, which needs a grouped estimator (--advantage grpo, dr-grpo, rloo, reinforce++-baseline) "
+             f"and G ≥ 2")
+    if cfg.overlong_buffer > cfg.max_new_tokens:
+        fail(f"--overlong-buffer {cfg.overlong_buffer}: the last L tokens before --max-new-tokens "
+             f"{cfg.max_new_tokens}; L must be ≤ {cfg.max_new_tokens}")
+    if cfg.clip_eps_high is not None and not cfg.clip_eps:
+        fail(f"--clip-eps-high {cfg.clip_eps_high:g} with --clip-eps {cfg.clip_eps:g}: ε_high raises the upper bound "
+             f"of PPO's clip, and --clip-eps 0 clips nothing; give --clip-eps > 0 or drop --clip-eps-high")
+    if cfg.policy_loss == "cispo" and cfg.ratio == "sequence":
+        fail("--policy-loss cispo with --ratio sequence: CISPO weights each token by its own clipped ratio; GSPO's "
+             "sequence ratio belongs to PPO-clip's loss (--policy-loss ppo-clip)")
+    if cfg.policy_loss == "cispo" and (cfg.dual_clip or cfg.clip_eps_high is not None):
+        fail(f"--policy-loss cispo with {'--dual-clip' if cfg.dual_clip else '--clip-eps-high'}: CISPO has its own "
+             f"bounds on the weight (--cispo-eps-low, --cispo-eps-high) and no PPO clip to change")
+    if cfg.critic_pretrain_target == "returns" and a == "gae" and cfg.critic_pretrain_steps == 0:
+        fail("--critic-pretrain-target returns with --critic-pretrain-steps 0: it sets what pre-training fits, and "
+             "there is no pre-training; give --critic-pretrain-steps > 0 or drop it")
     if a != "gae":
         if run.critic_model:
             fail(f"--critic-model {run.critic_model}: --advantage {a} trains no critic (drop one of them)")
