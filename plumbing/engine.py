@@ -12,6 +12,7 @@ on 8 GPUs):
                                               → data parallelism: rank r of W holds rows r, r + W, … of the global
                                                 batch (groups r, r + W, … with G responses per prompt); without
                                                 torch.distributed every one is the identity
+    alone()                                   → a block one rank runs while the others wait (the cached base)
     unwrap(model)                             → the Hugging Face model inside an engine (what save_pretrained needs)
 
 Run: deepspeed --num_gpus 2 train.py ...      (on a CPU-only machine DeepSpeed picks its CPU accelerator and gloo)
@@ -21,6 +22,7 @@ References: DeepSpeed's `deepspeed.initialize` and ZeRO (Rajbhandari et al. 2020
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -202,14 +204,29 @@ def engine_step(model, loss: Tensor, name: str, nonfinite: list[str]) -> Tensor:
 # Data parallelism (`deepspeed train.py`): rank r of W holds rows r, r + W, r + 2W, … of the global batch.
 # Without torch.distributed (the single-process default) every helper below is the identity.
 # ---------------------------------------------------------------------------------------------------------
+_ALONE = [False]   # inside alone(): this process works as a world of one, whatever the process group says
+
+
 def world_size() -> int:
-    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+    ok = torch.distributed.is_available() and torch.distributed.is_initialized() and not _ALONE[0]
     return torch.distributed.get_world_size() if ok else 1
 
 
 def rank() -> int:
-    ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+    ok = torch.distributed.is_available() and torch.distributed.is_initialized() and not _ALONE[0]
     return torch.distributed.get_rank() if ok else 0
+
+
+@contextlib.contextmanager
+def alone():
+    """Work that one rank does while the others wait at a barrier (the synthetic world's stages 1-2, built once and
+    cached): inside, world_size() is 1 and rank() 0, so its collectives (all_mean, all_sum) and its batches are
+    this process's alone rather than waiting for ranks that are not there."""
+    before, _ALONE[0] = _ALONE[0], True
+    try:
+        yield
+    finally:
+        _ALONE[0] = before
 
 
 def gather_batch(x: Tensor, group: int = 1) -> Tensor:

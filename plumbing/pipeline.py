@@ -25,6 +25,7 @@ Run: python train.py --stages sft,rm [--model DIR --data PAIRS]      (stages 1-2
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -741,9 +742,10 @@ def ppo_inputs(run, cfg: PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
                       judge=dirs.get("judge"), rows=stage_records(records, run, cfg))
     if not main_rank:
         engine.barrier()
-    base, built = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank,
-                             cfg=cfg if main_rank else None)  # rank 0 writes records.json
-    policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
+    with engine.alone() if main_rank else contextlib.nullcontext():  # rank 0 builds; the others wait at the barrier
+        base, built = build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base and main_rank,
+                                 cfg=cfg if main_rank else None)  # rank 0 writes records.json
+        policy = base / "sft" if cfg.policy_init == "sft" else pretrained_model(base, sft_cfg, run.seed)
     if main_rank:
         engine.barrier()
     if not run.data:

@@ -254,7 +254,9 @@ def test_deepspeed_critic_free_groups_stay_whole_and_resume(tmp_path):
     """--advantage grpo --group-size 2 under 2 ranks: each rank takes whole groups and the global batch comes back in
     the one process's prompt order (the first 4 rows: two prompts, each twice); no critic engine is built or
     checkpointed, and a resume under DeepSpeed writes the uninterrupted run's metrics. (That the two ranks' group
-    baselines and the REINFORCE++ whitening equal the one-process ones: tests/test_critic_free.py, on gloo.)"""
+    baselines and the REINFORCE++ whitening equal the one-process ones: tests/test_critic_free.py, on gloo.)
+    The DeepSpeed run starts in a folder without a cached base: rank 0 builds stages 1-2 alone while rank 1 waits,
+    and builds what one process builds (the same SFT weights, the same reward model's held-out curve)."""
     args = [*WORLD, "--rollout-batch", "32", "--minibatch", "16", "--steps", "2", "--save-every", "1",
             "--advantage", "grpo", "--group-size", "2"]
     old = os.getcwd()
@@ -263,20 +265,26 @@ def test_deepspeed_critic_free_groups_stay_whole_and_resume(tmp_path):
         train.main(args + ["--out", "single"])
     finally:
         os.chdir(old)
-    run_deepspeed(tmp_path, *args, "--out", "ds")
-    for a, b in zip(samples(tmp_path / "single"), samples(tmp_path / "ds")):
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    run_deepspeed(fresh, *args, "--out", "ds")
+    [base1], [base2] = (list((d / "runs" / "_base").glob("seed0-*")) for d in (tmp_path, fresh))
+    assert base1.name == base2.name
+    assert (base1 / "rm_log.json").read_text() == (base2 / "rm_log.json").read_text()
+    assert (base1 / "sft" / "model.safetensors").read_bytes() == (base2 / "sft" / "model.safetensors").read_bytes()
+    for a, b in zip(samples(tmp_path / "single"), samples(fresh / "ds")):
         prompts = [p for p, _ in b["examples"]]
         assert prompts == [p for p, _ in a["examples"]] and prompts[0] == prompts[1] and prompts[2] == prompts[3]
         assert len(b["scores"]) == 32
-    ckpt = tmp_path / "ds" / "checkpoints"
+    ckpt = fresh / "ds" / "checkpoints"
     assert sorted(p.name for p in (ckpt / "deepspeed").iterdir()) == ["policy", "rng"]
-    part = tmp_path / "part"
-    shutil.copytree(tmp_path / "ds", part)
+    part = fresh / "part"
+    shutil.copytree(fresh / "ds", part)
     for p in [part / "checkpoints" / "step-000002", *part.glob("checkpoints/deepspeed/*/step-000002*")]:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     (part / "metrics.jsonl").write_text((part / "metrics.jsonl").read_text().splitlines()[0] + "\n")
-    run_deepspeed(tmp_path, "--resume", "part")
-    assert metrics(part) == metrics(tmp_path / "ds")
+    run_deepspeed(fresh, "--resume", "part")
+    assert metrics(part) == metrics(fresh / "ds")
 
 
 # ------------------------------------------------------------------------------------------------ --plan
