@@ -770,12 +770,13 @@ def preference_pairs(run, inp: Inputs, dirs: dict | None) -> tuple[list[dict], l
 
 
 def stop_after_stages(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.WorldConfig,
-                      dirs: dict | None, rank: int, cfg: PPOConfig) -> dict:
+                      dirs: dict | None, rank: int, cfg: PPOConfig | None) -> dict:
     """--stages sft or sft,rm: the trained directories (for the tiny world and --data, the cached base, and
-    --out/records.json from it)."""
+    --out/records.json from it unless cfg is None: an earlier run in --out keeps its own)."""
     if dirs is None:
         if rank == 0:
-            build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base, cfg=cfg)
+            with engine.alone():   # the other ranks wait at the barrier
+                build_base(run, sft_cfg, rm_cfg, world_cfg, rebuild=run.rebuild_base, cfg=cfg)
         engine.barrier()
         base = base_dir(run, sft_cfg, rm_cfg, world_cfg)
         dirs = {"sft": str(base / "sft"), "reward": str(base / "reward_model")}

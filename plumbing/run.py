@@ -94,9 +94,10 @@ def start(argv: list[str]) -> Setup:
     out = make_out_dir(run)
     lock = hold_out_dir(out)
     rank, world, device = start_processes(run, cfg)
-    replace_earlier_run(run, out, rank)
-    if rank == 0:  # --resume DIR alone continues from this record
-        flags.write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
+    if not keeps_earlier_run(run, out):   # --stages sft[,rm] beside a run in --out leaves that run as it is
+        replace_earlier_run(run, out, rank)
+        if rank == 0:  # --resume DIR alone continues from this record
+            flags.write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
     print(flags.startup_line(run, (run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)))
     return Setup(argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg, dirs, out, rank, world, device, time.time(),
                  lock=lock)
@@ -108,11 +109,12 @@ def stages_1_2(s: Setup) -> Inputs | None:
     ends the run after sft or rm."""
     if s.dirs:  # one split of --data for every stage (pipeline.run_records); the tiny model's: in the cached base
         s.records = real_model_records(s.run, s.dirs)
-        if s.rank == 0:  # records.json: what each stage reads (pipeline.stage_records), before the first one runs
+        if s.rank == 0 and not keeps_earlier_run(s.run, s.out):  # records.json: what each stage reads, up front
             write_stage_records(s.out, stage_records(s.records, s.run, s.ppo))
         s.dirs = real_model_stages(s.run, s.ppo, s.sft, s.rm, s.dirs, s.rank, s.world, s.device, s.timings, s.records)
     if last_stage(s.run) in ("sft", "rm"):
-        s.done, s.result = True, stop_after_stages(s.run, s.sft, s.rm, s.world_cfg, s.dirs, s.rank, s.ppo)
+        s.done, s.result = True, stop_after_stages(s.run, s.sft, s.rm, s.world_cfg, s.dirs, s.rank,
+                                                   None if keeps_earlier_run(s.run, s.out) else s.ppo)
         return None
     inp = ppo_inputs(s.run, s.ppo, s.sft, s.rm, s.world_cfg, s.dirs, s.rank == 0, s.records)
     inp.timings.update(s.timings)
@@ -210,6 +212,14 @@ def tracker(run: RunConfig, inp: Inputs, out: Path, rank: int) -> collapse.Track
                 n += 1
     return t
 
+
+
+def keeps_earlier_run(run: RunConfig, out: Path) -> bool:
+    """True when this run trains no PPO (--stages ending at sft or rm) and --out holds a run (its summary or
+    checkpoints): such a run only builds stages 1-2 (the synthetic world's into the cached base), so the earlier
+    run, its checkpoints, summary and record (run_config.json, records.json) stay as they are."""
+    holds = (out / "summary.json").is_file() or any((out / checkpoint.CKPT_SUBDIR).glob("step-*"))
+    return last_stage(run) in ("sft", "rm") and not run.resume and holds
 
 
 def replace_earlier_run(run: RunConfig, out: Path, rank: int) -> None:

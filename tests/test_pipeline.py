@@ -53,6 +53,20 @@ def test_pipeline_writes_metrics_and_summary(work):
 
 
 @pytest.mark.slow
+def test_stages_sft_rm_leave_a_finished_run_in_out_as_it_is(work):
+    """The README's step-through begins with `python train.py --stages sft,rm` after `python train.py`: the same
+    --out. Stages 1-2 go to the cached base; the finished run keeps its summary, checkpoints, record and records."""
+    run(work, "kept", "--steps", "2", "--save-every", "1")
+    out = work / "kept"
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".run.lock"}
+    assert (out / "summary.json").exists() and list((out / "checkpoints").glob("step-*"))
+    result = run(work, "kept", "--stages", "sft,rm")
+    assert result["stages"] == "sft,rm" and Path(result["sft"]).is_dir()
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".run.lock"}
+    assert after == before
+
+
+@pytest.mark.slow
 def test_pipeline_same_seed_same_metrics(work, metrics):
     run(work, "b1")
     run(work, "b2")
