@@ -26,8 +26,7 @@ Run:
   python notebooks/claims.py --operating-point         the pilot runs of OPERATING_POINT and the candidate it picks
   python notebooks/claims.py --summary [--run]         the README's table: SFT, PPO-max, vanilla PPO, best-of-4
   python notebooks/claims.py --records                 every record again from the cached runs (no training)
-  python notebooks/claims.py --check-code SEED         CHECK's runs of SEED again: do the records stand for this code?
-  python notebooks/claims.py --check-code SEED --against COMMIT   ... compared with COMMIT's code on this machine
+  python notebooks/claims.py --registry v1 --table     the exploratory registry (v1), as committed; v2 is the default
 --run trains through notebooks/runs.py (a pool of single-thread worker processes, one per core; cached runs whose
 config and code match are reused) and prints the runs per hour at the end. Everything else reads
 notebooks/results/ only.
@@ -49,7 +48,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +146,7 @@ LONG = {"ppo-max-long": 400}   # variants whose PPO budget is not STEPS
 
 
 def steps_of(variant: str) -> int:
-    return LONG.get(variant, STEPS)
+    return R.long.get(variant, STEPS)
 
 
 # =====================================================================================================================
@@ -655,7 +654,7 @@ def combine(answers: list[str]) -> str:
 # Records: one small JSON per run (and per seed's base) under notebooks/results/, committed, read by the verdicts
 # =====================================================================================================================
 def record_path(variant: str, seed: int) -> Path:
-    return RESULTS / f"{variant}-seed{seed}.json"
+    return R.results / f"{variant}-seed{seed}.json"
 
 
 def load_run(run_dir: Path) -> dict:
@@ -685,7 +684,7 @@ def git_commit() -> str:
 def config_key(variant: str, seed: int) -> str:
     """A hash of what the run's summary.json must say for it to stand for this variant and seed (runs.expected)."""
     import runs
-    want = runs.expected(runs.argv_for(variant, VARIANTS[variant], seed, steps_of(variant)))
+    want = runs.expected(runs.argv_for(variant, R.variants[variant], seed, steps_of(variant)))
     return hashlib.sha256(json.dumps(want, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -695,26 +694,41 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
     import runs
     if variant == BASE:
         got = load_base(base)
-        metrics = {k: float(f(got)) for k, f in BASE_METRICS.items()}
+        metrics = {k: float(f(got)) for k, f in R.base_metrics.items()}
         key, flags = base.name, ()
     else:
         got = load_run(run_dir)
-        names = RUN_METRICS if got["metrics"] else FINAL_METRICS   # DPO, best-of-n: a final evaluation, no PPO steps
-        values = {k: RUN_METRICS[k](got) for k in names}
+        names = R.run_metrics if got["metrics"] else R.final_metrics   # DPO, best-of-n: a final evaluation, no PPO steps
+        values = {k: R.run_metrics[k](got) for k in names}
         # best-of-n has no per-token KL (summary.json's final kl is None; its KL per response is exact): not recorded
-        metrics = {k: float(x) for k, x in values.items() if not (x is None and names is FINAL_METRICS)}
-        key, flags = config_key(variant, seed), VARIANTS[variant]
-    # the machine too: the run under runs/ was trained here, and its last bits depend on the CPU (check_code)
-    return {"variant": variant, "flags": list(flags), "seed": seed,
-            "steps": 0 if variant == BASE else steps_of(variant),
-            "config": key, "code": runs.code_version(), "commit": git_commit(), "machine": machine(),
-            "metrics": metrics}
+        metrics = {k: float(x) for k, x in values.items() if not (x is None and names is R.final_metrics)}
+        key, flags = config_key(variant, seed), R.variants[variant]
+    # the machine too: the run under runs/ was trained here, and its last bits depend on the CPU
+    rec = {"variant": variant, "flags": list(flags), "seed": seed, "steps": 0 if variant == BASE else steps_of(variant),
+           "config": key, "code": runs.code_version(), "commit": git_commit(), "machine": machine(), "metrics": metrics}
+    if R.name != "v1":  # the per-step curve too (metrics.jsonl, or the reward model's log), so that a later question
+        # (the §5.2 alarm on every run, a metric not planned here) reads the records without training again
+        rec["curve"] = compress(got["rm_log"] if variant == BASE else got["metrics"])
+    return rec
 
 
-def records() -> dict[tuple[str, int], dict]:
-    """Every committed record: {(variant, seed): record}."""
+def compress(rows: list[dict]) -> str:
+    """Rows as gzip-compressed JSON lines in base64: a record's per-step curve (decompress() reads it back)."""
+    import base64
+    import gzip
+    return base64.b64encode(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), mtime=0)).decode()
+
+
+def decompress(text: str) -> list[dict]:
+    import base64
+    import gzip
+    return [json.loads(line) for line in gzip.decompress(base64.b64decode(text)).decode().splitlines()]
+
+
+def records(reg: "Registry | None" = None) -> dict[tuple[str, int], dict]:
+    """Every committed record of the selected registry (or of `reg`): {(variant, seed): record}."""
     out = {}
-    for p in sorted(RESULTS.glob("*-seed*.json")):
+    for p in sorted((reg or R).results.glob("*-seed*.json")):
         r = json.loads(p.read_text())
         out[(r["variant"], r["seed"])] = r
     return out
@@ -768,23 +782,23 @@ def verdict(claim: Claim, recs: dict | None = None) -> dict:
         missing = [s for s, x in d.items() if x is None]
         if missing:   # the seeds run so far, judged as they stand: printed, never the claim's answer
             have = [x for x in d.values() if x is not None]
-            interim = judge(have, MARGINS[part.margin], part.direction) if len(have) > 1 else None
+            interim = R.judge(have, R.margins[part.margin], part.direction) if len(have) > 1 else None
             parts.append({"part": part, "answer": "not run", "missing": missing, "interim": interim})
         else:
-            parts.append({"part": part, **judge(list(d.values()), MARGINS[part.margin], part.direction)})
+            parts.append({"part": part, **R.judge(list(d.values()), R.margins[part.margin], part.direction)})
     answers = [p["answer"] for p in parts]
     return {"claim": claim, "parts": parts, "answer": "not run" if "not run" in answers else combine(answers)}
 
 
 def verdicts(recs: dict | None = None) -> list[dict]:
     recs = records() if recs is None else recs
-    return [verdict(c, recs) for c in CLAIMS]
+    return [verdict(c, recs) for c in R.claims]
 
 
 def first_stage(claim: Claim, recs: dict | None = None) -> dict | None:
-    """The claim's verdict on the seeds it was first planned on (FIRST_PLAN), where the second stage changed them;
+    """The claim's verdict on the seeds it was first planned on (R.first_plan), where the second stage changed them;
     else None."""
-    first = FIRST_PLAN[claim.id]
+    first = R.first_plan[claim.id]
     return None if first == claim.seeds else verdict(replace(claim, seeds=first), recs)
 
 
@@ -844,11 +858,13 @@ def part_text(p: dict) -> str:
 
 def table(recs: dict | None = None) -> str:
     """docs/findings.md's verdict table, markdown."""
-    lines = ["| fig | the paper's claim | what was measured (paired by seed; mean [95 % interval]) | seeds | verdict | "
-             "notebook |", "|---|---|---|---|---|---|"]
+    head = ("the paper's claim", "mean [95 % interval]") if R.name == "v1" else (
+        "the claim (the paper's unless it says so)", "mean [90 % interval]; the margins for which it holds")
+    lines = [f"| fig | {head[0]} | what was measured (paired by seed; {head[1]}) | seeds | verdict | notebook |",
+             "|---|---|---|---|---|---|"]
     for v in verdicts(recs):
         c = v["claim"]
-        parts = "; ".join(part_text(p) for p in v["parts"])
+        parts = "; ".join(R.part_text(p) for p in v["parts"])
         nb = f"[{c.notebook}](../notebooks/{c.notebook}.ipynb)" if c.notebook else ""
         built = " (by construction)" if c.construction else ""
         first = first_stage(c, recs)
@@ -859,9 +875,6 @@ def table(recs: dict | None = None) -> str:
 
 
 FINDINGS = ROOT / "docs" / "findings.md"
-TABLE_MARKS = ("<!-- claims.py --table -->", "<!-- end of claims.py --table -->")
-TALLY_MARKS = ("<!-- claims.py --tally -->", "<!-- end of claims.py --tally -->")
-RULE_MARKS = ("<!-- claims.py rule -->", "<!-- end of claims.py rule -->")
 README = ROOT / "README.md"
 SUMMARY_MARKS = ("<!-- claims.py --summary -->", "<!-- end of claims.py --summary -->")
 
@@ -880,10 +893,19 @@ def rule_text() -> str:
             f"has no record; its parts are then printed on the seeds run so far, marked interim.")
 
 
+def marks(name: str) -> tuple[tuple[str, str], tuple[str, str], tuple[str, str]]:
+    """docs/findings.md's marks of a registry's rule, table and tally: v2's plain, v1's with --registry v1."""
+    flag = "" if name == "v2" else f" --registry {name}"
+    return tuple((f"<!-- claims.py{flag} {what} -->", f"<!-- end of claims.py{flag} {what} -->")
+                 for what in ("rule", "--table", "--tally"))
+
+
 def findings_blocks(recs: dict | None = None) -> dict[tuple[str, str], str]:
-    """What docs/findings.md holds between each pair of marks: the table and the tally, from the records."""
+    """What docs/findings.md holds between each pair of the selected registry's marks: its rule, table and tally, from
+    its records."""
     recs = records() if recs is None else recs
-    return {RULE_MARKS: rule_text(), TABLE_MARKS: table(recs), TALLY_MARKS: f"`{json.dumps(tally(recs))}`"}
+    rule, table_marks, tally_marks = marks(R.name)
+    return {rule: R.rule_text(), table_marks: table(recs), tally_marks: f"`{json.dumps(tally(recs))}`"}
 
 
 def write_findings(recs: dict | None = None, path: Path = FINDINGS, blocks: dict | None = None) -> None:
@@ -901,18 +923,18 @@ def write_findings(recs: dict | None = None, path: Path = FINDINGS, blocks: dict
 def show(ids: list[str], recs: dict | None = None) -> None:
     """Print each named claim part by part (the notebooks' verdict cells)."""
     recs = records() if recs is None else recs
-    by_id = {c.id: c for c in CLAIMS}
+    by_id = {c.id: c for c in R.claims}
     for i in ids:
         v = verdict(by_id[i], recs)
         print(f"{i}: {by_id[i].sentence}")
         for p in v["parts"]:
-            print(f"    {part_text(p)}")
+            print(f"    {R.part_text(p)}")
         print(f"  → {v['answer']}\n")
 
 
 def of_notebook(name: str) -> list[Claim]:
     """The claims a figure notebook shows (Claim.notebook == name), in the registry's order."""
-    out = [c for c in CLAIMS if c.notebook == name]
+    out = [c for c in R.claims if c.notebook == name]
     if not out:
         raise ValueError(f"no claim of the registry names the notebook {name!r}")
     return out
@@ -948,7 +970,7 @@ def holds(name: str, recs: dict | None = None) -> None:
 # =====================================================================================================================
 def planned(claims: list[Claim] | None = None) -> list[tuple[str, int]]:
     """Every (variant, seed) the claims read (all claims by default), bases included, in a stable order."""
-    want = {(v, s): None for c in (claims or CLAIMS) for part in c.parts for v in part_variants(part) for s in c.seeds}
+    want = {(v, s): None for c in (claims or R.claims) for part in c.parts for v in part_variants(part) for s in c.seeds}
     return sorted(want, key=lambda vs: (vs[0] == BASE, vs[1], vs[0]))
 
 
@@ -967,69 +989,7 @@ def recorded(variant: str, seed: int) -> bool:
         return False
     rec = json.loads(path.read_text())
     key = base_name(seed) if variant == BASE else config_key(variant, seed)
-    return same_code(rec.get("code"), runs.code_version()) and rec.get("config") == key
-
-
-EQUIVALENCE = RESULTS / "code-equivalence.json"
-CHECK = (BASE, "vanilla", "ppo-max", "rnorm-5")   # what --check-code trains again: the base, and one run of each family
-
-
-def same_code(a: str | None, b: str) -> bool:
-    """Whether records of code version `a` stand for code `b`: the same version, or linked by code-equivalence.json,
-    whose every entry says a later version re-trained CHECK's runs and got every recorded metric to the last bit."""
-    if a == b:
-        return True
-    links = json.loads(EQUIVALENCE.read_text()) if EQUIVALENCE.exists() else []
-    group, grew = {b}, True
-    while grew:
-        grew = False
-        for e in links:
-            pair = {e["code"], e["same_as"]}
-            if pair & group and not pair <= group:
-                group |= pair
-                grew = True
-    return a in group
-
-
-# CHECK's runs of a seed trained from scratch by the code of the tree this script runs in (its own claims.py and
-# runs.py), their metrics printed as the last line: {"code", "metrics": {variant: {metric: value}}}. A script, so that
-# --check-code --against trains an older commit's code in a git worktree exactly as it trains this tree's.
-CHECK_DRIVER = """
-import json, shutil, sys
-sys.path.insert(0, "notebooks")
-import claims, runs
-if __name__ == "__main__":
-    seed = int(sys.argv[1])
-    runs.configure(full=True)
-    base = claims.ROOT / "runs" / "_base" / claims.base_name(seed)
-    if base.exists():   # a cached base may come from other code: this code builds it again
-        shutil.rmtree(base)
-    check = [v for v in claims.CHECK if v != claims.BASE]
-    for v in check:
-        shutil.rmtree(runs.out_dir(f"check-{v}", seed), ignore_errors=True)
-    done = runs.run_many([(f"check-{v}", claims.VARIANTS[v], seed, claims.LONG.get(v)) for v in check])
-    got = {claims.BASE: claims.make_record(claims.BASE, seed, None, runs.base_dir(seed))["metrics"]}
-    got.update({v: claims.make_record(v, seed, r["dir"])["metrics"] for v, r in zip(check, done)})
-    print(json.dumps({"code": runs.code_version(), "metrics": got}))
-"""
-
-
-def check_metrics(tree: Path, seed: int) -> dict:
-    """CHECK_DRIVER run in `tree` (this repository or a worktree of a commit): {"code", "metrics"}."""
-    print(f"training {', '.join(CHECK)} of seed {seed} with the code of {tree}", flush=True)
-    done = subprocess.run([sys.executable, "-c", CHECK_DRIVER, str(seed)], cwd=tree, stdout=subprocess.PIPE, text=True)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        raise SystemExit(f"error: --check-code {seed}: training CHECK's runs in {tree} failed "
-                         f"(exit status {done.returncode})")
-    return json.loads(lines[-1])
-
-
-def metric_differences(a: dict, b: dict) -> list[tuple[str, str, object, object]]:
-    """(variant, metric, a's value, b's value) wherever two {variant: {metric: value}} differ (NaN equals NaN)."""
-    def same(x, y):
-        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
-    return [(v, k, a[v][k], b.get(v, {}).get(k)) for v in a for k in a[v] if not same(a[v][k], b.get(v, {}).get(k))]
+    return rec.get("code") == runs.code_version() and rec.get("config") == key
 
 
 def machine() -> str:
@@ -1045,106 +1005,6 @@ def machine() -> str:
     return f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
 
 
-def commit_of(ref: str) -> str:
-    """The full hash of commit `ref` of this repository; a one-line error (exit status 2) if it is none."""
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", ref + "^{commit}"],
-                          capture_output=True, text=True)
-    if done.returncode:
-        print(f"error: --against {ref}: not a commit of {ROOT}", file=sys.stderr)
-        raise SystemExit(2)
-    return done.stdout.strip()
-
-
-def code_version_at(sha: str) -> str:
-    """runs.code_version of commit `sha`'s top-level .py files, read from git (no checkout)."""
-    import runs
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", sha], capture_output=True, text=True,
-                           check=True).stdout.split()
-    files = {n: subprocess.run(["git", "-C", str(ROOT), "show", f"{sha}:{n}"], capture_output=True, text=True,
-                               check=True).stdout for n in names if n.endswith(".py")}
-    return runs.code_version(files)
-
-
-def check_code(seed: int, against: str | None = None) -> bool:
-    """Train CHECK's runs of `seed` again with this code (into runs/check-*, the base into a fresh runs/_base) and
-    compare every metric with its committed record. All equal: this code version is recorded as equivalent to the
-    records' (code-equivalence.json), so --run reuses their records. Returns whether they were all equal.
-
-    The last bit of a metric depends on the machine too (the CPU's kernels round differently), so on a machine other
-    than the records' even their own code may not reproduce them. `against` (a commit whose code the records stand
-    for) compares on this machine instead: CHECK's runs trained by that commit's code (a git worktree) and by this
-    code, all equal: this code is linked to that commit's version."""
-    import runs
-    missing = [v for v in CHECK if not record_path(v, seed).exists()]
-    if missing:
-        print(f"error: --check-code {seed}: no committed record of {', '.join(missing)} on seed {seed}",
-              file=sys.stderr)
-        raise SystemExit(2)
-    recs = {v: json.loads(record_path(v, seed).read_text()) for v in CHECK}
-    old = {r["code"] for r in recs.values()}
-    if any(not same_code(a, b) for a in old for b in old):  # versions already linked stand for each other
-        raise SystemExit(f"error: the records of seed {seed} come from code versions that no link makes one: "
-                         f"{sorted(old)}")
-    old = max(old, key=[r["code"] for r in recs.values()].count)  # the version most of them carry: the link's end
-    now = runs.code_version()
-    recorded_metrics = {v: recs[v]["metrics"] for v in CHECK}
-    if against is None:
-        got = check_metrics(ROOT, seed)["metrics"]
-        differ = metric_differences(recorded_metrics, got)
-        for v, k, a, b in differ:
-            print(f"{v} seed {seed} {k}: recorded {a!r}, now {b!r}")
-        if differ:
-            if same_code(old, now):
-                print(f"this code ({now}) is the records' own (or linked to it), yet {len(differ)} metrics differ: "
-                      f"this machine ({machine()}) rounds differently from the one the records came from. To link a "
-                      f"new code version here, compare it with a commit of the records' code: --check-code {seed} "
-                      f"--against COMMIT")
-            else:
-                print(f"code {now} does not reproduce the records of code {old}: --run will train every run again "
-                      f"(if the records' own code does not reproduce them on this machine either, compare with a "
-                      f"commit of it: --check-code {seed} --against COMMIT)")
-            return False
-        same_as, ref_sha = old, None
-    else:
-        ref_sha = commit_of(against)
-        ref_code = code_version_at(ref_sha)
-        if not same_code(ref_code, old):
-            print(f"error: --against {against}: its code ({ref_code}) is not the records' ({old}) nor linked to it",
-                  file=sys.stderr)
-            raise SystemExit(2)
-        import shutil
-        import tempfile
-        work = Path(tempfile.mkdtemp(prefix="ppo-max-check-"))
-        tree = work / f"tree-{ref_sha[:10]}"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref_sha], check=True,
-                       capture_output=True)
-        try:
-            ref = check_metrics(tree, seed)["metrics"]
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
-            shutil.rmtree(work, ignore_errors=True)
-        got = check_metrics(ROOT, seed)["metrics"]
-        n = sum(len(m) for m in recorded_metrics.values())
-        print(f"commit {ref_sha[:10]}'s code on this machine ({machine()}): "
-              f"{n - len(metric_differences(recorded_metrics, ref))} of the {n} recorded metrics equal to the records")
-        differ = metric_differences(ref, got)
-        for v, k, a, b in differ:
-            print(f"{v} seed {seed} {k}: commit {ref_sha[:10]} {a!r}, this code {b!r}")
-        if differ:
-            print(f"code {now} does not reproduce code {ref_code}'s runs on this machine: --run will train every run "
-                  f"again")
-            return False
-        same_as = ref_code
-    links = json.loads(EQUIVALENCE.read_text()) if EQUIVALENCE.exists() else []
-    links.append({"code": now, "same_as": same_as, "commit": git_commit(), "seed": seed, "checked": list(CHECK),
-                  "metrics": sum(len(m) for m in got.values()), "machine": machine(),
-                  **({"against": ref_sha[:12]} if ref_sha else {})})
-    EQUIVALENCE.write_text(json.dumps(links, indent=1) + "\n")
-    what = f"commit {ref_sha[:10]}'s code ({same_as}) on this machine" if ref_sha else f"the records of {same_as}"
-    print(f"code {now} reproduces every metric of {', '.join(CHECK)} on seed {seed} of {what}: recorded in "
-          f"{EQUIVALENCE}")
-    return True
-
 
 def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -> None:
     """Train (or reuse) every planned run of the claims `only` (all by default; on `seeds` only, if given) that no
@@ -1158,19 +1018,19 @@ def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -
     second), so that a seed without a base has it built by one worker while the others train on other seeds."""
     import runs
     runs.configure(full=True)
-    todo = [(v, s) for v, s in planned([c for c in CLAIMS if not only or c.id in only])
+    todo = [(v, s) for v, s in planned([c for c in R.claims if not only or c.id in only])
             if (seeds is None or s in seeds) and not recorded(v, s)]
-    RESULTS.mkdir(exist_ok=True)
+    R.results.mkdir(exist_ok=True)
     by_config: dict[str, tuple[str, int]] = {}
     for v, s in todo:
         if v != BASE:
             by_config.setdefault(config_key(v, s), (v, s))
     per_seed: dict[int, list] = {}
     for v, s in by_config.values():
-        per_seed.setdefault(s, []).append((v, VARIANTS[v], s, LONG.get(v)))
+        per_seed.setdefault(s, []).append((v, R.variants[v], s, R.long.get(v)))
     rounds = [[per_seed[s][k] for s in sorted(per_seed) if k < len(per_seed[s])]
               for k in range(max(map(len, per_seed.values()), default=0))]
-    specs = sorted([spec for r in rounds for spec in r], key=lambda spec: spec[0] not in LONG)   # stable
+    specs = sorted([spec for r in rounds for spec in r], key=lambda spec: spec[0] not in R.long)   # stable
     waiting = {config_key(v, s): [] for v, s in by_config.values()}   # a run's config → the records it completes
     for v, s in todo:
         if v != BASE:
@@ -1220,14 +1080,14 @@ def rewrite_records() -> int:
     import runs
     runs.configure(full=True)
     reps, n = {}, 0
-    for v, s in planned() + [(v, s) for v in SUMMARY for s in SEEDS]:
+    for v, s in planned() + [(v, s) for v in R.summary for s in R.seeds]:
         if v == BASE:
             record_path(v, s).write_text(json.dumps(make_record(v, s, None, runs.base_dir(s)), indent=1) + "\n")
             n += 1
             continue
         key = config_key(v, s)
         rep = reps.setdefault(key, (v, s))
-        found = runs.cached(rep[0], VARIANTS[rep[0]], s, LONG.get(rep[0]))
+        found = runs.cached(rep[0], R.variants[rep[0]], s, R.long.get(rep[0]))
         if found is not None:
             record_path(v, s).write_text(json.dumps(make_record(v, s, found["dir"]), indent=1) + "\n")
             n += 1
@@ -1237,44 +1097,46 @@ def rewrite_records() -> int:
 def summary(recs: dict | None = None, seeds: tuple[int, ...] | None = None) -> str:
     """The README's table from the records: held-out gold, win − lose against SFT, KL per response (temperature
     1; best-of-n's is exact, log n − (n − 1)/n) and length of SFT, PPO-max, vanilla PPO and best-of-4 (mean ± sd over
-    `seeds`: by default every seed of SEEDS with records of PPO-max and vanilla PPO; a column whose records are
+    `seeds`: by default every seed of R.seeds with records of PPO-max and vanilla PPO; a column whose records are
     missing on them says so), and PPO-max − best-of-4 paired by seed."""
     recs = records() if recs is None else recs
     if seeds is None:
-        seeds = tuple(s for s in SEEDS if all((v, s) in recs for v in SUMMARY[:2]))
+        seeds = tuple(s for s in R.seeds if all((v, s) in recs for v in R.summary[:2]))
     if len(seeds) < 2:
-        return "no summary yet: fewer than two seeds have records of " + " and ".join(SUMMARY[:2])
-    have = [v for v in SUMMARY if all((v, s) in recs for s in seeds)]
+        return "no summary yet: fewer than two seeds have records of " + " and ".join(R.summary[:2])
+    have = [v for v in R.summary if all((v, s) in recs for s in seeds)]
     get = lambda v, m: np.array([recs[(v, s)]["metrics"][m] for s in seeds])  # noqa: E731
     ms = lambda x: f"{x.mean():.2f} ± {x.std(ddof=1):.2f}"  # noqa: E731
     cell = lambda v, f: f(v) if v in have else "not run"  # noqa: E731
     sft = get("ppo-max", "final_gold") - get("ppo-max", "final_gold_vs_sft")
-    rows = [f"| held-out (seeds {_seed_ranges(list(seeds))}) | SFT | PPO-max (default) | vanilla PPO | "
-            "best-of-4 (SFT, the same proxy) |", "|---|---|---|---|---|",
+    names = {"ppo-max": "PPO-max (default)", "vanilla": "vanilla PPO", "bon-4": "best-of-4 (SFT, the same proxy)",
+             "dapo": "DAPO (--preset dapo)", "vapo": "VAPO (--preset vapo)"}
+    rows = [f"| held-out (seeds {_seed_ranges(list(seeds))}) | SFT | "
+            + " | ".join(names.get(v, v) for v in R.summary) + " |", "|---" * (len(R.summary) + 2) + "|",
             "| gold reward | " + ms(sft) + " | " + " | ".join(cell(v, lambda v: ms(get(v, "final_gold")))
-                                                          for v in SUMMARY) + " |",
+                                                          for v in R.summary) + " |",
             "| win − lose vs SFT (gold, held-out pairs) | | " + " | ".join(
-                cell(v, lambda v: ms(get(v, "win_lose"))) for v in SUMMARY) + " |",
+                cell(v, lambda v: ms(get(v, "win_lose"))) for v in R.summary) + " |",
             "| win / tie / lose vs SFT (mean shares) | | " + " | ".join(
                 cell(v, lambda v: " / ".join(f"{get(v, k).mean():.2f}" for k in ("win", "tie", "lose")))
-                for v in SUMMARY) + " |",
+                for v in R.summary) + " |",
             "| KL to SFT per response (nats) | 0 | " + " | ".join(cell(v, lambda v: ms(get(v, "final_kl_seq")))
-                                                                for v in SUMMARY) + " |",
+                                                                for v in R.summary) + " |",
             "| KL to SFT per token (nats) | 0 | " + " | ".join(
-                cell(v, lambda v: ms(get(v, "final_kl")) if v != "bon-4" else "—") for v in SUMMARY) + " |",
+                cell(v, lambda v: ms(get(v, "final_kl")) if v != "bon-4" else "—") for v in R.summary) + " |",
             "| response length (tokens) | | " + " | ".join(cell(v, lambda v: ms(get(v, "final_length")))
-                                                          for v in SUMMARY) + " |"]
+                                                          for v in R.summary) + " |"]
     for a, b in (("ppo-max", "bon-4"), ("ppo-max", "vanilla")):
         if b not in have:
             continue
-        v = judge(get(a, "final_gold") - get(b, "final_gold"), MARGINS["gold"], "alike")
-        vw = judge(get(a, "win_lose") - get(b, "win_lose"), MARGINS["win-lose"], "alike")
+        v = R.judge(get(a, "final_gold") - get(b, "final_gold"), R.margins["gold"], "alike")
+        vw = R.judge(get(a, "win_lose") - get(b, "win_lose"), R.margins["win-lose"], "alike")
         rows.append("")
         rows.append(f"{a} − {b}, paired by seed (mean [95 % interval]): gold {_fmt(v['mean'])} [{_fmt(v['lo95'])}, "
                     f"{_fmt(v['hi95'])}], win − lose against SFT {_fmt(vw['mean'])} [{_fmt(vw['lo95'])}, "
                     f"{_fmt(vw['hi95'])}]")
     d = get("ppo-max", "final_gold_vs_sft")
-    v = judge(d, MARGINS["gold"], "higher")
+    v = R.judge(d, R.margins["gold"], "higher")
     rows.append("")
     rows.append(f"ppo-max − SFT, gold: {_fmt(v['mean'])} [{_fmt(v['lo95'])}, {_fmt(v['hi95'])}], "
                 f"{v['above']}/{v['n']} seeds above SFT; win − lose: "
@@ -1282,21 +1144,35 @@ def summary(recs: dict | None = None, seeds: tuple[int, ...] | None = None) -> s
     return "\n".join(rows)
 
 
+def readme_summary() -> str:
+    """The README's summary block: v2's summary() once v2 has records of two seeds, v1's until then; it names which.
+    Leaves the selection as it found it."""
+    before = R.name
+    try:
+        for name in ("v2", "v1"):
+            select(name)
+            text = summary()
+            if not text.startswith("no summary yet") or name == "v1":
+                return f"Registry {name}'s runs.\n\n" + text
+    finally:
+        select(before)
+
+
 def twin(variant: str, seed: int) -> str:
     """The variant whose run stands for `variant` on `seed`: of the registry's variants with the same config (two
     names, the same flags once the defaults apply), the first by name that has a cached run, else the first by name,
     the one --run trains (run_registry keeps the first of a seed's planned variants, which are sorted by name)."""
     import runs
-    same = sorted(v for v in VARIANTS if config_key(v, seed) == config_key(variant, seed))
-    return next((v for v in same if runs.cached(v, VARIANTS[v], seed, LONG.get(v)) is not None), same[0])
+    same = sorted(v for v in R.variants if config_key(v, seed) == config_key(variant, seed))
+    return next((v for v in same if runs.cached(v, R.variants[v], seed, R.long.get(v)) is not None), same[0])
 
 
-def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, list[dict]]:
+def runs_for(variants: list[str], seeds: tuple[int, ...] | None = None) -> dict[str, list[dict]]:
     """The runs of `variants` on `seeds` for a notebook's figures: {variant: [summary.json + "dir", one per seed]},
     each trained or reused through runs.run_many exactly as --run does (a variant whose flags give the same config
     as another's reads that one's run: twin()). In the notebooks' small budget: seed 0 alone, on the small world."""
     import runs
-    seeds = seeds if runs.FULL else runs.SMALL_SEEDS
+    seeds = (R.plot_seeds if seeds is None else seeds) if runs.FULL else runs.SMALL_SEEDS
     specs, rep = [], {}
     for v in variants:
         for s in seeds:
@@ -1304,7 +1180,7 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] = SEEDS) -> dict[str, l
             if key not in rep:
                 rep[key] = len(specs)
                 name = twin(v, s) if runs.FULL else v
-                specs.append((name, VARIANTS[name], s, LONG.get(name) if runs.FULL else None))
+                specs.append((name, R.variants[name], s, R.long.get(name) if runs.FULL else None))
     done = runs.run_many(specs)
     return {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
 
@@ -1388,6 +1264,69 @@ def parse_seeds(text: str) -> set[int]:
     return out
 
 
+# =====================================================================================================================
+# The registries: v1 (this file's CLAIMS, MARGINS, SEEDS and rule, as committed: exploratory) and v2
+# (notebooks/registry_v2.py: confirmatory). Every function above reads the one selected (R); v2 by default.
+# =====================================================================================================================
+@dataclass
+class Registry:
+    """What a registry is: its claims, margins, variants (and their PPO budgets), where its records live, the rule
+    that judges one part and how a part prints, its rule's text for docs/findings.md, the seeds each claim was first
+    planned on (v1's second stage), the metrics its records hold, the README summary's variants and seeds, and the
+    seeds its figures draw."""
+    name: str
+    claims: list
+    margins: dict
+    variants: dict
+    long: dict
+    results: Path
+    judge: object
+    part_text: object
+    rule_text: object
+    first_plan: dict
+    run_metrics: dict
+    base_metrics: dict
+    final_metrics: tuple
+    summary: tuple
+    seeds: tuple
+    plot_seeds: tuple
+
+
+V1 = Registry("v1", CLAIMS, MARGINS, VARIANTS, LONG, RESULTS, judge, part_text, rule_text, FIRST_PLAN, RUN_METRICS,
+              BASE_METRICS, FINAL_METRICS, SUMMARY, SEEDS, PLOT_SEEDS)
+
+
+def registry(name: str) -> Registry:
+    """The registry of that name: "v1" (exploratory, as committed) or "v2" (confirmatory, notebooks/registry_v2.py)."""
+    if name == "v1":
+        return V1
+    if name == "v2":
+        import registry_v2
+        return registry_v2.REGISTRY
+    print(f"error: --registry {name}: choose v1 or v2", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Selected:
+    """R: the selected registry, v2 unless select() chose another (v2 is looked up on first use: registry_v2.py
+    imports this file)."""
+    registry: Registry | None = None
+
+    def __getattr__(self, name: str):
+        if _Selected.registry is None:
+            _Selected.registry = registry("v2")
+        return getattr(_Selected.registry, name)
+
+
+def select(name: str) -> Registry:
+    """Make `name` the registry every function reads (R)."""
+    _Selected.registry = registry(name)
+    return _Selected.registry
+
+
+R = _Selected()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="notebooks/claims.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", action="store_true", help="train (or reuse) the registry's runs and write their records")
@@ -1399,11 +1338,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write-docs", action="store_true", help="write the table and the tally into docs/findings.md, "
                    "and --summary into README.md (between their marks)")
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
-    p.add_argument("--check-code", type=int, metavar="SEED", help="train CHECK's runs of SEED again with this code and "
-                   "compare them with the records; equal to the last bit: the records stand for this code too")
-    p.add_argument("--against", default="", metavar="COMMIT", help="with --check-code: compare with CHECK's runs "
-                   "trained by COMMIT's code (the records' own, or linked) on this machine instead of the records "
-                   "(for a machine that rounds differently from the records')")
+    p.add_argument("--registry", default="v2", help="v2 (the confirmatory registry, notebooks/registry_v2.py: the "
+                   "default) or v1 (the exploratory one, this file's, as committed)")
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
     p.add_argument("--operating-point-v2", action="store_true", help="run registry_v2.OPERATING_POINT's pilot, write "
                    "notebooks/results/v2/operating-point.json and print its choice")
@@ -1412,16 +1348,12 @@ def main(argv: list[str] | None = None) -> None:
                    "best-of-4 from the records (with --run: trains those runs missing on --seeds, or on every seed, "
                    "instead of the registry's)")
     args = p.parse_args(argv)
+    select(args.registry)
     ids = [c for c in args.claims.split(",") if c]
-    unknown = [c for c in ids if c not in {x.id for x in CLAIMS}]
+    unknown = [c for c in ids if c not in {x.id for x in R.claims}]
     if unknown:
         print(f"error: --claims: unknown claim(s) {unknown}", file=sys.stderr)
         raise SystemExit(2)
-    if args.against and args.check_code is None:
-        print("error: --against: only with --check-code SEED", file=sys.stderr)
-        raise SystemExit(2)
-    if args.check_code is not None and not check_code(args.check_code, args.against or None):
-        raise SystemExit(1)
     if args.operating_point:
         run_operating_point()
     if args.operating_point_v2:
@@ -1433,20 +1365,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.tally:
         print(json.dumps(tally()))
     if args.show:
-        show(ids or [c.id for c in CLAIMS])
-    if args.write_docs:
-        write_findings()
-        write_findings(path=README, blocks={SUMMARY_MARKS: summary()})
-        print(f"wrote the verdict table and the tally into {FINDINGS.relative_to(ROOT)}")
+        show(ids or [c.id for c in R.claims])
+    if args.write_docs:  # both registries' blocks; the README's summary from v2's records, v1's until v2 has some
+        for name in ("v1", "v2"):
+            select(name)
+            write_findings()
+        text = readme_summary()
+        write_findings(path=README, blocks={SUMMARY_MARKS: text})
+        select(args.registry)
+        print(f"wrote both registries' rules, verdict tables and tallies into {FINDINGS.relative_to(ROOT)}, and "
+              f"the summary ({text.splitlines()[0]}) into README.md")
     if args.records:
         print(f"{rewrite_records()} records written from cached runs")
     if args.summary:
-        seeds = parse_seeds(args.seeds) if args.seeds else set(SEEDS)
-        missing = sorted({s for v in SUMMARY for s in seeds if not record_path(v, s).exists()})
+        seeds = parse_seeds(args.seeds) if args.seeds else set(R.seeds)
+        missing = sorted({s for v in R.summary for s in seeds if not record_path(v, s).exists()})
         if missing and args.run:   # trains (or reuses) the summary's runs of these seeds first
-            write_records(SUMMARY, tuple(missing))
+            write_records(R.summary, tuple(missing))
         print(summary())
 
 
 if __name__ == "__main__":
+    sys.modules["claims"] = sys.modules[__name__]   # registry_v2.py's `import claims` is this module, not a second one
     main()
