@@ -504,7 +504,9 @@ def ppo_update(policy, critic, policy_opt, critic_opt, exp: dict, cfg: PPOConfig
             # policy: PPO-clip (Eq. 15) + entropy bonus (Fig. 16) + ptx (Eq. 17)
             logits = policy_logits(policy, q, qm, r, m, cfg.temperature)                # (b, T, V)
             logprobs = logprobs_from_logits(logits, r)                                  # (b, T)
-            weights, pm = None if exp["weights"] is None else exp["weights"][idx], exp["policy_mask"][idx]
+            # the rollout correction's token weights and the tokens it keeps (none: every response token, weight 1)
+            w, pm = exp.get("weights"), exp.get("policy_mask", exp["mask"])[idx]
+            weights = None if w is None else w[idx]
             if cfg.policy_loss == "cispo":  # a clipped, detached weight on every token's log π_θ (MiniMax-M1)
                 pg_loss, pg_stats = cispo_loss(logprobs, old_logprobs[idx], advantages, pm, cfg.cispo_eps_low,
                                                cfg.cispo_eps_high, weights=weights, agg=cfg.loss_agg,

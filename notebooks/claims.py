@@ -680,11 +680,16 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-@functools.lru_cache(maxsize=None)
 def config_key(variant: str, seed: int) -> str:
-    """A hash of what the run's summary.json must say for it to stand for this variant and seed (runs.expected)."""
+    """A hash of what the run's summary.json must say for it to stand for this variant and seed (runs.expected),
+    under the selected registry's flags for it."""
+    return _config_key(tuple(R.variants[variant]), R.long.get(variant, STEPS), seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_key(flags: tuple, steps: int, seed: int) -> str:
     import runs
-    want = runs.expected(runs.argv_for(variant, R.variants[variant], seed, steps_of(variant)))
+    want = runs.expected(runs.argv_for("key", flags, seed, steps))
     return hashlib.sha256(json.dumps(want, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -1222,15 +1227,17 @@ def run_operating_point() -> dict:
     return out
 
 
-def run_operating_point_v2() -> dict:
+def run_operating_point_v2(reuse: bool = False) -> dict:
     """registry_v2.OPERATING_POINT's pilot: every candidate on its pilot seeds, and the rule's choice, written to
-    notebooks/results/v2/operating-point.json (with each run's win − lose, KL per token and per response, gold − SFT)."""
+    notebooks/results/v2/operating-point.json (with each run's win − lose, KL per token and per response, gold − SFT,
+    and the code versions that trained the runs). With `reuse`, the pilot's saved runs are read as they are, whatever
+    code trained them (runner.json says which); else runs trained by other code than this tree's are trained again."""
     import registry_v2
     import runs
     op = registry_v2.OPERATING_POINT
     runs.configure(full=True)
     specs = [(f"op2-{i}", flags, s, None) for i, (_, flags) in enumerate(op["candidates"]) for s in op["pilot_seeds"]]
-    done = runs.run_many(specs)
+    done = [runs.saved(runs.out_dir(n, s)) for n, _, s, _ in specs] if reuse else runs.run_many(specs)
     rows = {}
     for i, (name, flags) in enumerate(op["candidates"]):
         rs = [r for (n, *_), r in zip(specs, done) if n == f"op2-{i}"]
@@ -1239,8 +1246,9 @@ def run_operating_point_v2() -> dict:
                       "kl_tok": [r["final"]["kl"] for r in rs], "kl_seq": [r["frontier"]["kl_seq"] for r in rs],
                       "gold_vs_sft": [r["final"]["gold_reward"] - r["sft"]["gold_reward"] for r in rs]}
     choice = registry_v2.choose_operating_point(rows)
+    trained_by = sorted({json.loads((r["dir"] / "runner.json").read_text())["code"] for r in done})
     out = {"pilot_seeds": list(op["pilot_seeds"]), "tie": op["tie"], "candidates": rows, "choice": choice,
-           "code": runs.code_version(), "commit": git_commit(), "machine": machine()}
+           "trained_by": trained_by, "commit": git_commit(), "machine": machine()}
     (RESULTS / "v2").mkdir(parents=True, exist_ok=True)
     (RESULTS / "v2" / "operating-point.json").write_text(json.dumps(out, indent=1) + "\n")
     for name, row in rows.items():
@@ -1343,6 +1351,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
     p.add_argument("--operating-point-v2", action="store_true", help="run registry_v2.OPERATING_POINT's pilot, write "
                    "notebooks/results/v2/operating-point.json and print its choice")
+    p.add_argument("--reuse", action="store_true", help="with --operating-point-v2: read the pilot's saved runs as "
+                   "they are, whatever code trained them (runner.json names it)")
     p.add_argument("--records", action="store_true", help="write every record again from the cached runs")
     p.add_argument("--summary", action="store_true", help="the README's table of SFT, PPO-max, vanilla and "
                    "best-of-4 from the records (with --run: trains those runs missing on --seeds, or on every seed, "
@@ -1357,7 +1367,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.operating_point:
         run_operating_point()
     if args.operating_point_v2:
-        run_operating_point_v2()
+        run_operating_point_v2(reuse=args.reuse)
     if args.run and not args.summary:
         run_registry(ids or None, parse_seeds(args.seeds) if args.seeds else None)
     if args.table:

@@ -168,6 +168,12 @@ def cached(name: str, flags, seed: int, steps: int | None) -> dict | None:
     if bad:
         raise RuntimeError(f"{out} holds a run with another {', '.join(bad)} than `train.py {' '.join(argv)}`; "
                            f"delete that directory or give this run another name")
+    return saved(out)
+
+
+def saved(out: Path) -> dict:
+    """A trained run directory as cached() returns it: summary.json, the collapse alarm, "dir"."""
+    summary = json.loads((out / "summary.json").read_text())
     alarm = current_alarm(out) if (out / "metrics.jsonl").exists() else None  # DPO, best-of-n: no PPO steps
     return {**summary, "collapse_alarm": alarm, "dir": out}
 
@@ -210,7 +216,7 @@ def run_each(specs: list[tuple], keep_going: bool = False):
                 continue
             print(f"trained {Path(out).relative_to(ROOT)} in {seconds:.0f} s", flush=True)
             TRAINED["runs"] += 1
-            yield i, cached(*specs[i])
+            yield i, saved(Path(out))   # what the worker just trained (the tree's code may have moved on since)
     except (KeyboardInterrupt, BrokenProcessPool):  # a cell interrupted, or a worker killed: the next call starts a
         _drop_pool()                                 # fresh pool (a broken one would refuse every later run)
         raise
@@ -246,6 +252,9 @@ def _drop_pool() -> None:
         _POOL = None
 
 
+WORKER_CODE: list[str | None] = [None]   # in a worker process: code_version() when it imported the project
+
+
 def _worker_start() -> None:
     """A worker's start: one thread, and the project imported once for all of its runs. Ctrl-C or a notebook's
     interrupt (SIGINT to the kernel's process group) ends a worker quietly; the process that waits on it sees the
@@ -255,6 +264,7 @@ def _worker_start() -> None:
     import torch
     torch.set_num_threads(1)
     import train  # noqa: F401
+    WORKER_CODE[0] = code_version()   # the code this worker imported, whatever the tree holds later
 
 
 def _build(full: bool, name: str, flags, seed: int, steps: int | None) -> tuple[str, float]:
@@ -299,7 +309,7 @@ def _train(out: Path, argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # a killed earlier attempt (checkpoints, no summary.json): rerun from the start, which train.py refuses to do
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    (out / "runner.json").write_text(json.dumps({"argv": argv, "code": code_version()}, indent=2))
+    (out / "runner.json").write_text(json.dumps({"argv": argv, "code": WORKER_CODE[0] or code_version()}, indent=2))
     with open(out / "train.log", "w") as log, contextlib.chdir(ROOT), \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         train.main(argv)     # builds (or reuses) runs/_base/<seed>-<hash>, then critic pre-training + PPO

@@ -223,18 +223,18 @@ def test_heldout_curve_is_the_curve_the_registry_reads(tmp_path):
 def full_budget(monkeypatch):
     """runs.FULL for one test; config_key, which depends on the budget, cached afresh before and after."""
     import runs
-    claims.config_key.cache_clear()
+    claims._config_key.cache_clear()
     monkeypatch.setattr(runs, "FULL", True)
     yield runs
-    claims.config_key.cache_clear()
+    claims._config_key.cache_clear()
 
 
 def test_runs_for_reads_the_run_the_registry_trained_under_another_name_of_the_same_config(full_budget, monkeypatch):
     """Two variants of one config share one run, trained by --run under the first name: a figure asking for the
     other reads that run rather than training its own (the full notebooks only read what the campaign cached)."""
     runs = full_budget
-    monkeypatch.setitem(claims.VARIANTS, "twin-b", ("--kl-coef", "0.07"))
-    monkeypatch.setitem(claims.VARIANTS, "twin-a", ("--kl-coef", "0.070"))   # the same config, the first name
+    monkeypatch.setitem(claims.R.variants, "twin-b", ("--kl-coef", "0.07"))
+    monkeypatch.setitem(claims.R.variants, "twin-a", ("--kl-coef", "0.070"))   # the same config, the first name
     assert claims.config_key("twin-a", 6) == claims.config_key("twin-b", 6) != claims.config_key("ppo-max", 6)
     asked = []   # the names runs_for hands to run_many (which reads a cached run or trains it)
     monkeypatch.setattr(runs, "run_many", lambda specs: [asked.append(s[0]) or {"name": s[0]} for s in specs])

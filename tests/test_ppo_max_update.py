@@ -101,7 +101,8 @@ def experience(policy, critic, seed: int = 0) -> dict:
     return {"query": query, "query_mask": query_mask, "response": response, "mask": mask,
             "logprobs": (lp + noise(0.4)) * mask, "ref_logprobs": (lp + noise(0.6)) * mask,
             "values": (values + noise(0.5)) * mask, "advantages": (1.0 + noise(1.0)) * mask,
-            "returns": noise(1.0) * mask, "scores": torch.randn(B, generator=g), "kl_coef": 0.3, "nonfinite": None}
+            "returns": noise(1.0) * mask, "scores": torch.randn(B, generator=g), "kl_coef": 0.3, "nonfinite": None,
+            "weights": None, "policy_mask": mask}   # no rollout correction: every response token in the policy loss
 
 
 BASE = dict(rollout_batch=B, minibatch=B, ppo_epochs=1, max_new_tokens=MAX_NEW, temperature=0.8, adv_norm=True,
@@ -578,13 +579,15 @@ def test_adaptive_kl_controller_proportional_error_clipped_at_both_ends():
 
 
 def test_presets_hold_the_papers_settings():
-    """PPO-max (§5.4): reward normalisation and clipping (Eq. 18), token-level KL penalty η = 0.05 with k1 (Eq. 19,
-    Fig. 7), critic from the reward model and pre-trained, global gradient clipping, ptx and value clipping, an SFT
-    policy, ε = 0.2, λ = 0.9, γ close to 1. Vanilla PPO: none of the tricks, the same ε and λ. The authors' released
-    scripts: reward scaling only, η = 0.01, no critic pre-training, no ptx, one optimizer step per rollout batch."""
+    """PPO-max (§5.4): reward normalisation and clipping (Eq. 18), token-level KL penalty with k1 (Eq. 19; η 0.2,
+    the largest of Fig. 15's, at the operating point), critic from the reward model and pre-trained, global gradient
+    clipping, ptx (on the demonstrations at 0.25, the operating point) and value clipping, an SFT policy, ε = 0.2,
+    λ = 0.9, γ close to 1. Vanilla PPO: none of the tricks, the same ε and λ. The authors' released scripts: reward
+    scaling only, η = 0.01, no critic pre-training, no ptx, one optimizer step per rollout batch."""
     mx = config.apply_preset("ppo-max")
-    assert (mx.reward_norm, mx.reward_scale, mx.kl_coef, mx.kl_estimator, mx.kl_in) == (True, False, 0.05, "k1",
+    assert (mx.reward_norm, mx.reward_scale, mx.kl_coef, mx.kl_estimator, mx.kl_in) == (True, False, 0.2, "k1",
                                                                                         "reward")
+    assert (mx.ptx_data, mx.ptx_coef) == ("sft", 0.25)
     assert mx.reward_clip > 0 and mx.critic_pretrain_steps > 0 and mx.grad_clip > 0 and mx.ptx_coef > 0
     assert mx.value_clip > 0 and mx.kl_target == 0.0 and not mx.importance_sampling
     assert (mx.critic_init, mx.policy_init, mx.advantage, mx.clip_eps, mx.lam) == ("rm", "sft", "gae", 0.2, 0.9)
@@ -599,15 +602,15 @@ def test_presets_hold_the_papers_settings():
     assert (mo.reward_norm, mo.reward_clip, mo.reward_scale, mo.kl_coef, mo.critic_pretrain_steps, mo.ptx_coef,
             mo.adv_norm, mo.ppo_epochs) == (False, 0.0, True, 0.01, 0, 0.0, False, 1)
     assert mo.minibatch == mo.rollout_batch  # one optimizer step per rollout batch
-    assert set(config.PRESETS) == {"ppo-max", "vanilla", "moss-release"}
+    assert set(config.PRESETS) == {"ppo-max", "vanilla", "moss-release", "dapo", "vapo"}  # dapo, vapo: test_tricks.py
 
 
 def test_apply_preset_overrides_win_and_unknown_names_are_refused():
     cfg = config.apply_preset("vanilla", kl_coef=0.1, minibatch=4)
     assert (cfg.kl_coef, cfg.minibatch, cfg.reward_norm, cfg.grad_clip) == (0.1, 4, False, 0.0)
     assert config.apply_preset("ppo-max", reward_norm=False).reward_norm is False
-    with pytest.raises(ValueError, match=r"^unknown preset 'ppo_max'; choose from \['moss-release', 'ppo-max', "
-                                         r"'vanilla'\]$"):
+    with pytest.raises(ValueError, match=r"^unknown preset 'ppo_max'; choose from \['dapo', 'moss-release', "
+                                         r"'ppo-max', 'vanilla', 'vapo'\]$"):
         config.apply_preset("ppo_max")
 
 
@@ -656,10 +659,11 @@ def test_sampled_kl_clamp_and_loss_conventions():
                 k = {"k1": r, "k2": 0.5 * r * r, "k3": math.exp(-r) - 1 + r}[kind]
                 assert got[b, t].item() == pytest.approx(min(max(k, -0.4), 0.4), abs=1e-6)
     assert ppo_max.loss_conventions(ppo_max.PPOConfig()) == dict(dual_clip=None, log_ratio_clamp=None,
-                                                                 agg="token-mean", max_len=24)
+                                                                 agg="token-mean", max_len=24, clip_eps_high=None,
+                                                                 ratio_level="token")
     cfg = ppo_max.PPOConfig(dual_clip=3.0, log_ratio_clamp=20.0, loss_agg="seq-mean-token-mean", max_new_tokens=9)
     assert ppo_max.loss_conventions(cfg) == dict(dual_clip=3.0, log_ratio_clamp=20.0, agg="seq-mean-token-mean",
-                                                 max_len=9)
+                                                 max_len=9, clip_eps_high=None, ratio_level="token")
 
 
 def test_check_finite_names_the_first_bad_tensor(monkeypatch):
