@@ -205,8 +205,10 @@ def _window2(run: dict, key: str, which: str) -> float:
 
 
 RUN_METRICS = {**claims.RUN_METRICS,
+               # None for best-of-n and DPO, whose summaries have no pre-training-text evaluation (not recorded)
                "pretrain_ppl": lambda r: (r["summary"]["pretrain_text"]["policy_ppl"]
-                                          / r["summary"]["pretrain_text"]["sft_ppl"]),
+                                          / r["summary"]["pretrain_text"]["sft_ppl"]
+                                          if "pretrain_text" in r["summary"] else None),
                "skew_first10": lambda r: float(np.mean([claims._skew(s["scores"]) for s in r["samples"][1:11]])),
                **{f"{w}:{k}": (lambda r, k=k, w=w: _window2(r, k, w)) for k in claims.TRAIN_KEYS
                   for w in ("mid10", "q3", "q4")}}

@@ -4,11 +4,13 @@ lists the ones a first reading needs, `--help-all` every one.
 
 A run's configuration is built in layers, each only for the flags NOT given on the command line (a flag given always
 wins), in this order:
-  1. the fields' defaults below: PPO-max (§5.4) at the synthetic world's scale;
-  2. --preset NAME: PRESETS[NAME], overrides of PPO's fields (ppo-max, vanilla, moss-release);
-  3. what the run trains on: DATA_PRESET with --data and the tiny model (a budget for real text on a CPU);
-     MODEL_PRESETS[--model] for llama-7b / llama-13b (the paper's hyperparameters); REAL_MODEL_PRESET for any real
-     --model (ptx on its SFT text: it has no synthetic pretraining text);
+  1. the fields' defaults below: PPO-max (§5.4) at the synthetic world's scale, at the operating point registry v2
+     chose by what it achieves (η 0.2, ptx on the demonstrations at 0.25: docs/findings.md);
+  2. --preset NAME: PRESETS[NAME], overrides of PPO's fields (ppo-max, vanilla, moss-release, dapo, vapo);
+  3. what the run trains on, for the fields neither given nor set by the preset: DATA_PRESET with --data and the
+     tiny model (a budget for real text on a CPU); MODEL_PRESETS[--model] for llama-7b / llama-13b (the paper's
+     hyperparameters); REAL_MODEL_PRESET for any real --model (ptx on its SFT text: it has no synthetic
+     pretraining text); real text keeps the paper's η 0.05 and λ_ptx 0.5;
   4. implied(): an estimator's own conventions (Dr. GRPO's loss divisor, GRPO's k3 when the KL sits in the loss).
 So `python train.py` runs these defaults with nothing on top (PRESETS["ppo-max"] is empty). The synthetic world's own
 knobs (`--world-*`) are toy_world.WorldConfig; the flags of `--plan` are plumbing/scale.py's.
@@ -34,9 +36,9 @@ Flags a run ignores. A flag given on the command line that the run would not rea
 The documented exception is a method's budget (plumbing/flags.py BUDGET: --steps, --rollout-batch, --minibatch,
 --critic-pretrain-steps, and an explicit --preset ppo-max; DPO_BUDGET: --dpo-epochs, --dpo-batch): one budget is
 passed to every method and estimator alike (notebooks/runs.py's small budget, the tests' TINY lists), so where it is
-unused it is accepted and said once, in a line `[flags] … not used`. The loop also needs --minibatch to divide --rollout-batch (equal minibatches; they are
-drawn shuffled, so a group of G responses is never kept within one minibatch and needs no alignment there) and
---break-at inside the run (0 … --steps − 1, or -1).
+unused it is accepted and said once, in a line `[flags] … not used`. The loop also needs --minibatch to divide
+--rollout-batch (equal minibatches; they are drawn shuffled, so a group of G responses is never kept within one
+minibatch and needs no alignment there) and --break-at inside the run (0 … --steps − 1, or -1).
 
 Symbols: B rollout batch, G group size, T response length cap, η KL coefficient (Eq. 19), δ reward clip (Eq. 18),
 ε PPO clip (Eq. 15), γ discount, λ GAE (Eq. 9), λ_ptx (Eq. 17), β_rm (Eq. 2), β of DPO (Rafailov et al., Eq. 7).
@@ -200,8 +202,8 @@ class PPOConfig:
     adv_norm: bool = arg(False, "whiten advantages per minibatch")
     adv_clip: float = arg(0.0, "clip whitened advantages to ±δ; 0 = off", ">=0")
     # --- policy constraints (Fig. 7, 15, 16) ---
-    kl_coef: float = arg(0.05, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
-                               "(Fig. 15)", ">=0")
+    kl_coef: float = arg(0.2, "η of Eq. 19 (token-level KL penalty); 0 = off. The paper: 0.05 (Fig. 7), 0.05/0.1/0.2 "
+                              "(Fig. 15); 0.2 here: the operating point (docs/findings.md)", ">=0")
     kl_estimator: str = arg("k1", "per-token KL in the penalty: k1 (sampled log-ratio, Eq. 19) | k2 | k3 | full "
                                   "(exact)", "k1|k2|k3|full")
     kl_target: float = arg(0.0, "adaptive KL controller target, in nats PER TOKEN (kl/ref; Ziegler et al. 2019 "
@@ -237,11 +239,11 @@ class PPOConfig:
     gamma: float = arg(1.0, "γ", "[0,1]")
     lam: float = arg(0.9, "GAE λ (Fig. 19)", "[0,1]")
     # --- ptx (Eq. 17) ---
-    ptx_coef: float = arg(0.5, "λ_ptx: weight of the LM loss on SFT text; 0 = off", ">=0")
+    ptx_coef: float = arg(0.25, "λ_ptx of Eq. 17: weight of the LM loss on --ptx-data's text; 0 = off", ">=0")
     ptx_batch: int = arg(16, "SFT sequences per ptx term", ">=1")
-    ptx_data: str = arg("pretrain", "D of Eq. 17: 'pretrain' (the synthetic world's pretraining text, responses "
-                                    "without prompts: the paper's D_pretrain) or 'sft' (the SFT demonstrations; on real "
-                                    "data the only one: --sft-data or --data)", "sft|pretrain")
+    ptx_data: str = arg("sft", "D of Eq. 17: 'sft' (the SFT demonstrations; on real data the only one: --sft-data or "
+                               "--data) or 'pretrain' (the synthetic world's pretraining text, responses without "
+                               "prompts: the paper's D_pretrain)", "sft|pretrain")
     # --- initialisation (Fig. 8) ---
     critic_pretrain_steps: int = arg(30, "max rollout batches of critic pre-training (stops early on plateau); "
                                          "0 = off", ">=0")
@@ -322,8 +324,11 @@ PRESETS: dict[str, dict] = {
 
 # --data with the tiny model: real text on a CPU in minutes (a smaller model and budget; its timings:
 # docs/real-data.md). Real text has no pretraining split: ptx reads --sft-data or --data.
+# The operating point (η 0.2, ptx 0.25) was chosen in the synthetic world; real text keeps the paper's η 0.05 and
+# λ_ptx 0.5, as it was measured with.
 DATA_PRESET = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, rm_lr=5e-4, steps=10,
-                   rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1, ptx_data="sft")
+                   rollout_batch=32, max_new_tokens=32, critic_pretrain_steps=4, eval_samples=1, ptx_data="sft",
+                   kl_coef=0.05, ptx_coef=0.5)
 
 # --model llama-7b / llama-13b: the paper's hyperparameters (its section 5 and appendix). The reward model: lr 5e-6, about
 # 1.06 epochs, β_rm = 1 (the paper's dynamic batches of 4-128 sequences: 64 pairs). The paper reports no SFT
@@ -334,8 +339,9 @@ PAPER_LLAMA = dict(policy_lr=5e-7, critic_lr=1.65e-6, warmup_frac=0.1, rollout_b
                    sft_lr=2e-5, sft_epochs=3.0, sft_batch=128)
 MODEL_PRESETS = {"llama-7b": PAPER_LLAMA, "llama-13b": PAPER_LLAMA}
 
-# any real --model: ptx (Eq. 17) on its SFT text, since only the synthetic world has a pretraining split
-REAL_MODEL_PRESET = dict(ptx_data="sft")
+# any real --model: ptx (Eq. 17) on its SFT text, since only the synthetic world has a pretraining split, and the
+# paper's η 0.05 and λ_ptx 0.5 (the operating point is the synthetic world's)
+REAL_MODEL_PRESET = dict(ptx_data="sft", kl_coef=0.05, ptx_coef=0.5)
 
 
 def context_presets(data: str, model: str) -> list[tuple[str, dict]]:

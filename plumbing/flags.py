@@ -343,8 +343,9 @@ def parse_configs(argv=None):
         ppo = apply_preset(run.preset, **overrides)                                          # layers 1-2
     except ValueError as e:
         fail(f"--preset: {e}")
+    named = given | set(PRESETS[run.preset])   # what a context preset leaves alone: the flags and the named preset's
     for _, preset in context_presets(run.data, run.model):                                   # layer 3
-        run, sft_cfg, rm_cfg, ppo = (dataclasses.replace(c, **{k: v for k, v in preset.items() if k not in given and
+        run, sft_cfg, rm_cfg, ppo = (dataclasses.replace(c, **{k: v for k, v in preset.items() if k not in named and
                                                                 k in {f.name for f in dataclasses.fields(c)}})
                                      for c in (run, sft_cfg, rm_cfg, ppo))
     ppo = implied(ppo, given | set(PRESETS[run.preset]))                                     # layer 4
