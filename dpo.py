@@ -131,6 +131,7 @@ def train_dpo(model, tokenizer, pairs: list[dict], heldout: list[dict], cfg: DPO
         engine.set_lr(stage.opt, engine.cosine_lr(step, steps, cfg.dpo_lr))
         engine.backward_step(stage.trained, stage.opt, loss, 1.0, "dpo", [])
         log[-1].setdefault("train", []).append(engine.all_mean({"loss": loss.item(), **stats}, stage.device))
+    engine.release(stage.trained)  # under DeepSpeed: the engine's memory back before the next stage
     model.eval()
     if out_dir is not None and stage.rank == 0:  # LoRA: out_dir/adapter/ and the merged model
         lora.save(model, out_dir, tokenizer)

@@ -357,6 +357,7 @@ def train_reward_model(rm: ScalarHeadModel, tokenizer, train_rows: list[dict], h
         engine.set_lr(stage.opt, engine.cosine_lr(step, stage.steps, cfg.rm_lr))
         engine.backward_step(stage.trained, stage.opt, loss, 1.0, "rm", [])
         log[-1].setdefault("train", []).append(engine.all_mean({k: float(v) for k, v in stats.items()}, stage.device))
+    engine.release(stage.trained)  # under DeepSpeed: the engine's memory back before the next stage
     rm.eval()
     if out_dir is not None and stage.rank == 0:  # LoRA: out_dir/adapter/ (adapters and head) and the merged model
         lora.save(rm, out_dir, tokenizer)

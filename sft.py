@@ -64,6 +64,7 @@ def train_sft(model, tokenizer, rows: list[tuple[str, str]], cfg: SFTConfig, see
         engine.backward_step(stage.trained, stage.opt, loss, 1.0, "sft", [])
         losses.append(engine.all_mean({"loss": loss.item()}, stage.device)["loss"])
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # drawn with the bar (monitor.progress)
+    engine.release(stage.trained)  # under DeepSpeed: the engine's memory back before the next stage
     model.eval()
     if out_dir is not None and stage.rank == 0:  # LoRA: out_dir/adapter/ and the merged model in out_dir
         lora.save(model, out_dir, tokenizer)

@@ -14,6 +14,7 @@ on 8 GPUs):
                                                 torch.distributed every one is the identity
     alone()                                   → a block one rank runs while the others wait (the cached base)
     unwrap(model)                             → the Hugging Face model inside an engine (what save_pretrained needs)
+    release(model)                            → the end of a stage: an engine's optimizer states and hooks freed
 
 Run: deepspeed --num_gpus 2 train.py ...      (on a CPU-only machine DeepSpeed picks its CPU accelerator and gloo)
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import math
 import os
@@ -147,6 +149,21 @@ def is_engine(model) -> bool:
 def unwrap(model):
     """The Hugging Face model inside a DeepSpeed engine (the model itself otherwise)."""
     return model.module if is_engine(model) else model
+
+
+def release(model) -> None:
+    """A stage's trained model after its last step: a DeepSpeed engine is destroyed (DeepSpeed keeps an engine, its
+    optimizer states and gradient hooks alive until `destroy()`, and its forward hooks on the module keep it alive
+    as long as the module lives, so the next stage would start with this one's memory still allocated) and the
+    memory returned; the module inside stays as it is, and works without the engine. Nothing without DeepSpeed."""
+    if is_engine(model):
+        model.destroy()
+        for hook in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+            if getattr(model, hook, None) is not None:  # the engine's hooks on the module reach back to the engine
+                getattr(model, hook).remove()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------------

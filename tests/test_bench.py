@@ -56,6 +56,11 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)
     assert all(r["plan_gib"] > 0 for r in results)  # the plan's prediction beside each stage's measurement
     assert (tmp_path / "check" / "run-lora" / "policy" / "adapter" / "adapter_config.json").is_file()
+    # each stage released its DeepSpeed engines (engine.release): no stage's optimizer states outlive it, which on
+    # the GPU added every earlier stage's memory to the next one's peak
+    import gc
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o).__name__ == "DeepSpeedEngine"]
 
 
 @pytest.mark.slow
