@@ -147,7 +147,7 @@ def test_deepspeed_two_processes_match_one_process(two_runs):
     for a, b in zip(m1, m2):
         assert abs(a["loss/ptx"] - b["loss/ptx"]) <= 0.05, (a["step"], a["loss/ptx"], b["loss/ptx"])
         assert abs(a["policy/entropy"] - b["policy/entropy"]) <= 0.02
-        assert abs(a["grad/norm"] - b["grad/norm"]) <= 0.2 * a["grad/norm"]
+        assert 1 / 1.5 <= b["grad/norm"] / a["grad/norm"] <= 1.5, (a["step"], a["grad/norm"], b["grad/norm"])  # other samples
         if a["step"] > 0:  # at step 0 the policy is the reference: KL = 0 in both
             assert 1 / 1.5 <= b["kl/ref"] / a["kl/ref"] <= 1.5, (a["step"], a["kl/ref"], b["kl/ref"])
         else:

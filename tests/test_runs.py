@@ -141,6 +141,7 @@ def test_run_each_yields_cached_runs_first_then_each_run_as_its_worker_finishes(
     monkeypatch.setattr(runs, "_build", build)
     monkeypatch.setattr(runs, "cached", lambda name, flags, seed, steps:
                         {"name": name} if name == "old" or name in built else None)
+    monkeypatch.setattr(runs, "saved", lambda out: {"name": Path(out).name})  # what a worker trained, read back
     specs = [("slow", (), 0, None), ("old", (), 0, None), ("bad", (), 0, None), ("fast", (), 0, None)]
     stream = runs.run_each(specs, keep_going=True)
     assert next(stream) == (1, {"name": "old"})

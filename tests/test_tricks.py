@@ -19,13 +19,13 @@ SMALL = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-held
          "--steps", "3", "--critic-pretrain-steps", "2", "--heldout-every", "0"]
 # every new flag at least once in each world; each run combines several (one run costs what the base costs)
 RUNS = {
-    "vapo": ["--preset", "vapo", "--rollout-mismatch", "bf16", "--rollout-correction", "tis", "--policy-loss", "cispo",
+    "vapo": ["--preset", "vapo", "--rollout-mismatch", "bf16", "--rollout-correction", "tis",
              "--overlong-buffer", "4", "--overlong-penalty", "0.5"],
     "dapo": ["--preset", "dapo", "--ratio", "sequence", "--rollout-mismatch", "top-p", "--rollout-correction", "mis",
              "--rollout-correction-level", "sequence", "--rollout-correction-cap", "4"],
     "stale": ["--rollout-mismatch", "stale", "--rollout-correction", "mis", "--clip-eps-high", "0.28",
               "--lam-critic", "1.0", "--critic-pretrain-target", "returns"],
-    "tis-alone": ["--rollout-correction", "tis", "--rollout-correction-cap", "1.5"],
+    "tis-alone": ["--rollout-correction", "tis", "--rollout-correction-cap", "1.5", "--policy-loss", "cispo"],
 }
 
 
