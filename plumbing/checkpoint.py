@@ -22,7 +22,7 @@ Implements (no equation: the engineering a 10,000-step run such as the paper's F
 (SIGINT/SIGTERM and the non-finite guard, which decide when the loop checkpoints: monitor.py's GracefulExit and
 NonFiniteGuard.)
 
-Run: python checkpoint.py        (saves a tiny model, perturbs everything, resumes; prints the layout and proof)
+Run: python -m plumbing.checkpoint      (saves a tiny model, perturbs everything, resumes; prints the layout and proof)
 
 Layout of one run directory (only one process, rank 0, writes it):
     checkpoints/latest                  "step-000123\n", replaced atomically (write a temp file, os.replace)

@@ -93,7 +93,7 @@ class RunConfig:
     on_collapse: str = arg("warn", "when the §5.2 collapse alarm fires: 'warn' (log it) or 'stop' (checkpoint, stop)",
                            "warn|stop")
     alarm_kl_max: float = arg(KL_MAX, "collapse alarm: KL to the reference (nats/token) that makes a step "
-                                               "bad; higher is quieter and later (`python monitor.py sweep runs/*`)",
+                                               "bad; higher is quieter and later (`python -m plumbing.monitor sweep runs/*`)",
                               ">=0")
     alarm_patience: int = arg(PATIENCE, "collapse alarm: consecutive bad steps before it fires", ">=1")
     log_with: str = arg("none", "also log every metric (PPO steps, the SFT and reward-model stages) to 'tensorboard' "
@@ -102,7 +102,7 @@ class RunConfig:
     # real preference data instead of the synthetic world (data.py reads and checks it)
     data: str = arg("", "preference pairs (HH-RLHF, {prompt,chosen,rejected} or chat messages) as .jsonl[.gz], .json, "
                         ".parquet, a Dataset.save_to_disk folder or a hub dataset id in the local cache: real text "
-                        "instead of the synthetic world (flags not given take REAL_DATA_DEFAULTS)")
+                        "instead of the synthetic world (flags not given take the real-data preset, DATA_PRESET)")
     data_split: str = arg("train", "with --data as a hub id or a folder of several splits: the split to read")
     data_config: str = arg("", "with --data as a hub id: its configuration (name), if it has several")
     skip_bad: bool = arg(False, "with --data: skip bad lines, count them by reason, report at the end (else exit 2)")
@@ -119,9 +119,9 @@ class RunConfig:
     judge_frac: float = arg(0.5, "with --data: fraction of the training pairs held back for a second reward model, "
                                  "the judge of the win rate, which PPO never optimises; 0 = judge by the proxy",
                             "[0,1)")
-    # real models and scale (scale.py, engine.py): `--plan`, `deepspeed train.py ...`
+    # real models and scale (plumbing/scale.py, plumbing/engine.py): `--plan`, `deepspeed train.py ...`
     plan: bool = arg(False, "print the per-GPU memory plan of --model and exit, loading no weights (more flags: "
-                            "--num-gpus --gpu-mem --micro-batch --prompt-len ...; see `python scale.py --help`)")
+                            "--num-gpus --gpu-mem --micro-batch --prompt-len ...; see `python -m plumbing.scale --help`)")
     sft_model: str = arg("", "real --model: an SFT model, so stage 1 is skipped (policy and reference init); without "
                              "it, stage sft trains --model on --sft-data or --data, and with neither --model itself is "
                              "the SFT model")

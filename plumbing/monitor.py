@@ -15,9 +15,9 @@ Implements (section and figure numbers of Zheng et al. 2023, arXiv 2307.04964; n
                                          a printed line every 10 steps, and the alarm on every step
     Tracker(kind, out, name)           → the same metrics to TensorBoard or W&B (--log-with)
 
-Run: python monitor.py        (a synthetic drifting run; prints the alarm the tests expect)
-     python monitor.py replay runs/vanilla-seed0 runs/ppo-max-seed0 [--kl-max 0.05 --patience 1 ...]
-     python monitor.py sweep runs/*-seed?      (kl_max × patience over every saved run; nothing is retrained)
+Run: python -m plumbing.monitor        (a synthetic drifting run; prints the alarm the tests expect)
+     python -m plumbing.monitor replay runs/vanilla-seed0 runs/ppo-max-seed0 [--kl-max 0.05 --patience 1 ...]
+     python -m plumbing.monitor sweep runs/*-seed?      (kl_max × patience over every saved run; nothing is retrained)
 
 Why these metrics: section 5.2 finds that the reward and the PPO losses keep looking healthy while the policy
 collapses ("pattern collapse": it exploits the reward model). What moves first is (Fig. 4, vanilla PPO):
@@ -89,13 +89,13 @@ def _get(metrics: Mapping[str, Any], key: str) -> float | None:
     return None if v is None or not math.isfinite(float(v)) else float(v)
 
 
-# What each threshold may be (cli.check_value's language; finite numbers only): `python monitor.py replay|sweep`
+# What each threshold may be (cli.check_value's language; finite numbers only): `python -m plumbing.monitor replay|sweep`
 # checks its flags against these before it reads a run.
 THRESHOLD_RANGES = {"kl_max": ">=0", "length_growth": ">=0", "ppl_drop": "[0,1)", "tail_sigmas": ">=0",
                     "tail_frac": "[0,1)", "warmup": ">=1", "patience": ">=1"}
 
 # The default thresholds, checked on the synthetic world's runs (docs/long-runs.md, "The collapse alarm");
-# `python monitor.py sweep runs/*-seed?` shows what other values would have done.
+# `python -m plumbing.monitor sweep runs/*-seed?` shows what other values would have done.
 KL_MAX, PATIENCE, PPL_DROP = 0.08, 1, 0.35
 
 
@@ -862,7 +862,7 @@ def parse_grid(flag: str, text: str, kind: type, spec: str) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python monitor.py`: the worked example. `replay RUN_DIR ...`: each run's first alarm against its gold-halfway
+    """`python -m plumbing.monitor`: the worked example. `replay RUN_DIR ...`: each run's first alarm against its gold-halfway
     step. `sweep RUN_DIR ...`: a grid of kl_max × patience over the same runs. Other thresholds: flags. A bad flag,
     a wrong path or a damaged log is one line `error: …`, exit 2."""
     from plumbing import cli
