@@ -219,8 +219,8 @@ def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, 
              f"{'--data ' + run.data if run.data else '--model ' + run.model}; drop it")
     data_only = [n for n in DATA_ONLY if n in given]
     if data_only and not (real or run.prompts or run.sft_data):
-        fail(f"{flag(data_only[0])}: reads real text (--data, --prompts, --sft-data), and this run is the synthetic "
-             f"world's; add --data PAIRS or drop it")
+        fail(f"{flag(data_only[0])}: reads --data, --prompts or --sft-data (real text), and this run is the "
+             f"synthetic world's; add --data PAIRS or drop it")
     lora_only = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if n in given]
     if lora_only and not run.lora_r:
         fail(f"{flag(lora_only[0])}: sets LoRA's adapters, and without --lora-r R there are none; add --lora-r "
