@@ -477,7 +477,7 @@ def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | Non
     s.timings["ppo"] = loop.seconds
     if loop.debugged:
         print(f"[debugger] {loop.debugged:.1f} s of PPO steps under the debugger, not counted in its time")
-    for trained in (m.policy, m.critic):  # under DeepSpeed: optimizer states freed before the evaluation
+    for trained in (m.policy, m.critic):  # under DeepSpeed: the engines destroyed, their hooks off, training is over
         engine.release(trained)
     engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
     if s.rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
