@@ -46,7 +46,6 @@ import torch
 
 from plumbing import data
 from plumbing.engine import free_port
-from plumbing import scale
 import sft
 import ppo_max
 import train
