@@ -14,7 +14,7 @@ on 8 GPUs):
                                                 torch.distributed every one is the identity
     alone()                                   → a block one rank runs while the others wait (the cached base)
     unwrap(model)                             → the Hugging Face model inside an engine (what save_pretrained needs)
-    release(model)                            → the end of a stage: an engine's optimizer states and hooks freed
+    release(model)                            → the end of a stage: the engine destroyed, its hooks off the module
 
 Run: deepspeed --num_gpus 2 train.py ...      (on a CPU-only machine DeepSpeed picks its CPU accelerator and gloo)
 
