@@ -103,6 +103,12 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfi
         fail(f"--out {run.out}: exists and is not a directory")
 
 
+def from_preset(run: RunConfig, name: str, value) -> str:
+    """" (--preset P sets it)" when the run's preset gives field `name` this value: a refusal then names what the user
+    typed, not only a flag they never wrote."""
+    return f" (--preset {run.preset} sets it)" if PRESETS.get(run.preset, {}).get(name, object()) == value else ""
+
+
 def validate_estimator(run: RunConfig, cfg: PPOConfig) -> None:
     """--advantage, --group-size, --kl-in and the peers' conventions: the combinations that cannot work, one line."""
     a, G = cfg.advantage, cfg.group_size
@@ -130,13 +136,16 @@ def validate_estimator(run: RunConfig, cfg: PPOConfig) -> None:
         fail(f"--overlong-buffer {cfg.overlong_buffer}: the last L tokens before --max-new-tokens "
              f"{cfg.max_new_tokens}; L must be ≤ {cfg.max_new_tokens}")
     if cfg.clip_eps_high is not None and not cfg.clip_eps:
-        fail(f"--clip-eps-high {cfg.clip_eps_high:g} with --clip-eps {cfg.clip_eps:g}: ε_high raises the upper bound "
+        fail(f"--clip-eps-high {cfg.clip_eps_high:g}{from_preset(run, 'clip_eps_high', cfg.clip_eps_high)} with "
+             f"--clip-eps {cfg.clip_eps:g}: ε_high raises the upper bound "
              f"of PPO's clip, and --clip-eps 0 clips nothing; give --clip-eps > 0 or drop --clip-eps-high")
     if cfg.policy_loss == "cispo" and cfg.ratio == "sequence":
         fail("--policy-loss cispo with --ratio sequence: CISPO weights each token by its own clipped ratio; GSPO's "
              "sequence ratio belongs to PPO-clip's loss (--policy-loss ppo-clip)")
     if cfg.policy_loss == "cispo" and (cfg.dual_clip or cfg.clip_eps_high is not None):
-        fail(f"--policy-loss cispo with {'--dual-clip' if cfg.dual_clip else '--clip-eps-high'}: CISPO has its own "
+        name = "dual_clip" if cfg.dual_clip else "clip_eps_high"
+        fail(f"--policy-loss cispo with --{name.replace('_', '-')} {getattr(cfg, name):g}"
+             f"{from_preset(run, name, getattr(cfg, name))}: CISPO has its own "
              f"bounds on the weight (--cispo-eps-low, --cispo-eps-high) and no PPO clip to change")
     if cfg.critic_pretrain_target == "returns" and a == "gae" and cfg.critic_pretrain_steps == 0:
         fail("--critic-pretrain-target returns with --critic-pretrain-steps 0: it sets what pre-training fits, and "

@@ -69,6 +69,8 @@ MISTAKES = {  # name: (argv after `python`, what the one line must mention)
     "train_correction_cap_without_correction": (["train.py", "--rollout-correction-cap", "3"],
                                                 "--rollout-correction-cap"),
     "train_cispo_eps_without_cispo": (["train.py", "--cispo-eps-high", "3"], "--cispo-eps-high"),
+    "train_cispo_under_a_clip_higher_preset": (["train.py", "--preset", "vapo", "--policy-loss", "cispo"],
+                                               "--clip-eps-high 0.28 (--preset vapo sets it)"),
     # a model directory whose pytorch_model.bin would run code when unpickled: refused before it is loaded
     "train_model_pickle_runs_code": (["train.py", "--model", "evil_model", "--data", "bad.jsonl"],
                                      "pytorch_model.bin: its pickle would run code"),
@@ -109,24 +111,59 @@ def evil_model(path: Path, marker: Path) -> Path:
     return path
 
 
-def run_mistake(name: str, cwd: Path) -> subprocess.CompletedProcess:
+# one mistake of every command runs as a fresh `python` (what a user runs, import-time output included); the others
+# as forks of tests/preloaded.py, a Python that has imported torch, transformers, peft and DeepSpeed once
+FRESH = {min(n for n in MISTAKES if MISTAKES[n][0][0] == cmd) for cmd in {argv[0] for argv, _ in MISTAKES.values()}}
+
+
+def command(name: str) -> list[str]:
+    """The mistake's argv after `python`: a plumbing/ command runs as a module of the package (python -m
+    plumbing.data ...), the others as the script."""
     argv = MISTAKES[name][0]
-    # a plumbing/ command runs as a module of the package (python -m plumbing.data ...), from the repository
     script = ["-m", argv[0][:-3].replace("/", ".")] if argv[0].startswith("plumbing/") else [str(ROOT / argv[0])]
-    return subprocess.run([sys.executable, *script, *argv[1:]], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                            "HOME": str(cwd), "HF_HOME": str(cwd / "hf")})
+    return [*script, *argv[1:]]
+
+
+def environment(home: Path) -> dict:
+    return {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(home),
+            "HF_HOME": str(home / "hf")}
+
+
+def run_mistake(name: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The mistake in a fresh interpreter, in its folder."""
+    return subprocess.run([sys.executable, *command(name)], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=environment(cwd))
+
+
+def run_forked(names: list[str], dirs: dict, root: Path) -> dict:
+    """The mistakes as forks of tests/preloaded.py (two at a time), each in its folder: name → CompletedProcess."""
+    if not names:
+        return {}
+    jobs = [{"argv": command(n), "cwd": str(dirs[n]), "out": str(root / f"{n}.out"), "err": str(root / f"{n}.err")}
+            for n in names]
+    server = subprocess.run([sys.executable, str(ROOT / "tests" / "preloaded.py")], cwd=root, capture_output=True,
+                            text=True, timeout=600, env=environment(root),
+                            input="".join(json.dumps(j) + "\n" for j in jobs))
+    assert server.returncode == 0, server.stderr[-3000:]
+    answers = [json.loads(l) for l in server.stdout.splitlines() if l.startswith('{"job"')]   # DeepSpeed logs too
+    codes = {a["job"]: a["returncode"] for a in answers}
+    assert sorted(codes) == list(range(len(jobs))), server.stdout
+    return {n: subprocess.CompletedProcess(j["argv"], codes[i], Path(j["out"]).read_text(), Path(j["err"]).read_text())
+            for i, (n, j) in enumerate(zip(names, jobs))}
 
 
 @pytest.fixture(scope="module")
 def ran(request, tmp_path_factory) -> dict:
-    """Every selected mistake, each a fresh `python` process in its own folder, two at a time: most of each one's
-    time is the interpreter importing torch and transformers on one core, and the machine has two."""
+    """Every selected mistake in a folder of its own: one of each command as a fresh `python` process (two at a time),
+    the rest forked from a Python that imported torch and transformers once (most of a fresh one's time is those
+    imports: a mistake stops before any work)."""
     root = tmp_path_factory.mktemp("mistakes")
     names = sorted(selected(request, "test_a_mistake_is_one_line_and_exit_2", "name"))
     dirs = {name: mistake_dir(root / name) for name in names}
-    procs = two_at_a_time(lambda name: run_mistake(name, dirs[name]), names)
-    return {name: (proc, dirs[name]) for name, proc in zip(names, procs)}
+    fresh = [n for n in names if n in FRESH]
+    procs = dict(zip(fresh, two_at_a_time(lambda name: run_mistake(name, dirs[name]), fresh)))
+    procs.update(run_forked([n for n in names if n not in FRESH], dirs, root))
+    return {name: (procs[name], dirs[name]) for name in names}
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
