@@ -479,6 +479,10 @@ def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | Non
         print(f"[debugger] {loop.debugged:.1f} s of PPO steps under the debugger, not counted in its time")
     for trained in (m.policy, m.critic):  # under DeepSpeed: the engines destroyed, their hooks off, training is over
         engine.release(trained)
+    # the optimizers (AdamW's two moments per trained weight) let go before the evaluation samples: every reference
+    # to them (the models', the loop's, the checkpoints') dropped, their states are freed
+    m.policy_opt = m.critic_opt = loop.policy_opt = None
+    loop.ckpts.optimizers.clear()
     engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
     if s.rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
         return None

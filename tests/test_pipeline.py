@@ -28,8 +28,22 @@ def run(work, name, *extra):
 
 
 @pytest.mark.slow
-def test_pipeline_writes_metrics_and_summary(work):
+def test_pipeline_writes_metrics_and_summary(work, monkeypatch):
+    import gc
+    import plumbing.run
+
+    def optimizers() -> int:
+        gc.collect()
+        return sum(issubclass(type(o), torch.optim.Optimizer) for o in gc.get_objects())
+    live, before = [], optimizers()   # the optimizers alive while the final evaluation samples: none of the run's
+
+    def evaluate(*args, **kwargs):
+        live.append(optimizers())
+        return evaluate_(*args, **kwargs)
+    evaluate_ = plumbing.run.evaluate
+    monkeypatch.setattr(plumbing.run, "evaluate", evaluate)
     summary = run(work, "a")
+    assert live == [before], (live, before)
     out = work / "a"
     lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3
