@@ -33,7 +33,14 @@ if os.environ.get("PPO_MAX_IMPL"):
 # of its own as soon as the tests are collected, and the test's `background` fixture waits for it. Most of the suite
 # runs on one core; such a run takes the other one instead of adding its minutes to the end.
 # ---------------------------------------------------------------------------------------------------------------
+EARLY_MODULES = pytest.StashKey[list]()  # the modules start_early was called on (their summaries at the end)
 BACKGROUND = pytest.StashKey[tuple]()  # item.stash[BACKGROUND] = (its folder, its Popen)
+
+
+def pytest_collection_modifyitems(items):
+    """The notebooks' tests last: their notebooks run on the spare core while the rest of the suite runs one test at a
+    time on the other, and once those are done both cores finish the notebooks (test_notebooks.py's finish_on_both)."""
+    items.sort(key=lambda item: item.get_closest_marker("notebook") is not None)   # stable: the order otherwise kept
 
 
 def pytest_collection_finish(session):
@@ -48,6 +55,7 @@ def pytest_collection_finish(session):
             argv = [sys.executable, str(ROOT / mark.args[0][0]), *mark.args[0][1:]]
             with open(work / "output.log", "w") as log:
                 item.stash[BACKGROUND] = (work, subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT))
+    session.config.stash[EARLY_MODULES] = early_modules(session)
     for module in early_modules(session):  # e.g. test_notebooks: its notebooks start after the runs above
         module.start_early(session)
 
@@ -57,6 +65,14 @@ def early_modules(session) -> list:
     stop_early() at the session's end."""
     modules = dict.fromkeys(getattr(item, "module", None) for item in session.items)
     return [m for m in modules if m is not None and hasattr(m, "start_early")]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """What the modules that worked early report (e.g. when the notebooks ran)."""
+    for module in config.stash.get(EARLY_MODULES, []):
+        line = getattr(module, "early_summary", lambda: None)()
+        if line:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session):

@@ -9,6 +9,7 @@ import queue
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def execute(path: Path, kernel_dirs: list[str], env: dict, running: set) -> None
         running.discard(km)
 
 
+TIMES: dict = {}  # notebook → (start, end) in seconds after the tests were collected (early_summary)
 EARLY: dict = {}  # what start_early began: "futures" (name → Future of None or the exception), "stop", "running"
 
 
@@ -61,7 +63,9 @@ def start_early(session) -> None:
     soon as the background runs (@pytest.mark.background) are done, one at a time with one training slot
     (PPO_MAX_JOBS=1), so that they take the core the rest of the suite, one test at a time, leaves free; when nothing
     but this module was selected, two at a time on both cores (each kernel trains on one core, --threads 1;
-    notebooks/runs.py's locks let two share the cached bases and runs)."""
+    notebooks/runs.py's locks let two share the cached bases and runs). The notebooks' tests come last (conftest.py
+    sorts them there); when the first of them runs, the other core is free too, and finish_on_both lets the
+    notebooks not yet started run two at a time."""
     chosen = {item.callspec.params["path"] for item in session.items
               if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"}
     paths = [p for p in NOTEBOOKS if p in chosen]
@@ -73,13 +77,18 @@ def start_early(session) -> None:
     env = {**os.environ, "PPO_MAX_FULL": "0", "PPO_MAX_JOBS": str(jobs)}  # small budget; the kernels' slots
     stop, running, dirs = threading.Event(), set(), kernel_dirs(root)
 
+    t0, times = time.time(), TIMES
+
     def run(path):
         if stop.is_set():
             return RuntimeError("the session ended before this notebook ran")
+        start = time.time() - t0
         try:
             execute(path, dirs, env, running)
         except Exception as e:  # noqa: BLE001 — reported by that notebook's own test
             return e
+        finally:
+            times[path.stem] = (start, time.time() - t0)
         return None
 
     futures, todo = {p.stem: Future() for p in paths}, queue.SimpleQueue()
@@ -102,7 +111,29 @@ def start_early(session) -> None:
 
     for i in range(jobs):
         threading.Thread(target=worker, name=f"notebooks-{i}", daemon=True).start()
-    EARLY.update(futures=futures, stop=stop, running=running, root=root)
+    EARLY.update(futures=futures, stop=stop, running=running, root=root, env=env, jobs=jobs, worker=worker)
+
+
+def early_summary() -> str | None:
+    """A line for the end of the session: when the notebooks ran (so that a slow suite shows which core waited)."""
+    times = dict(TIMES)
+    if not times:
+        return None
+    first, last = min(a for a, _ in times.values()), max(b for _, b in times.values())
+    slowest = max(times, key=lambda k: times[k][1] - times[k][0])
+    return (f"notebooks: {len(times)} ran from {first:.0f} s to {last:.0f} s after collection "
+            f"({sum(b - a for a, b in times.values()):.0f} s of kernels; the longest {slowest}, "
+            f"{times[slowest][1] - times[slowest][0]:.0f} s)")
+
+
+def finish_on_both() -> None:
+    """Once the rest of the suite is done: the notebooks not yet started run two at a time, each kernel from now on
+    with two training slots (a kernel already running keeps its one: at most two trainings at once, one per core)."""
+    if EARLY.get("jobs") != 1:
+        return
+    EARLY["jobs"] = 2
+    EARLY["env"]["PPO_MAX_JOBS"] = "2"   # read by execute() when it starts the next kernel
+    threading.Thread(target=EARLY["worker"], name="notebooks-1", daemon=True).start()
 
 
 def stop_early() -> None:
@@ -126,17 +157,13 @@ def stop_early() -> None:
     EARLY.clear()
 
 
-@pytest.fixture(scope="module")
-def executed() -> dict:
-    """The selected notebooks' results, as start_early's thread gives them: name → None, or the exception."""
-    return {name: future.result() for name, future in EARLY["futures"].items()}
-
-
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path, executed):
-    if executed[path.stem] is not None:
-        raise executed[path.stem]
+def test_notebook_runs_top_to_bottom(path):
+    finish_on_both()   # the notebooks' tests come last: the rest of the suite is done, both cores are free
+    error = EARLY["futures"][path.stem].result()   # None, or the exception of the first failing cell
+    if error is not None:
+        raise error
 
 
 # ---------------------------------------------------------------------------------------------------------------
