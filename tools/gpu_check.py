@@ -15,13 +15,13 @@ steps × rollout batch × (prompt + response), forward and update together.
 
 Beside each stage's torch.cuda.max_memory_allocated it prints what `train.py --plan` predicts for the same flags
 (plumbing/scale.py: plan_stage_memory for SFT and the reward model, plan_memory for PPO), without the plan's flat overhead
-(the CUDA context and NCCL buffers are not the caching allocator's): the first GPU run checks the plan. The plan
+(the CUDA context and NCCL buffers are not the caching allocator's): the first GPU run checks the plan. Each stage's
+line also counts the DeepSpeed engines still alive after it (engines_left, 0 when every stage released its own). The plan
 assumes the longest sequences the flags allow (P = --max-prompt-tokens, T = --max-new-tokens); the data's are
 shorter, so measured < planned is expected by about that ratio.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -45,6 +45,14 @@ HH = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
 
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
+
+
+def engines_alive() -> int:
+    """DeepSpeed engines still alive after a stage: each one holds its optimizer states (and on a GPU adds them to
+    the next stage's peak); every stage releases its own (engine.release), so this is 0."""
+    import gc
+    gc.collect()
+    return sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects())
 
 
 def planned_gib(argv: list[str]) -> dict[str, float]:
@@ -84,7 +92,7 @@ def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pai
         name = "critic+ppo" if stage == "ppo" else stage
         results.append({"variant": variant, "stage": name, "seconds": round(seconds, 1),
                         "tokens_per_s": round(tokens / seconds, 1), "peak_gib": round(peak_gib(), 2),
-                        "plan_gib": round(plan[name], 4)})
+                        "plan_gib": round(plan[name], 4), "engines_left": engines_alive()})
         print(f"[gpu check] {results[-1]}", file=sys.stderr)
     return results
 
