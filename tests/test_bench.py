@@ -69,7 +69,8 @@ def test_gpu_check_dry_run_on_the_cpu(background):
 
 
 @pytest.mark.slow
-@pytest.mark.background(["tools/bench.py", "world", "--small", "--variants", "1", "--steps", "2", "--json", "bench.json"])
+@pytest.mark.background(["tools/bench.py", "world", "--small", "--variants", "1", "--steps", "2",
+                          "--json", "bench.json"])
 def test_bench_world_small_prints_every_number(background):
     """`tools/bench.py world` end to end on the notebooks' small world: one variant, two PPO steps (the numbers
     themselves mean nothing here: it runs beside the rest of the suite)."""

@@ -16,8 +16,8 @@ steps × rollout batch × (prompt + response), forward and update together.
 Beside each stage's torch.cuda.max_memory_allocated it prints what `train.py --plan` predicts for the same flags
 (plumbing/scale.py: plan_stage_memory for SFT and the reward model, plan_memory for PPO), without the plan's flat overhead
 (the CUDA context and NCCL buffers are not the caching allocator's): the first GPU run checks the plan. Each stage's
-line also counts the DeepSpeed engines still alive after it (engines_left, 0 when every stage released its own). The plan
-assumes the longest sequences the flags allow (P = --max-prompt-tokens, T = --max-new-tokens); the data's are
+line also counts the DeepSpeed engines still alive after it (engines_left, 0 when every stage released its own).
+The plan assumes the longest sequences the flags allow (P = --max-prompt-tokens, T = --max-new-tokens); the data's are
 shorter, so measured < planned is expected by about that ratio.
 """
 from __future__ import annotations
