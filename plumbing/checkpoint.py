@@ -105,7 +105,7 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for f in filenames:
             _fsync_path(Path(dirpath) / f)
@@ -262,7 +262,7 @@ def _write_checkpoint(tmp: Path, step: int, models: dict, optimizers: dict, sche
     with file(STATE):
         (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
     with writing(shown, needed, hint):
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     # COMPLETE last: the names and sizes of every file, so a loader can also notice a truncated one
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     with file(COMPLETE):
@@ -635,6 +635,8 @@ def build_once(path: str | os.PathLike, build: Callable[[Path], Any], what: str,
                 raise
             if failed.path == "a file":  # safetensors and torch name no file: the directory being built
                 failed.path = str(path)
+            elif str(failed.path).startswith(str(tmp)):  # a file of the build: named where it was to end up
+                failed.path = str(path) + str(failed.path)[len(str(tmp)):]
             failed.hint = failed.hint or hint
             raise failed from None
         barrier()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -283,8 +284,30 @@ def merge(adapter_dir, out_dir, base_dir=None, dtype: torch.dtype | None = None)
 def save(model, out_dir, tokenizer, base_dir=None) -> None:
     """A trained stage's result in out_dir: without LoRA the model itself; with LoRA the adapters in
     out_dir/adapter/ (peft's format) and the merged model in out_dir/, so that the next stage, eval.py and any other
-    tool read out_dir as one plain Hugging Face directory."""
+    tool read out_dir as one plain Hugging Face directory.
+    Written into out_dir.tmp-<pid> and renamed into place, so that a reader never finds a half-written directory: a
+    write that fails (a full disk) leaves an earlier out_dir as it was and no temporary directory, and raises
+    cli.WriteFailed naming out_dir."""
+    from plumbing import checkpoint
     out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    hint = "the run's checkpoints are intact" if (out_dir.parent / "checkpoints").is_dir() else ""
+    for stale in [*out_dir.parent.glob(f"{out_dir.name}.tmp-*"), *out_dir.parent.glob(f"{out_dir.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # saves killed mid-way; one writer per folder, so none is live
+    try:
+        with checkpoint.writing(out_dir, hint=hint):
+            _write(model, tmp, tokenizer, base_dir)
+            checkpoint.fsync_tree(tmp)
+            old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+            if out_dir.exists():  # saved again (a stage run twice on one folder): the old one aside first
+                os.replace(out_dir, old)
+            os.replace(tmp, out_dir)  # the atomic step: from here on out_dir is complete
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(model, out_dir: Path, tokenizer, base_dir) -> None:
     m = getattr(model, "module", model)
     if not is_lora(m):
         m.save_pretrained(out_dir)

@@ -434,3 +434,40 @@ def test_keep_last_0_says_it_keeps_every_checkpoint():
     import plumbing.config
     help_ = {f.name: f.metadata["help"] for f in dataclasses.fields(plumbing.config.RunConfig)}["keep_last"]
     assert "0 = keep every checkpoint" in help_
+
+
+# ------------------------------------------------------------------------------------------------ a stage's result
+class _Tokenizer:
+    """What lora.save asks of a tokenizer: save_pretrained(dir), here one small file (or the error `fails`)."""
+
+    def __init__(self, fails: Exception | None = None):
+        self.fails = fails
+
+    def save_pretrained(self, out_dir):
+        if self.fails is not None:
+            raise self.fails
+        (Path(out_dir) / "tokenizer.json").write_text("{}")
+
+
+def test_a_stage_result_that_cannot_be_written_keeps_the_earlier_one(tmp_path):
+    """lora.save (every stage's final model: SFT, the reward model, DPO, the policy and critic) writes beside its
+    directory and renames it into place: a full disk half-way is one WriteFailed naming the directory, the earlier
+    result is left whole and no temporary directory stays; a save that succeeds replaces the earlier one."""
+    from plumbing import lora
+    models, _ = tiny_models()
+    out = tmp_path / "policy"
+    lora.save(models["policy"], out, _Tokenizer())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "model.safetensors" in before and "tokenizer.json" in before
+    with torch.no_grad():
+        models["policy"].lm_head.weight.add_(1.0)
+    with pytest.raises(WriteFailed) as e:
+        lora.save(models["policy"], out, _Tokenizer(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    assert str(e.value).startswith(f"cannot write {out}: no space left on device")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+    (tmp_path / "policy.tmp-1").mkdir()  # a save killed mid-way earlier: cleared by the next one
+    lora.save(models["policy"], out, _Tokenizer())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+    after = safetensors.torch.load_file(str(out / "model.safetensors"))
+    assert torch.equal(after["lm_head.weight"], models["policy"].lm_head.weight)
