@@ -1187,7 +1187,38 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] | None = None) -> dict[
                 name = twin(v, s) if runs.FULL else v
                 specs.append((name, R.variants[name], s, R.long.get(name) if runs.FULL else None))
     done = runs.run_many(specs)
-    return {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
+    got = {v: [done[rep[config_key(v, s) if runs.FULL else (v, s)]] for s in seeds] for v in variants}
+    if runs.FULL:
+        print(against_records(got, seeds))
+    return got
+
+
+def against_records(got: dict[str, list[dict]], seeds: tuple[int, ...]) -> str:
+    """One line: the final held-out gold of runs_for's runs against the committed records of the same config and
+    seed. Trained by the records' code on the records' machine they are the same numbers; retrained on another CPU
+    they can differ (the last bits differ from the SFT stage on, and a run near a collapse amplifies them), which is
+    why every verdict reads the records and never these runs."""
+    by_config = {(r["config"], r["seed"]): r for r in records().values()}
+    rows = {}   # (config, seed) → (|Δ|, variant, seed, recorded, here, the record's machine): a twin counted once
+    for v, rs in got.items():
+        for s, run in zip(seeds, rs):
+            rec = by_config.get((config_key(v, s), s))
+            if rec is not None and "final_gold" in rec["metrics"]:
+                here, recorded = run["final"]["gold_reward"], rec["metrics"]["final_gold"]
+                rows[(rec["config"], s)] = (abs(here - recorded), v, s, recorded, here, rec["machine"])
+    if not rows:
+        return f"[records] none of these runs has a record in {R.results} to compare with"
+    rows = list(rows.values())
+    gaps = np.array([row[0] for row in rows])
+    d, v, s, recorded, here, where = max(rows, key=lambda row: row[0])
+    margin = R.margins["gold"]
+    line = (f"[records] final held-out gold of these {len(rows)} runs against {R.name}'s records of the same config "
+            f"and seed: {int((gaps < 1e-9).sum())} equal, median |Δ| {np.median(gaps):.3g}, "
+            f"{int((gaps > margin).sum())} beyond the gold margin ±{margin:g}")
+    if d >= 1e-9:
+        line += (f"; the largest, {v} seed {s}: {recorded:+.3f} recorded on {where}, {here:+.3f} here on {machine()}"
+                 f". The tables and figures show these runs; every verdict reads the records")
+    return line
 
 
 def heldout_curve(run: dict) -> tuple[np.ndarray, np.ndarray]:

@@ -201,7 +201,8 @@ def _window2(run: dict, key: str, which: str) -> float:
     n = len(y)
     sl = {"mid10": slice(max(n // 2 - 5, 0), n // 2 + 5), "q3": slice(n // 2, 3 * n // 4),
           "q4": slice(3 * n // 4, None)}[which]
-    return float(np.nanmean(y[sl]))
+    window = y[sl]
+    return float(np.nanmean(window)) if (~np.isnan(window)).any() else float("nan")  # a key the run never logged
 
 
 RUN_METRICS = {**claims.RUN_METRICS,

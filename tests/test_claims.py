@@ -723,3 +723,27 @@ def test_write_docs_leaves_the_committed_findings_as_they_are(written_docs):
 def test_write_docs_writes_the_readme_summary_the_check_expects(written_docs):
     assert between(written_docs[1], *claims.SUMMARY_MARKS) == claims.readme_summary().strip()
 
+
+
+def test_against_records_compares_each_run_with_the_record_of_its_config_and_seed(monkeypatch, request):
+    """runs_for's line (full budget): a run is matched to the committed record of its config and seed (a twin, the
+    same config under two names, counted once), its final held-out gold compared; equal numbers count as equal, and
+    the largest gap is named with the record's machine."""
+    import runs
+    monkeypatch.setattr(runs, "FULL", True)
+    claims._config_key.cache_clear()   # the keys of the full budget's flags, and none of them left for later tests
+    request.addfinalizer(claims._config_key.cache_clear)
+    recs = claims.records()
+    (variant, seed), rec = next((k, r) for k, r in sorted(recs.items()) if k[0] == "vanilla")
+    recorded = rec["metrics"]["final_gold"]
+    same = claims.against_records({variant: [{"final": {"gold_reward": recorded}}]}, (seed,))
+    assert "of these 1 runs" in same and "1 equal, median |Δ| 0, 0 beyond" in same and "largest" not in same
+    off = claims.against_records({variant: [{"final": {"gold_reward": recorded - 1.0}}]}, (seed,))
+    assert "0 equal, median |Δ| 1, 1 beyond the gold margin" in off
+    assert f"{variant} seed {seed}: {recorded:+.3f} recorded on {rec['machine']}, {recorded - 1:+.3f} here" in off
+    twins = [v for v in claims.R.variants if claims.config_key(v, seed) == claims.config_key("ppo-max", seed)]
+    assert len(twins) >= 2   # PPO-max under another name (its η spelled out)
+    both = claims.against_records({v: [{"final": {"gold_reward": 0.0}}] for v in twins}, (seed,))
+    assert "of these 1 runs" in both
+    none = claims.against_records({variant: [{"final": {"gold_reward": 0.0}}]}, (7,))
+    assert none.startswith("[records] none of these runs has a record")
