@@ -1388,6 +1388,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--summary", action="store_true", help="the README's table of SFT, PPO-max, vanilla and "
                    "best-of-4 from the records (with --run: trains those runs missing on --seeds, or on every seed, "
                    "instead of the registry's)")
+    p.add_argument("--successor", action="store_true", help="v2's records as a successor registry's pilot: per cap "
+                   "on seeds, how many claims 80 %% power reaches and what it costs (JSON lines; not v2's plan)")
     args = p.parse_args(argv)
     select(args.registry)
     ids = [c for c in args.claims.split(",") if c]
@@ -1418,6 +1420,10 @@ def main(argv: list[str] | None = None) -> None:
               f"the summary ({text.splitlines()[0]}) into README.md")
     if args.records:
         print(f"{rewrite_records()} records written from cached runs")
+    if args.successor:
+        import registry_v2
+        for row in registry_v2.successor_plan():
+            print(json.dumps(row))
     if args.summary:
         seeds = parse_seeds(args.seeds) if args.seeds else set(R.seeds)
         missing = sorted({s for v in R.summary for s in seeds if not record_path(v, s).exists()})

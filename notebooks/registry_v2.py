@@ -688,3 +688,34 @@ def rule_text() -> str:
 REGISTRY = claims.Registry("v2", CLAIMS, MARGINS, VARIANTS, LONG, claims.RESULTS / "v2", judge, part_text,
                            rule_text, {c.id: c.seeds for c in CLAIMS}, RUN_METRICS, BASE_METRICS, FINAL_METRICS,
                            SUMMARY, SEEDS[:max(SEED_PLAN.values())], PLOT_SEEDS)
+
+
+def successor_plan(caps: tuple[int, ...] = (10, 25, 50, 100), recs: dict | None = None) -> list[dict]:
+    """Written after v2's campaign and no part of its plan: what v2's own records say a successor registry would
+    need, as plan_seeds reads v1's. Each claim's n: the largest of its parts' power_n at v2's mean and sd (None when
+    a part has fewer than 3 seeds or no n up to 1,000 decides it). Per cap: how many claims some n ≤ cap powers
+    (80 % each), and the run units of giving each of them its n (the others keep their seeds), as _cost counts."""
+    recs = claims.records(REGISTRY) if recs is None else recs
+    need = {}
+    for c in CLAIMS:
+        ns = []
+        for part in c.parts:
+            ds = [d for s in SEEDS for d in [_difference(part, recs, s)] if d is not None and np.isfinite(d)]
+            ns.append(power_n(float(np.mean(ds)), float(np.std(ds, ddof=1)), MARGINS[part.margin], part.direction)
+                      if len(ds) >= 3 else None)
+        need[c.id] = None if None in ns else max(ns + [N_MIN])
+    rows = []
+    for cap in caps:
+        n = {c.id: max(len(c.seeds), need[c.id] if need[c.id] is not None and need[c.id] <= cap else 0)
+             for c in CLAIMS}
+        powered = sorted(i for i in need if need[i] is not None and need[i] <= cap)
+        rows.append({"cap": cap, "powered": len(powered), "claims": len(CLAIMS), "run_units": round(_cost(n, CLAIMS), 1),
+                     "unpowered": sorted(set(need) - set(powered))})
+    return rows
+
+
+def _difference(part, recs: dict, seed: int) -> float | None:
+    try:
+        return claims.difference(part, recs, seed)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None

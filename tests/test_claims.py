@@ -747,3 +747,25 @@ def test_against_records_compares_each_run_with_the_record_of_its_config_and_see
     assert "of these 1 runs" in both
     none = claims.against_records({variant: [{"final": {"gold_reward": 0.0}}]}, (7,))
     assert none.startswith("[records] none of these runs has a record")
+
+
+def test_successor_plan_reads_v2_records_as_a_pilot(monkeypatch):
+    """--successor (after the campaign, not v2's plan): a claim is powered at a cap when every part's power_n at
+    v2's mean and sd is within it; a larger cap powers a superset at a cost no lower; with differences far beyond
+    every margin each claim needs N_MIN seeds and nothing more than it has, except those planned below N_MIN."""
+    rows = registry_v2.successor_plan((10, 25, 100))
+    for small, large in zip(rows, rows[1:]):
+        assert set(large["unpowered"]) <= set(small["unpowered"]) and large["run_units"] >= small["run_units"]
+        assert large["powered"] + len(large["unpowered"]) == large["claims"] == len(registry_v2.CLAIMS)
+    recs = claims.records()
+    claim = next(c for c in registry_v2.CLAIMS if c.id == "fig3")
+    part = claim.parts[1]
+    ds = [claims.difference(part, recs, s) for s in claim.seeds]
+    n = registry_v2.power_n(np.mean(ds), np.std(ds, ddof=1), registry_v2.MARGINS[part.margin], part.direction)
+    assert ("fig3" in rows[-1]["unpowered"]) == (n > 100)
+    far = iter(np.tile([100.0, 101.0, 102.0], 10_000))
+    monkeypatch.setattr(registry_v2, "_difference", lambda part, recs, seed: next(far))
+    (row,) = registry_v2.successor_plan((10,), recs={})
+    assert row["powered"] == len(registry_v2.CLAIMS) and row["unpowered"] == []
+    n = {c.id: max(len(c.seeds), registry_v2.N_MIN) for c in registry_v2.CLAIMS}
+    assert row["run_units"] == round(registry_v2._cost(n, registry_v2.CLAIMS), 1)
