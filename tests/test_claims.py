@@ -769,3 +769,11 @@ def test_successor_plan_reads_v2_records_as_a_pilot(monkeypatch):
     assert row["powered"] == len(registry_v2.CLAIMS) and row["unpowered"] == []
     n = {c.id: max(len(c.seeds), registry_v2.N_MIN) for c in registry_v2.CLAIMS}
     assert row["run_units"] == round(registry_v2._cost(n, registry_v2.CLAIMS), 1)
+
+
+def test_readme_states_v2s_tally_as_the_records_give_it():
+    """The README's sentence on registry v2's tally is what --tally prints from the committed records."""
+    text = " ".join((claims.ROOT / "README.md").read_text().split())
+    t = claims.tally()
+    assert (f"has {t['as the paper']} as the paper, {t['against the paper']} against, {t['alike']} alike and "
+            f"{t['undecided']} undecided of {sum(t.values())} claims") in text
