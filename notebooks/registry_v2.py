@@ -709,8 +709,8 @@ def successor_plan(caps: tuple[int, ...] = (10, 25, 50, 100), recs: dict | None 
         n = {c.id: max(len(c.seeds), need[c.id] if need[c.id] is not None and need[c.id] <= cap else 0)
              for c in CLAIMS}
         powered = sorted(i for i in need if need[i] is not None and need[i] <= cap)
-        rows.append({"cap": cap, "powered": len(powered), "claims": len(CLAIMS), "run_units": round(_cost(n, CLAIMS), 1),
-                     "unpowered": sorted(set(need) - set(powered))})
+        rows.append({"cap": cap, "powered": len(powered), "claims": len(CLAIMS),
+                     "run_units": round(_cost(n, CLAIMS), 1), "unpowered": sorted(set(need) - set(powered))})
     return rows
 
 

@@ -724,7 +724,6 @@ def test_write_docs_writes_the_readme_summary_the_check_expects(written_docs):
     assert between(written_docs[1], *claims.SUMMARY_MARKS) == claims.readme_summary().strip()
 
 
-
 def test_against_records_compares_each_run_with_the_record_of_its_config_and_seed(monkeypatch, request):
     """runs_for's line (full budget): a run is matched to the committed record of its config and seed (a twin, the
     same config under two names, counted once), its final held-out gold compared; equal numbers count as equal, and
