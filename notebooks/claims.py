@@ -48,7 +48,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -650,6 +650,33 @@ def combine(answers: list[str]) -> str:
     return "as the paper"
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Labels a reader can act on: the rule's answers renamed by what they mean for the claim, never recomputed. A claim of a
+# difference found inside the margin has failed ("no effect"), not agreed. For a part: the claim of a difference
+# (direction higher / lower / differs) is supported (beyond the margin in the claimed direction), shows no effect
+# (inside it) or is contradicted (beyond it the other way); the claim of no difference (alike) or of no loss
+# (not-lower) is supported (inside / not below −margin) or contradicted (beyond). A claim's label is its combined
+# answer's: COMBINE already says "against" before "undecided" before "alike" before "as the paper".
+# ---------------------------------------------------------------------------------------------------------------------
+LABELS = {"as the paper": "supported", "alike": "no effect", "against the paper": "contradicted",
+          "undecided": "undecided", "not run": "not run"}
+LABEL_ORDER = ("supported", "no effect", "contradicted", "undecided")
+
+
+def label(answer: str) -> str:
+    """The label of a rule's answer (a part's or a claim's)."""
+    return LABELS[answer]
+
+
+def how_contradicted(v: dict) -> str:
+    """How a contradicted claim failed, from its contradicted parts: "the other way" (a claimed difference found
+    beyond the margin with the other sign), "a difference where none was claimed" (a claim of no difference or of no
+    loss found beyond the margin), or both."""
+    ways = {"a difference where none was claimed" if p["part"].direction in ("alike", "not-lower") else "the other way"
+            for p in v["parts"] if p["answer"] == "against the paper"}
+    return " and ".join(sorted(ways))
+
+
 # =====================================================================================================================
 # Records: one small JSON per run (and per seed's base) under notebooks/results/, committed, read by the verdicts
 # =====================================================================================================================
@@ -822,11 +849,20 @@ def second_stage_rule(recs: dict | None = None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def tally(recs: dict | None = None) -> dict:
+def rule_tally(recs: dict | None = None) -> dict:
+    """How many claims end in each of the rule's answers (COMBINE's), before the labels rename them."""
     out = {a: 0 for a in ANSWERS}
     for v in verdicts(recs):
         out[v["answer"]] = out.get(v["answer"], 0) + 1
     return {k: v for k, v in out.items() if v or k in ANSWERS}
+
+
+def tally(recs: dict | None = None) -> dict:
+    """How many claims carry each label (LABELS: the rule's answers renamed, the counts unchanged)."""
+    out = {k: 0 for k in LABEL_ORDER}
+    for answer, n in rule_tally(recs).items():
+        out[label(answer)] = out.get(label(answer), 0) + n
+    return {k: v for k, v in out.items() if v or k in LABEL_ORDER}
 
 
 def _fmt(x: float) -> str:
@@ -851,31 +887,205 @@ def part_text(p: dict) -> str:
         i = p.get("interim")
         if i:
             text += (f"; so far, {i['n']} seeds: {_fmt(i['mean'])} [{_fmt(i['lo95'])}, {_fmt(i['hi95'])}], "
-                     f"{i['above']}/{i['n']} > 0 → {i['answer']} (interim, not a verdict)")
+                     f"{i['above']}/{i['n']} > 0 → {label(i['answer'])} (interim, not a verdict)")
         return text
     text = (f"{part.what}: {_fmt(p['mean'])} [{_fmt(p['lo95'])}, {_fmt(p['hi95'])}], {p['above']}/{p['n']} seeds > 0"
-            f" → {p['answer']}")
+            f" → {label(p['answer'])}")
     if p["answer"] == "undecided":
         need = p["seeds_to_decide"]
         text += f" (~{need} seeds would decide it)" if need else " (more than 10,000 seeds would not decide it)"
     return text
 
 
+# =====================================================================================================================
+# Qualifiers: what a reader needs beside a verdict to act on it, printed on its row. Descriptions, never new verdicts:
+# the label stays the rule's. A registry lists them per claim (Registry.qualifiers, {claim id: [qualifier, ...]}):
+#   Claim.construction          what the world or a default was tuned to show: "by construction", printed first
+#   Setting(text)               the project's weight or setting where the source's differs, or what the claim tests now
+#   Stronger(direction, text)   the registered direction is weaker than the source's words: the same rule's answer for
+#                               the stronger direction, on the same paired differences
+#   Engaged(...)                how much the mechanism acted in the judged runs, read from the records' per-step curves
+#                               (metrics.jsonl as the record keeps it); below its threshold the row says "not really
+#                               tested here"
+#   NoCurve(text)               a mechanism whose action no curve of the records shows: said, not guessed
+#   Scale(part, variant)        the margin against the compared quantity itself (a coarse test sees only large effects)
+#   Contrast(what, metric, a, b)  a paired difference of two of the claim's runs that no part registers, no label
+# The thresholds, each with its reason, written down before any engagement was tabulated (two figures were known
+# beforehand from the review that asked for them: PPO-max's clip binds on 0.07-0.09 % of tokens, its gradient clip on
+# 0.8 % of steps; both thresholds are round shares chosen from what a share means, not from those figures):
+#   TOKEN_SHARE 1 %   a clip, cap or truncation that binds on fewer than one token in a hundred leaves the two
+#                     variants the same loss on more than 99 % of the tokens: the comparison is between two nearly
+#                     identical updates, and a verdict on it is about the rest of the recipe, not the mechanism
+#   STEP_SHARE 10 %   a mechanism that acts on fewer than one step in ten acts on fewer than 8 of 80 steps, one
+#                     held-out-curve interval (--heldout-every 8): less than what moves one point of the curve
+#   MARGINS["kl"]     a sampler whose KL to the policy is below the registry's own smallest KL that matters (0.01
+#                     nats per token) is, by the registry's standard, the policy's own sampler: no mismatch to correct
+# =====================================================================================================================
+TOKEN_SHARE = 0.01
+STEP_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class Setting:
+    text: str
+
+
+@dataclass(frozen=True)
+class Stronger:
+    direction: str
+    text: str
+
+
+@dataclass(frozen=True)
+class NoCurve:
+    text: str
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """A paired difference of two of the claim's runs that no part registers, printed with its 90 % interval and no
+    label (what a reader would ask next, e.g. a correction against no correction)."""
+    what: str
+    metric: str
+    a: str
+    b: str
+
+
+@dataclass(frozen=True)
+class Scale:
+    part: int       # the index of the claim's part whose margin is compared
+    variant: str    # the run whose own value of the part's metric the margin is compared with
+
+
+@dataclass(frozen=True)
+class Engaged:
+    """How much a mechanism acted: `measure(rows)` on the per-step curve of each judged run of `variants` (each seed
+    of the claim), its mean over those runs against `threshold`. `key` is the curve's key the measure reads (a run
+    whose curve lacks it is said to); `unit` is "tokens" or "steps" (printed as a percentage) or a unit of a size."""
+    what: str
+    variants: tuple
+    key: str
+    measure: object
+    threshold: float
+    unit: str
+
+
+def token_share(key: str = "ppo/clipfrac"):
+    """The mean over steps of a per-step share of tokens (metrics.jsonl's ppo/clipfrac: the minibatches' mean)."""
+    return lambda rows: float(np.mean([r[key] for r in rows if r.get(key) is not None]))
+
+
+def step_share(key: str, lo: float = -math.inf, hi: float = math.inf):
+    """The share of steps whose `key` lies in [lo, hi)."""
+    return lambda rows: float(np.mean([lo <= r[key] < hi for r in rows if r.get(key) is not None]))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g} %"
+
+
+def engagement(q: Engaged, claim: Claim, recs: dict) -> dict:
+    """q's measure on every judged run: {"values": [one per run], "missing": [runs whose curve lacks q.key],
+    "mean", "below": mean < threshold}."""
+    values, missing = [], []
+    for v in q.variants:
+        for s in claim.seeds:
+            r = recs.get((v, s))
+            rows = decompress(r["curve"]) if r is not None and r.get("curve") else []
+            if not any(row.get(q.key) is not None for row in rows):
+                missing.append(f"{v} seed {s}")
+                continue
+            values.append(q.measure(rows))
+    mean = float(np.mean(values)) if values else None
+    # rounded: a mean of k/80-step shares that equals the threshold is not below it by a float's last bit
+    return {"values": values, "missing": missing, "mean": mean,
+            "below": mean is not None and round(mean, 12) < q.threshold}
+
+
+def _size(x: float, unit: str) -> str:
+    return _pct(x) if unit in ("tokens", "steps") else f"{x:.3g} {unit}"
+
+
+def qualifiers(v: dict, recs: dict | None = None) -> list[str]:
+    """The verdict's qualifiers, one string each: by construction, then the registry's list for the claim (Setting,
+    Stronger, Engaged, NoCurve, Scale), computed from the records; the first says "not really tested here" when every
+    engagement of the claim is below its threshold ("partly tested here" when some are)."""
+    recs = records() if recs is None else recs
+    c = v["claim"]
+    out = [f"by construction: {c.construction}"] if c.construction else []
+    below = []
+    for q in getattr(R, "qualifiers", {}).get(c.id, ()):
+        if isinstance(q, Setting):
+            out.append(f"setting: {q.text}")
+        elif isinstance(q, NoCurve):
+            out.append(f"engagement: not in the records ({q.text})")
+        elif isinstance(q, Stronger):
+            answers = []
+            for p in v["parts"]:
+                if "mean" not in p:
+                    continue
+                d = [difference(p["part"], recs, s) for s in c.seeds]
+                answers.append(label(R.judge(d, R.margins[p["part"].margin], q.direction)["answer"]))
+            out.append(f"direction: {q.text}; the same rule asked '{q.direction}' of the same differences: "
+                       + ", ".join(answers))
+        elif isinstance(q, Contrast):
+            d = [difference(Part(q.what, q.metric, q.a, q.b, "alike", "gold"), recs, s) for s in c.seeds]
+            if None not in d:
+                j = R.judge(d, 1.0, "alike")   # the margin is not read: only the mean and the 90 % interval are
+                out.append(f"beside it: {q.what}: {_fmt(j['mean'])} [90 %: {_fmt(j['lo90'])}, {_fmt(j['hi90'])}], "
+                           f"{j['above']}/{j['n']} seeds > 0 (not a part: no verdict)")
+        elif isinstance(q, Scale):
+            part = c.parts[q.part]
+            levels = [_value(recs, q.variant, s, part.metric) for s in c.seeds]
+            levels = [abs(x) for x in levels if x is not None]
+            m = R.margins[part.margin]
+            if levels:
+                out.append(f"scale: the margin ±{m:g} is {_pct(m / max(levels))}–{_pct(m / min(levels))} of "
+                           f"{q.variant}'s own {part.metric} ({min(levels):.2g}–{max(levels):.2g} over the seeds)")
+        elif isinstance(q, Engaged):
+            e = engagement(q, c, recs)
+            if e["mean"] is None:
+                out.append(f"engagement: {q.what}: the records carry no curve of {q.key}")
+                continue
+            of = f" of {q.unit}" if q.unit in ("tokens", "steps") else ""
+            text = (f"engagement: {q.what}: {_size(e['mean'], q.unit)}{of}, mean of {len(e['values'])} runs (from "
+                    f"{_size(min(e['values']), q.unit)} to {_size(max(e['values']), q.unit)}); threshold "
+                    f"{_size(q.threshold, q.unit)}")
+            if e["missing"]:
+                text += f"; no curve of {q.key} in {', '.join(e['missing'])}"
+            if e["below"]:
+                text += " → not really tested here"
+                below.append(q)
+            out.append(text)
+    engaged = [q for q in getattr(R, "qualifiers", {}).get(c.id, ()) if isinstance(q, Engaged)]
+    if below:
+        out.insert(0, "**not really tested here**" if len(below) == len(engaged) else "**partly tested here**")
+    return out
+
+
+def not_tested(recs: dict | None = None) -> list[str]:
+    """The claims whose every engagement is below its threshold ("not really tested here"), in registry order."""
+    recs = records() if recs is None else recs
+    return [v["claim"].id for v in verdicts(recs) if qualifiers(v, recs)[:1] == ["**not really tested here**"]]
+
+
 def table(recs: dict | None = None) -> str:
     """docs/findings.md's verdict table, markdown."""
     head = ("the paper's claim", "mean [95 % interval]") if R.name == "v1" else (
         "the claim (the paper's unless it says so)", "mean [90 % interval]; the margins for which it holds")
-    lines = [f"| fig | {head[0]} | what was measured (paired by seed; {head[1]}) | seeds | verdict | notebook |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| fig | {head[0]} | what was measured (paired by seed; {head[1]}) | seeds | verdict | qualifiers "
+             f"(descriptions beside the verdict, not verdicts) | notebook |", "|---|---|---|---|---|---|---|"]
+    recs = records() if recs is None else recs
     for v in verdicts(recs):
         c = v["claim"]
         parts = "; ".join(R.part_text(p) for p in v["parts"])
         nb = f"[{c.notebook}](../notebooks/{c.notebook}.ipynb)" if c.notebook else ""
-        built = " (by construction)" if c.construction else ""
+        how = f" ({how_contradicted(v)})" if v["answer"] == "against the paper" else ""
         first = first_stage(c, recs)
-        then = f"; on its first {len(first['claim'].seeds)} seeds: {first['answer']}" if first else ""
-        lines.append(f"| {c.figure} | {c.sentence} | {parts} | {len(c.seeds)} | **{v['answer']}**{built}{then} | "
-                     f"{nb} |")
+        then = f"; on its first {len(first['claim'].seeds)} seeds: {label(first['answer'])}" if first else ""
+        quals = "; ".join(qualifiers(v, recs))
+        lines.append(f"| {c.figure} | {c.sentence} | {parts} | {len(c.seeds)} | **{label(v['answer'])}**{how}{then} | "
+                     f"{quals} | {nb} |")
     return "\n".join(lines)
 
 
@@ -934,7 +1144,10 @@ def show(ids: list[str], recs: dict | None = None) -> None:
         print(f"{i}: {by_id[i].sentence}")
         for p in v["parts"]:
             print(f"    {R.part_text(p)}")
-        print(f"  → {v['answer']}\n")
+        print(f"  → {label(v['answer'])}" + (f" ({how_contradicted(v)})" if v["answer"] == "against the paper" else ""))
+        for q in qualifiers(v, recs):
+            print(f"    {q}")
+        print()
 
 
 def of_notebook(name: str) -> list[Claim]:
@@ -957,9 +1170,11 @@ def holds(name: str, recs: dict | None = None) -> None:
     for c in of_notebook(name):
         v = verdict(c, recs)
         first = first_stage(c, recs)
-        print(f"{c.id}: {c.sentence}\n  → {v['answer']}"
-              + (" (by construction)" if c.construction else "")
-              + (f" (on its first {len(first['claim'].seeds)} seeds: {first['answer']})" if first else ""))
+        print(f"{c.id}: {c.sentence}\n  → {label(v['answer'])}"
+              + (f" ({how_contradicted(v)})" if v["answer"] == "against the paper" else "")
+              + (f" (on its first {len(first['claim'].seeds)} seeds: {label(first['answer'])})" if first else ""))
+        for q in qualifiers(v, recs):
+            print(f"    {q}")
         missing = sorted({s for p in v["parts"] if p["answer"] == "not run" for s in p["missing"]})
         if missing:
             print(f"    seeds without a record yet: {missing}")
@@ -1163,6 +1378,61 @@ def readme_summary() -> str:
         select(before)
 
 
+def readme_sentence(recs: dict | None = None) -> str:
+    """The README's sentence on the selected registry's verdicts, in plain words: how many claims are supported (and how
+    many of those carry a qualifier), how many failed and how, how many are undecided, and how many verdicts rest on
+    a mechanism that barely acted (a test holds the README to it)."""
+    recs = records() if recs is None else recs
+    vs = verdicts(recs)
+    t = tally(recs)
+    ways = sorted({how_contradicted(v) for v in vs if v["answer"] == "against the paper"})
+    qualified = [v for v in vs if v["answer"] == "as the paper" and qualifiers(v, recs)]
+    return (f"{t['supported']} of its {sum(t.values())} claims are supported ({len(qualified)} of them with a "
+            f"qualifier on their row), {t['no effect'] + t['contradicted']} failed ({t['no effect']} no effect: a "
+            f"claimed difference not there at the margin's size; {t['contradicted']} contradicted"
+            + (f": {'; '.join(ways)}" if ways else "") + f") and {t['undecided']} are undecided; "
+            f"{len(not_tested(recs))} verdicts rest on a mechanism that barely acted (not really tested here)")
+
+
+def presets_sentence(recs: dict | None = None, presets: tuple[str, ...] = ("dapo", "vapo")) -> str:
+    """The README's sentence on the newer presets of v2's summary, from the records: what they are here, their win −
+    lose against SFT paired by seed with vanilla PPO's (mean [95 % interval]), their KL to SFT per response as the
+    median and range over the seeds (skewed: a few collapsed seeds carry the mean), and DAPO's dynamic sampling's
+    dropped groups per step from its curves."""
+    recs = records() if recs is None else recs
+    seeds = R.seeds
+    get = lambda v, m: np.array([recs[(v, s)]["metrics"][m] for s in seeds])  # noqa: E731
+    diffs = []
+    for v in presets:
+        j = R.judge(get(v, "win_lose") - get("vanilla", "win_lose"), R.margins["win-lose"], "alike")
+        diffs.append(f"{v.upper()} {j['mean']:+.2f} [{j['lo95']:+.2f}, {j['hi95']:+.2f}]")
+    kl = lambda v: (f"{np.median(get(v, 'final_kl_seq')):.1f} ({get(v, 'final_kl_seq').min():.1f}–"  # noqa: E731
+                    f"{get(v, 'final_kl_seq').max():.1f})")
+    dropped = [float(np.mean([r["dynamic/dropped"] for r in decompress(recs[("dapo", s)]["curve"])])) for s in seeds]
+    return (f"{' and '.join(v.upper() for v in presets)} are shown here as what they are in this world: recipes "
+            f"without a KL penalty, as their sources, at the policy learning rate the world was tuned on so that "
+            f"vanilla PPO, also without one, collapses; paired by seed with vanilla PPO they cannot be told from it "
+            f"(win − lose against SFT, the preset − vanilla, mean [95 % interval] over seeds "
+            f"{_seed_ranges(list(seeds))}: {', '.join(diffs)}). Their KL to SFT per response is skewed by the seeds "
+            f"that collapse: median (range) {', '.join(f'{v.upper()} {kl(v)}' for v in presets)}, vanilla PPO "
+            f"{kl('vanilla')} nats. DAPO's dynamic sampling dropped {np.mean(dropped):.2f} groups per step (by seed "
+            f"{min(dropped):.2f}–{max(dropped):.2f}); the records carry no curve of its overlong penalty's share")
+
+
+def presets_brief(recs: dict | None = None, presets: tuple[str, ...] = ("dapo", "vapo")) -> str:
+    """presets_sentence() in one line for the README: what the presets are here, their win − lose against vanilla
+    PPO's paired by seed, and the medians and ranges of their KL per response."""
+    recs = records() if recs is None else recs
+    get = lambda v, m: np.array([recs[(v, s)]["metrics"][m] for s in R.seeds])  # noqa: E731
+    js = [R.judge(get(v, "win_lose") - get("vanilla", "win_lose"), R.margins["win-lose"], "alike") for v in presets]
+    kls = [get(v, "final_kl_seq") for v in presets]
+    return (f"{' and '.join(v.upper() for v in presets)} are recipes without a KL penalty, here at the learning rate "
+            f"where vanilla PPO, also without one, collapses: paired by seed, their win − lose against SFT minus "
+            f"vanilla's is " + " and ".join(f"{j['mean']:+.2f} [95 %: {j['lo95']:+.2f}, {j['hi95']:+.2f}]" for j in js)
+            + ", and their KL per response is skewed (medians " + " and ".join(f"{np.median(k):.1f}" for k in kls)
+            + " nats, ranges " + " and ".join(f"{k.min():.1f}–{k.max():.1f}" for k in kls) + ")")
+
+
 def twin(variant: str, seed: int) -> str:
     """The variant whose run stands for `variant` on `seed`: of the registry's variants with the same config (two
     names, the same flags once the defaults apply), the first by name that has a cached run, else the first by name,
@@ -1312,7 +1582,7 @@ class Registry:
     """What a registry is: its claims, margins, variants (and their PPO budgets), where its records live, the rule
     that judges one part and how a part prints, its rule's text for docs/findings.md, the seeds each claim was first
     planned on (v1's second stage), the metrics its records hold, the README summary's variants and seeds, and the
-    seeds its figures draw."""
+    seeds its figures draw, and the qualifiers printed beside its verdicts (none for v1: its records keep no curve)."""
     name: str
     claims: list
     margins: dict
@@ -1329,6 +1599,7 @@ class Registry:
     summary: tuple
     seeds: tuple
     plot_seeds: tuple
+    qualifiers: dict = field(default_factory=dict)
 
 
 V1 = Registry("v1", CLAIMS, MARGINS, VARIANTS, LONG, RESULTS, judge, part_text, rule_text, FIRST_PLAN, RUN_METRICS,

@@ -169,7 +169,7 @@ def part_text(p: dict) -> str:
     if p["answer"] == "not run":
         return claims.part_text(p)
     text = (f"{part.what}: {claims._fmt(p['mean'])} [90 %: {claims._fmt(p['lo90'])}, {claims._fmt(p['hi90'])}], "
-            f"{p['above']}/{p['n']} seeds > 0 → {p['answer']}")
+            f"{p['above']}/{p['n']} seeds > 0 → {claims.label(p['answer'])}")
     if part.direction == "not-lower" and p["answer"] != "undecided":
         if p["answer"] == "as the paper":
             text += f" (no worse for any margin above {p['no_worse_above']:.3g})"
@@ -685,9 +685,83 @@ def rule_text() -> str:
             f"{', '.join(EXPECTED_UNDECIDED)}).")
 
 
+# =====================================================================================================================
+# Qualifiers: descriptions printed beside v2's verdicts (claims.qualifiers), written after its campaign and no part of
+# its plan: they change no claim, margin, seed or verdict. What each kind means, and the engagement thresholds with
+# their reasons, are in claims.py ("Qualifiers"). policy/entropy is the rollout batch's mean token entropy, which the
+# entropy bonus's clip compares with δ per minibatch; grad/norm is the policy's gradient norm before the clip, the mean
+# over a step's minibatches (a minibatch above the clip inside a step whose mean is below it is not counted; the
+# critic's norm is not logged).
+# =====================================================================================================================
+def _entropy_between(lo: float, hi: float):
+    return claims.step_share("policy/entropy", lo, hi)
+
+
+TOK, STEPS = claims.TOKEN_SHARE, claims.STEP_SHARE
+QUALIFIERS = {
+    "ptx": [claims.Setting(
+        "what it tests now is ptx on the demonstrations (--ptx-data sft at 0.25, v2's default, in both runs' ppo-max "
+        "− no-ptx) against none, not Eq. 17's ptx on pre-training text: its seeds were planned from v1, whose default "
+        "had ptx on the pre-training text. Eq. 17's pre-training-text ptx is not tested by v2")],
+    "fig7-is": [claims.Engaged("the clip against π_ref (importance sampling's ratio) binds", ("kl-0.05-is",),
+                               "ppo/clipfrac", claims.token_share(), TOK, "tokens")],
+    "fig7-entropy": [
+        claims.Setting(f"δ {ENT_CLIP} (SFT's mean token entropy) is the project's; the paper's δ 30 is in units it "
+                       "does not state"),
+        claims.Engaged(f"the entropy bonus acts (mean token entropy below δ {ENT_CLIP})", ("ent-0.01-clip",),
+                       "policy/entropy", claims.step_share("policy/entropy", hi=ENT_CLIP), STEPS, "steps")],
+    **{f"fig16-diverges-{w}": [
+        *([claims.Setting("the entropy weight 0.1 is the project's; at the paper's 0.01 this is fig16-diverges-0.01")]
+          if w == "0.1" else []),
+        claims.Engaged(f"the clip switches the bonus off (entropy at or above δ {ENT_CLIP} in the clipped run; "
+                       "below it the two runs are the same computation)", (f"kl-ent-{w}-clip",), "policy/entropy",
+                       claims.step_share("policy/entropy", lo=ENT_CLIP), STEPS, "steps")] for w in ("0.01", "0.1")},
+    **{f"fig16-sensitive-{w}": [
+        *([claims.Setting("the entropy weight 0.1 is the project's; at the paper's 0.01 this is fig16-sensitive-0.01")]
+          if w == "0.1" else []),
+        claims.Engaged("δ 0.9 and 1.0 act differently (entropy in [0.9, 1.0))", (f"kl-ent-{w}-clip-0.9",
+                                                                                   f"kl-ent-{w}-clip"),
+                       "policy/entropy", _entropy_between(0.9, 1.0), STEPS, "steps"),
+        claims.Engaged("δ 1.1 and 1.0 act differently (entropy in [1.0, 1.1))", (f"kl-ent-{w}-clip-1.1",
+                                                                                   f"kl-ent-{w}-clip"),
+                       "policy/entropy", _entropy_between(1.0, 1.1), STEPS, "steps")] for w in ("0.01", "0.1")},
+    "fig6-rnorm": [claims.NoCurve("no curve shows how many rewards the clip δ 0.3 / 0.8 cuts")],
+    "fig6-advnorm": [claims.NoCurve("no curve shows how many advantages the clip δ 0.12 / 0.5 cuts")],
+    "fig14": [claims.NoCurve("no curve shows how often the advantage clip or the value clip binds")],
+    "leave-one-out": [claims.NoCurve("no curve shows how often the reward clip (δ 5) or the value clip (0.2) binds")],
+    "fig17": [claims.Engaged("the PPO clip ε 0.5 binds", ("clip-0.5",), "ppo/clipfrac", claims.token_share(), TOK,
+                             "tokens")],
+    "fig18": [
+        claims.Setting("on PPO-max, the project's base: the paper's three runs all collapse"),
+        claims.Engaged("the global gradient clip at 1.0 engages (the policy's grad/norm above 1.0)", ("ppo-max",),
+                       "grad/norm", claims.step_share("grad/norm", lo=1.0), STEPS, "steps"),
+        claims.Engaged("the global gradient clip at 0.5 engages (grad/norm above 0.5)", ("gclip-0.5",), "grad/norm",
+                       claims.step_share("grad/norm", lo=0.5), STEPS, "steps")],
+    "clip-higher": [claims.Engaged("the ε 0.2 clip binds on either side in vanilla PPO (an upper bound on the tokens "
+                                   "ε_high 0.28 frees)", ("vanilla",), "ppo/clipfrac", claims.token_share(), TOK,
+                                   "tokens")],
+    "tis": [claims.Engaged("the rollout mismatch (k3 KL of the top-p sampler to the policy)", ("topp", "topp-tis"),
+                           "mismatch/kl", claims.token_share("mismatch/kl"), MARGINS["kl"], "nats per token"),
+            claims.Engaged("TIS truncates the weight", ("topp-tis",), "correction/capped_frac",
+                           claims.token_share("correction/capped_frac"), TOK, "tokens"),
+            claims.Contrast("win − lose against SFT, the top-p sampler with TIS − without a correction", "win_lose",
+                            "topp-tis", "topp")],
+    "k1-reward": [claims.Stronger("higher", "registered 'not lower' (at least as good), weaker than the source's "
+                                            "'better'")],
+    "value-returns": [claims.Scale(0, "ppo-max")],
+    "gspo": [claims.Engaged("GSPO's sequence clip binds (tokens of clipped sequences)", ("gspo",), "ppo/clipfrac",
+                            claims.token_share(), TOK, "tokens"),
+             claims.Engaged("GRPO's token clip binds", ("grpo",), "ppo/clipfrac", claims.token_share(), TOK,
+                            "tokens")],
+    "cispo": [claims.Engaged("PPO-clip binds in PPO-max (where CISPO's gradient differs)", ("ppo-max",),
+                             "ppo/clipfrac", claims.token_share(), TOK, "tokens"),
+              claims.Engaged("CISPO's cap binds", ("cispo",), "ppo/clipfrac", claims.token_share(), TOK, "tokens"),
+              claims.Scale(0, "ppo-max")],
+}
+
 REGISTRY = claims.Registry("v2", CLAIMS, MARGINS, VARIANTS, LONG, claims.RESULTS / "v2", judge, part_text,
                            rule_text, {c.id: c.seeds for c in CLAIMS}, RUN_METRICS, BASE_METRICS, FINAL_METRICS,
-                           SUMMARY, SEEDS[:max(SEED_PLAN.values())], PLOT_SEEDS)
+                           SUMMARY, SEEDS[:max(SEED_PLAN.values())], PLOT_SEEDS, QUALIFIERS)
 
 
 def successor_plan(caps: tuple[int, ...] = (10, 25, 50, 100), recs: dict | None = None) -> list[dict]:

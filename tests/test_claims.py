@@ -16,7 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 import claims  # noqa: E402
 import registry_v2  # noqa: E402
 
-V1_TALLY = {"as the paper": 10, "against the paper": 10, "alike": 4, "undecided": 6}   # v1, as committed
+V1_RULE_TALLY = {"as the paper": 10, "against the paper": 10, "alike": 4, "undecided": 6}   # v1, as committed
+V1_TALLY = {"supported": 10, "no effect": 4, "contradicted": 10, "undecided": 6}   # the same answers, labelled
+V2_TALLY = {"supported": 5, "no effect": 9, "contradicted": 1, "undecided": 22}    # v2's {5, 1, 9, 22}, labelled
 DIRECTIONS = ("higher", "lower", "alike", "differs", "not-lower")
 
 
@@ -92,6 +94,8 @@ def test_v1_tally_is_as_committed(capsys):
     v2's arrival."""
     claims.main(["--registry", "v1", "--tally"])
     assert capsys.readouterr().out == json.dumps(V1_TALLY) + "\n"
+    claims.main(["--tally"])
+    assert capsys.readouterr().out == json.dumps(V2_TALLY) + "\n"
 
 
 def test_records_reads_the_selected_registry_or_the_given_one(monkeypatch, v1_records):
@@ -687,8 +691,7 @@ def test_docs_findings_blocks_are_what_the_committed_records_give(monkeypatch, v
             assert between(text, start, end) == body.strip(), (name, start)
         tally = claims.tally(recs)
         assert sum(tally.values()) == len(claims.R.claims)
-        if name == "v1":
-            assert tally == V1_TALLY
+        assert tally == (V1_TALLY if name == "v1" else V2_TALLY)
 
 
 def test_readme_summary_is_what_the_committed_records_give():
@@ -774,5 +777,104 @@ def test_readme_states_v2s_tally_as_the_records_give_it():
     """The README's sentence on registry v2's tally is what --tally prints from the committed records."""
     text = " ".join((claims.ROOT / "README.md").read_text().split())
     t = claims.tally()
-    assert (f"has {t['as the paper']} as the paper, {t['against the paper']} against, {t['alike']} alike and "
-            f"{t['undecided']} undecided of {sum(t.values())} claims") in text
+    assert claims.readme_sentence() in text
+    assert (f"{t['supported']} of its {sum(t.values())} claims are supported" in claims.readme_sentence()
+            and f"{t['no effect'] + t['contradicted']} failed" in claims.readme_sentence())
+
+
+def test_readme_and_methods_state_the_presets_as_the_records_give_them():
+    """The README's line on DAPO and VAPO (paired with vanilla PPO by seed; medians and ranges of their skewed KL) and
+    docs/methods.md's fuller sentence are presets_brief() and presets_sentence() from the committed records."""
+    squash = lambda path: " ".join(path.read_text().split())  # noqa: E731
+    assert " ".join(claims.presets_brief().split()) in squash(claims.README)
+    assert " ".join(claims.presets_sentence().split()) in squash(claims.ROOT / "docs" / "methods.md")
+    recs = claims.records()
+    kl = [recs[("dapo", s)]["metrics"]["final_kl_seq"] for s in claims.R.seeds]
+    assert f"medians {np.median(kl):.1f}" in claims.presets_brief() and f"{max(kl):.1f}" in claims.presets_brief()
+
+
+# =====================================================================================================================
+# Labels and qualifiers: the rule's answers renamed by what they mean, and the descriptions beside them
+# =====================================================================================================================
+@pytest.mark.parametrize("name", ["v1", "v2"])
+def test_labels_rename_the_rules_answers_and_keep_their_counts(name, monkeypatch, v1_records):
+    """Every claim's label is LABELS of its answer by COMBINE; the label tally adds up to the claims and each count is
+    the count of the answer it renames (counted here from the verdicts, not from rule_tally)."""
+    reg = use(monkeypatch, claims.registry(name))
+    recs = v1_records if name == "v1" else claims.records(reg)
+    answers = [v["answer"] for v in claims.verdicts(recs)]
+    tally = claims.tally(recs)
+    assert sum(tally.values()) == len(reg.claims) == len(answers)
+    renamed = {"as the paper": "supported", "alike": "no effect", "against the paper": "contradicted",
+               "undecided": "undecided"}
+    assert set(claims.LABELS.items()) >= set(renamed.items())
+    for answer, lab in renamed.items():
+        assert tally[lab] == answers.count(answer), (answer, lab)
+    assert claims.rule_tally(recs) == {a: answers.count(a) for a in claims.ANSWERS}
+    assert tally == (V1_TALLY if name == "v1" else V2_TALLY)
+    assert claims.rule_tally(recs) == (V1_RULE_TALLY if name == "v1" else
+                                       {"as the paper": 5, "against the paper": 1, "alike": 9, "undecided": 22})
+
+
+def test_a_claimed_difference_inside_the_margin_is_no_effect_and_beyond_it_the_other_way_contradicted():
+    small, up = [0.01, 0.012, 0.009, 0.011, 0.01], [1.0, 1.1, 0.9, 1.05, 0.95]
+    down = [-x for x in up]
+    lab = lambda d, m, direction: claims.label(registry_v2.judge(d, m, direction)["answer"])  # noqa: E731
+    for direction in ("higher", "lower", "differs"):          # a claim of a difference
+        assert lab(small, 0.1, direction) == "no effect"
+    assert lab(up, 0.1, "higher") == lab(down, 0.1, "lower") == lab(up, 0.1, "differs") == "supported"
+    assert lab(up, 0.1, "lower") == lab(down, 0.1, "higher") == "contradicted"
+    assert lab(small, 0.1, "alike") == lab(small, 0.1, "not-lower") == "supported"   # a claim of no difference
+    assert lab(up, 0.1, "alike") == lab(down, 0.1, "not-lower") == "contradicted"
+    assert lab([-1.0, 1.0, 0.5], 0.1, "higher") == "undecided"
+    part = lambda direction, answer: {"part": claims.P("x", "win_lose", "a", "b", direction, "win-lose"),  # noqa: E731
+                                      "answer": answer}
+    assert claims.how_contradicted({"parts": [part("alike", "against the paper")]}) == \
+        "a difference where none was claimed"
+    assert claims.how_contradicted({"parts": [part("higher", "against the paper"), part("lower", "as the paper")]}) \
+        == "the other way"
+
+
+def curve_record(variant: str, seed: int, rows: list[dict]) -> dict:
+    return {"variant": variant, "seed": seed, "metrics": {}, "curve": claims.compress(rows)}
+
+
+def test_engagement_is_read_from_the_curves_and_below_its_threshold_the_row_says_so(monkeypatch):
+    """Engaged: the measure on each judged run's curve, the mean over the runs against the threshold; a run whose
+    curve lacks the key is named; every engagement below → "not really tested here", some → "partly"."""
+    claim = claims.Claim("c", "x", "s", (claims.P("w", "win_lose", "a", "b", "higher", "win-lose"),), seeds=(1, 2))
+    clip = claims.Engaged("the clip binds", ("a",), "ppo/clipfrac", claims.token_share(), 0.01, "tokens")
+    grad = claims.Engaged("the grad clip engages", ("b",), "grad/norm", claims.step_share("grad/norm", lo=1.0), 0.1,
+                          "steps")
+    recs = {("a", 1): curve_record("a", 1, [{"ppo/clipfrac": 0.001}, {"ppo/clipfrac": 0.003}]),
+            ("a", 2): curve_record("a", 2, [{"ppo/clipfrac": 0.004}]),
+            ("b", 1): curve_record("b", 1, [{"grad/norm": x} for x in (0.5, 1.5, 2.0, 0.9)]),
+            ("b", 2): curve_record("b", 2, [{"step": 0}])}
+    e = claims.engagement(clip, claim, recs)
+    assert e["values"] == pytest.approx([0.002, 0.004]) and e["mean"] == pytest.approx(0.003) and e["below"]
+    g = claims.engagement(grad, claim, recs)
+    assert g["values"] == [0.5] and g["missing"] == ["b seed 2"] and not g["below"]
+    reg = use(monkeypatch, dataclasses.replace(claims.registry("v2"), qualifiers={"c": [clip, grad]}))
+    v = {"claim": claim, "parts": []}
+    q = claims.qualifiers(v, recs)
+    assert q[0] == "**partly tested here**"
+    assert any("0.3 % of tokens" in x and "threshold 1 %" in x and x.endswith("not really tested here") for x in q)
+    assert any("50 % of steps" in x and "no curve of grad/norm in b seed 2" in x for x in q)
+    reg.qualifiers["c"] = [clip]
+    assert claims.qualifiers(v, recs)[0] == "**not really tested here**"
+    assert claims.step_share("x", 0.9, 1.0)([{"x": 0.9}, {"x": 1.0}, {"x": 0.95}, {"y": 3}]) == pytest.approx(2 / 3)
+
+
+def test_every_v2_qualifier_prints_on_its_row_of_the_table():
+    """--table: each claim with an engagement shows it with its threshold; each qualified claim shows its qualifiers."""
+    recs = claims.records()
+    rows = {r.split(" | ")[1]: r for r in claims.table(recs).splitlines()[2:]}
+    by_sentence = {c.id: c.sentence for c in registry_v2.CLAIMS}
+    for cid, qs in registry_v2.QUALIFIERS.items():
+        row = rows[by_sentence[cid]]
+        for q in qs:
+            if isinstance(q, claims.Engaged):
+                assert f"engagement: {q.what}: " in row and "threshold " in row, cid
+            if isinstance(q, claims.Setting):
+                assert q.text in row, cid
+    assert claims.not_tested(recs) == ["fig17", "fig18", "clip-higher", "tis", "cispo"]

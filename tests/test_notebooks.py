@@ -230,11 +230,11 @@ def test_holds_prints_every_claim_of_a_notebook_with_the_answer_its_records_give
     out = capsys.readouterr().out
     assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")] == ["fig3", "fig2", "sec4.3"]
     answers = [line.strip() for line in out.splitlines() if line.strip().startswith("→")]
-    assert answers == ["→ as the paper", "→ as the paper", "→ undecided"]
+    assert answers == ["→ supported", "→ supported", "→ undecided"]
     assert "undecided: RM − gold score change per filler token" in out
     # fig3's first part holds and its second does not (accuracy still rising after 20 %): the claim is against
     claims.holds("rm", base_records(claims.SEEDS, after20=0.1))
-    assert capsys.readouterr().out.splitlines()[1].strip() == "→ against the paper"
+    assert capsys.readouterr().out.splitlines()[1].strip() == "→ contradicted (a difference where none was claimed)"
     claims.holds("rm", base_records(claims.SEEDS[:-1]))                  # the last planned seed has no record
     out = capsys.readouterr().out
     assert out.count("→ not run") == 3 and f"seeds without a record yet: [{claims.SEEDS[-1]}]" in out
