@@ -778,6 +778,7 @@ def test_readme_states_v2s_tally_as_the_records_give_it():
     text = " ".join((claims.ROOT / "README.md").read_text().split())
     t = claims.tally()
     assert claims.readme_sentence() in text
+    assert claims.readme_sentence() in " ".join(claims.FINDINGS.read_text().split())   # findings says it too
     assert (f"{t['supported']} of its {sum(t.values())} claims are supported" in claims.readme_sentence()
             and f"{t['no effect'] + t['contradicted']} failed" in claims.readme_sentence())
 
