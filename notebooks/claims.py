@@ -908,6 +908,7 @@ def part_text(p: dict) -> str:
 #                               (metrics.jsonl as the record keeps it); below its threshold the row says "not really
 #                               tested here"
 #   NoCurve(text)               a mechanism whose action no curve of the records shows: said, not guessed
+#   Always(text)                a mechanism with nothing to bind (a λ, an estimator, a target): it acts on every step
 #   Scale(part, variant)        the margin against the compared quantity itself (a coarse test sees only large effects)
 #   Contrast(what, metric, a, b)  a paired difference of two of the claim's runs that no part registers, no label
 # The thresholds, each with its reason, written down before any engagement was tabulated (two figures were known
@@ -938,6 +939,12 @@ class Stronger:
 
 @dataclass(frozen=True)
 class NoCurve:
+    text: str
+
+
+@dataclass(frozen=True)
+class Always:
+    """A mechanism that acts wherever it is on, by construction (no clip or filter to bind): said, with no threshold."""
     text: str
 
 
@@ -1019,6 +1026,8 @@ def qualifiers(v: dict, recs: dict | None = None) -> list[str]:
             out.append(f"setting: {q.text}")
         elif isinstance(q, NoCurve):
             out.append(f"engagement: not in the records ({q.text})")
+        elif isinstance(q, Always):
+            out.append(f"engagement: always acts ({q.text}); no threshold")
         elif isinstance(q, Stronger):
             answers = []
             for p in v["parts"]:
@@ -1409,9 +1418,9 @@ def presets_sentence(recs: dict | None = None, presets: tuple[str, ...] = ("dapo
     kl = lambda v: (f"{np.median(get(v, 'final_kl_seq')):.1f} ({get(v, 'final_kl_seq').min():.1f}–"  # noqa: E731
                     f"{get(v, 'final_kl_seq').max():.1f})")
     dropped = [float(np.mean([r["dynamic/dropped"] for r in decompress(recs[("dapo", s)]["curve"])])) for s in seeds]
-    return (f"{' and '.join(v.upper() for v in presets)} are shown here as what they are in this world: recipes "
-            f"without a KL penalty, as their sources, at the policy learning rate the world was tuned on so that "
-            f"vanilla PPO, also without one, collapses; paired by seed with vanilla PPO they cannot be told from it "
+    return (f"{' and '.join(v.upper() for v in presets)} here are recipes without a KL penalty, as their sources "
+            f"have it, run at the policy learning rate the world was tuned on so that vanilla PPO, also without one, "
+            f"collapses; paired by seed with vanilla PPO they cannot be told from it "
             f"(win − lose against SFT, the preset − vanilla, mean [95 % interval] over seeds "
             f"{_seed_ranges(list(seeds))}: {', '.join(diffs)}). Their KL to SFT per response is skewed by the seeds "
             f"that collapse: median (range) {', '.join(f'{v.upper()} {kl(v)}' for v in presets)}, vanilla PPO "

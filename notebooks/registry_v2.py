@@ -747,8 +747,12 @@ QUALIFIERS = {
             claims.Contrast("win − lose against SFT, the top-p sampler with TIS − without a correction", "win_lose",
                             "topp-tis", "topp")],
     "k1-reward": [claims.Stronger("higher", "registered 'not lower' (at least as good), weaker than the source's "
-                                            "'better'")],
-    "value-returns": [claims.Scale(0, "ppo-max")],
+                                            "'better'"),
+                  claims.Always("the KL term is in every step's rewards or loss")],
+    "value-returns": [claims.Always("the critic's pre-training targets are Monte-Carlo returns instead of GAE "
+                                    "targets: it acts before PPO's first step"), claims.Scale(0, "ppo-max")],
+    "decoupled-lam": [claims.Always("λ_critic 1 sets every value target; the decay it mends, 0.9^9 ≈ 0.39 over a "
+                                    "9-token answer, is far milder than over long chains of thought")],
     "gspo": [claims.Engaged("GSPO's sequence clip binds (tokens of clipped sequences)", ("gspo",), "ppo/clipfrac",
                             claims.token_share(), TOK, "tokens"),
              claims.Engaged("GRPO's token clip binds", ("grpo",), "ppo/clipfrac", claims.token_share(), TOK,
