@@ -1155,7 +1155,7 @@ def show(ids: list[str], recs: dict | None = None) -> None:
             print(f"    {R.part_text(p)}")
         print(f"  → {label(v['answer'])}" + (f" ({how_contradicted(v)})" if v["answer"] == "against the paper" else ""))
         for q in qualifiers(v, recs):
-            print(f"    {q}")
+            print(f"    {q.replace('**', '')}")   # the table's markdown bold, not a terminal's
         print()
 
 
@@ -1183,7 +1183,7 @@ def holds(name: str, recs: dict | None = None) -> None:
               + (f" ({how_contradicted(v)})" if v["answer"] == "against the paper" else "")
               + (f" (on its first {len(first['claim'].seeds)} seeds: {label(first['answer'])})" if first else ""))
         for q in qualifiers(v, recs):
-            print(f"    {q}")
+            print(f"    {q.replace('**', '')}")
         missing = sorted({s for p in v["parts"] if p["answer"] == "not run" for s in p["missing"]})
         if missing:
             print(f"    seeds without a record yet: {missing}")
