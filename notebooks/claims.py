@@ -11,7 +11,10 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
   OPERATING_POINT       the rule that sets train.py's default PPO-max (written before its pilot runs)
   judge(d, margin, direction)    THE rule for one part (below, RULE)
   combine(answers)      a claim from its parts (below, COMBINE)
-  verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the tally
+  LABELS, label(answer) what an answer means: supported / no effect / contradicted / undecided (the counts unchanged)
+  qualifiers(verdict)   the descriptions beside a verdict: by construction, setting, direction, engagement, scale
+  verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the label tally
+  readme_sentence(), presets_brief(), presets_sentence()   the README's and docs' sentences from the records
   show_notebook(name), holds(name)   a figure notebook's claims part by part, and one answer per claim
   runs_for(variants, seeds)     a figure's runs: registry variants, trained or reused as --run does (PLOT_SEEDS)
   twin(variant, seed)           the variant whose run stands for another of the same config (the name --run used)
@@ -20,7 +23,7 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
 Run:
   python notebooks/claims.py --run [--claims ID,...]   train (or reuse) every run the registry plans, write records
   python notebooks/claims.py --table                   the verdict table of docs/findings.md (markdown)
-  python notebooks/claims.py --tally                   one JSON line: how many claims end in each verdict
+  python notebooks/claims.py --tally                   one JSON line: how many claims carry each label
   python notebooks/claims.py --write-docs              the table and tally into docs/findings.md, --summary into README
   python notebooks/claims.py --show ID                 one claim, part by part, with its numbers
   python notebooks/claims.py --operating-point         the pilot runs of OPERATING_POINT and the candidate it picks
