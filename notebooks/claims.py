@@ -1253,10 +1253,17 @@ def run_of_record(rec: dict) -> dict:
 def from_records(variants: list[str], seeds: tuple[int, ...] | None = None, notebook: str | None = None
                  ) -> dict[str, list[dict]]:
     """runs_for in records mode: each variant's committed records (of `seeds`, or claim_seeds(variant, notebook)) as
-    runs (run_of_record); prints one line saying which. A planned seed without a record is an error naming it."""
+    runs (run_of_record); prints one line saying which. A planned seed without a record is an error naming it; a
+    variant no claim reads and without any record is retrained (retrained(): its runs say so), and the line names it."""
     recs = records()
     got, said = {}, []
+    unrecorded = [v for v in variants if seeds is None and not claim_seeds(v, notebook)]
+    if unrecorded:
+        print(f"[records] no record of {', '.join(unrecorded)} in {R.results} (no claim reads it): retrained")
+        got.update(retrained(unrecorded))
     for v in variants:
+        if v in got:
+            continue
         want = tuple(seeds) if seeds is not None else claim_seeds(v, notebook)
         missing = [s for s in want if (v, s) not in recs]
         if missing:
@@ -1264,10 +1271,10 @@ def from_records(variants: list[str], seeds: tuple[int, ...] | None = None, note
                                     f"`python notebooks/claims.py --run` or draw with PPO_MAX_MODE=full")
         got[v] = [run_of_record(recs[(v, s)]) for s in want]
         said.append(f"{v} (seeds {_seed_ranges(list(want))})")
-    machines = sorted({r["machine"] for rs in got.values() for r in rs if r["machine"]})
-    print(f"[records] drawn from {R.name}'s committed records, nothing trained: " + ", ".join(said)
+    machines = sorted({r["machine"] for rs in got.values() for r in rs if r.get("record") and r["machine"]})
+    print(f"[records] drawn from {R.name}'s committed records, nothing trained for them: " + ", ".join(said)
           + (f" (trained on {'; '.join(machines)})" if machines else ""))
-    return got
+    return {v: got[v] for v in variants}
 
 
 def against_records(got: dict[str, list[dict]], seeds: tuple[int, ...]) -> str:

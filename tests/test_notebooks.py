@@ -216,7 +216,7 @@ def test_records_mode_trains_nothing_for_the_registry_panels_and_draws_them_alik
     code = "\n".join(c.source for c in first.cells if c.cell_type == "code")
     drawn = [o.get("text", "") for c in first.cells if c.cell_type == "code" and "claims.runs_for(" in c.source
              for o in c.outputs]
-    assert any("[records] drawn from v2's committed records, nothing trained" in t for t in drawn)
+    assert any("[records] drawn from v2's committed records, nothing trained for them" in t for t in drawn)
     # the runs trained: only those a retrained panel (claims.retrained) or the notebook's own comparison asks for
     import re
     retrained = {v for call in re.findall(r"claims\.retrained\(([^)]*)\)", code) for v in re.findall(r'"([\w.-]+)"', call)}
