@@ -326,6 +326,7 @@ def full_budget(monkeypatch):
     import runs
     claims._config_key.cache_clear()
     monkeypatch.setattr(runs, "FULL", True)
+    monkeypatch.setattr(runs, "MODE", "full")
     yield runs
     claims._config_key.cache_clear()
 
@@ -349,3 +350,37 @@ def test_runs_for_reads_the_run_the_registry_trained_under_another_name_of_the_s
     monkeypatch.setattr(runs, "cached", lambda name, *_: {"name": name} if name in cache else None)
     claims.runs_for(["twin-a"], seeds=(6,))
     assert asked == ["twin-b"]
+
+
+def test_the_mode_comes_from_one_switch_and_a_bad_one_is_a_one_line_error(capsys):
+    import runs
+    assert runs.mode_from({}) == "records" and runs.mode_from({"PPO_MAX_FULL": "1"}) == "full"
+    assert runs.mode_from({"PPO_MAX_MODE": "small", "PPO_MAX_FULL": "1"}) == "small"
+    assert runs.full_from("records", {}) and not runs.full_from("records", {"PPO_MAX_RETRAIN": "small"})
+    assert runs.full_from("full", {}) and not runs.full_from("small", {})
+    with pytest.raises(SystemExit) as e:
+        runs.mode_from({"PPO_MAX_MODE": "fast"})
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: PPO_MAX_MODE='fast'")
+
+
+def test_records_mode_draws_every_seed_the_claims_judge_and_reads_what_the_verdicts_read(monkeypatch, capsys):
+    """runs_for in records mode trains nothing (the runner is never asked) and returns, per variant, the records of
+    every seed that the notebook's claims reading it judge; a record's run gives back the numbers its metrics hold:
+    the held-out curve as hgold_* read it, the final gold and win − lose, the per-step curve."""
+    import runs
+    monkeypatch.setattr(runs, "MODE", "records")
+    monkeypatch.setattr(runs, "run_many", lambda specs: pytest.fail(f"records mode trained {specs}"))
+    got = claims.runs_for(["vanilla", "vanilla-cliphigher"], notebook="methods")
+    assert "nothing trained for them" in capsys.readouterr().out
+    judged = {s for c in claims.R.claims if c.notebook == "methods"
+              if "vanilla-cliphigher" in {v for p in c.parts for v in claims.part_variants(p)} for s in c.seeds}
+    assert [r["seed"] for r in got["vanilla-cliphigher"]] == sorted(judged) and len(judged) > len(claims.R.plot_seeds)
+    recs = claims.records()
+    for r in got["vanilla"]:
+        m = recs[("vanilla", r["seed"])]["metrics"]
+        steps, g = claims.heldout_curve(r)
+        assert g[1:].mean() == pytest.approx(m["hgold_auc"]) and g[-3:].mean() == pytest.approx(m["hgold_end"])
+        assert runs.held_out([r])[0] == pytest.approx(m["win_lose"]) and r["final"]["gold_reward"] == m["final_gold"]
+        assert runs.series([r], "policy/entropy")[0, -10:].mean() == pytest.approx(m["last10:policy/entropy"])
+    with pytest.raises(ValueError, match="keeps no samples"):
+        runs.samples(got["vanilla"][0])
