@@ -1179,7 +1179,8 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] | None = None, notebook
     """The runs of `variants` a notebook's figures draw: {variant: [one run per seed]}, each a dict like summary.json.
 
     records mode (runs.MODE, the default): the committed records, of `seeds` or else of every seed the claims of
-    `notebook` that read the variant judge (claim_seeds): the runs the verdicts read; nothing is trained (run_of_record).
+    `notebook` that read the variant judge (claim_seeds): the runs the verdicts read; nothing is trained
+    (run_of_record).
     full and small: trained or reused through runs.run_many exactly as --run does (trained())."""
     import runs
     if runs.MODE == "records":
@@ -1282,6 +1283,7 @@ def against_records(got: dict[str, list[dict]], seeds: tuple[int, ...]) -> str:
     seed. Trained by the records' code on the records' machine they are the same numbers; retrained on another CPU
     they can differ (the last bits differ from the SFT stage on, and a run near a collapse amplifies them), which is
     why every verdict reads the records and never these runs."""
+    import runs
     by_config = {(r["config"], r["seed"]): r for r in records().values()}
     rows = {}   # (config, seed) → (|Δ|, variant, seed, recorded, here, the record's machine): a twin counted once
     for v, rs in got.items():
@@ -1301,7 +1303,9 @@ def against_records(got: dict[str, list[dict]], seeds: tuple[int, ...]) -> str:
             f"{int((gaps > margin).sum())} beyond the gold margin ±{margin:g}")
     if d >= 1e-9:
         line += (f"; the largest, {v} seed {s}: {recorded:+.3f} recorded on {where}, {here:+.3f} here on {machine()}"
-                 f". The tables and figures show these runs; every verdict reads the records")
+                 + (". The panels that say 'retrained' show these runs; every other panel and every verdict reads "
+                    "the records" if runs.MODE == "records" else
+                    ". The tables and figures show these runs; every verdict reads the records"))
     return line
 
 

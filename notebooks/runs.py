@@ -117,8 +117,9 @@ def figures_dir(here: Path) -> Path:
     """Where a notebook writes its PNGs: notebooks/figures/ (the committed ones) in records mode, runs/figures/ in
     full, runs/small/figures/ in small, so that a retrain never replaces a committed figure; PPO_MAX_FIGURES
     overrides it (the tests). Created if missing."""
-    out = Path(os.environ.get("PPO_MAX_FIGURES") or {"records": Path(here) / "figures", "full": ROOT / "runs" / "figures",
-                                                      "small": ROOT / "runs" / "small" / "figures"}[MODE])
+    where = {"records": Path(here) / "figures", "full": ROOT / "runs" / "figures",
+             "small": ROOT / "runs" / "small" / "figures"}
+    out = Path(os.environ.get("PPO_MAX_FIGURES") or where[MODE])
     out.mkdir(parents=True, exist_ok=True)
     return out
 
