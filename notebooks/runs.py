@@ -23,7 +23,11 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   verdict(a, b, margin)          the interval rule of methods.ipynb and overoptimization.ipynb (RULE): the per-seed
                                  difference a − b, its mean with a 95 % t-interval, and "higher" / "lower" / "alike" /
                                  "inconclusive"; the figure claims are judged by notebooks/claims.py's rule instead
-  dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
+  configure(), MODE, FULL        the mode (records / small / full, PPO_MAX_MODE) and the budget of what is trained
+  figures_dir(here), savefig(fig, path)   where a notebook's PNGs go; a PNG without machine- or day-dependent metadata
+  retrained_note(), note(fig, text)       "retrained on <machine>", and that text under a figure's panels
+  dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length), each
+                                 variant's mean over seeds with its spread, each seed faint (mean_band)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
   interval(values), verdict_words(…)  the 95 % t-interval over seeds; the rule in own words: above / below 0 / inconclusive
   frontier(run_), budget(run_)   a run's gold-vs-√KL point at temperature 1, and the samples / pairs it consumed
