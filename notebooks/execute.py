@@ -5,6 +5,8 @@ Implements: no equation; the one command that brings every committed notebook up
 Run:
   python notebooks/execute.py                      every notebook under notebooks/ but exercises.ipynb
   python notebooks/execute.py vanilla_collapse rm  those
+  python notebooks/execute.py --registry-only      the notebooks that print a registry's verdicts (Claim.notebook):
+                                                   all but overoptimization.ipynb, which judges no registry claim
 Panels of a registry's runs are drawn from the committed records (seconds); the panels a record cannot draw are
 retrained at train.py's budget, or read from runs/ when a run of the same flags and code is cached there (runs.py).
 PPO_MAX_JOBS sets how many runs train side by side (default: one per core). Prints each notebook's wall time.
@@ -42,7 +44,12 @@ def execute(path: Path, env: dict, timeout: int = -1) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    paths = notebooks(list(sys.argv[1:] if argv is None else argv))
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--registry-only" in args:
+        sys.path.insert(0, str(HERE))
+        import claims
+        args = [a for a in args if a != "--registry-only"] or sorted({c.notebook for c in claims.R.claims})
+    paths = notebooks(args)
     env = {"PPO_MAX_MODE": "records"}
     os.environ.pop("PPO_MAX_FULL", None)
     os.environ.pop("PPO_MAX_RETRAIN", None)
