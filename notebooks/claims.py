@@ -16,7 +16,9 @@ Implements: no equation of the paper; the evidence behind docs/findings.md's tab
   verdicts(), table(), tally()   every claim from the committed records, docs/findings.md's table, the label tally
   readme_sentence(), presets_brief(), presets_sentence()   the README's and docs' sentences from the records
   show_notebook(name), holds(name)   a figure notebook's claims part by part, and one answer per claim
-  runs_for(variants, seeds)     a figure's runs: registry variants, trained or reused as --run does (PLOT_SEEDS)
+  runs_for(variants, seeds, notebook)  a figure's runs: in records mode (runs.MODE) the committed records of every
+                                seed the notebook's claims judge; in full / small mode trained or reused as --run does
+  retrained(variants)           the runs of a panel a record cannot draw (samples, models): trained here, labelled
   twin(variant, seed)           the variant whose run stands for another of the same config (the name --run used)
   heldout_curve(run)            a run's held-out gold curve − SFT's, as hgold_* read it (the figures draw it)
   record(...)           a run's record under notebooks/results/ (config key, seed, code version, commit, metrics)
@@ -1454,10 +1456,25 @@ def twin(variant: str, seed: int) -> str:
     return next((v for v in same if runs.cached(v, R.variants[v], seed, R.long.get(v)) is not None), same[0])
 
 
-def runs_for(variants: list[str], seeds: tuple[int, ...] | None = None) -> dict[str, list[dict]]:
-    """The runs of `variants` on `seeds` for a notebook's figures: {variant: [summary.json + "dir", one per seed]},
-    each trained or reused through runs.run_many exactly as --run does (a variant whose flags give the same config
-    as another's reads that one's run: twin()). In the notebooks' small budget: seed 0 alone, on the small world."""
+def runs_for(variants: list[str], seeds: tuple[int, ...] | None = None, notebook: str | None = None
+             ) -> dict[str, list[dict]]:
+    """The runs of `variants` a notebook's figures draw: {variant: [one run per seed]}, each a dict like summary.json.
+
+    records mode (runs.MODE, the default): the committed records, of `seeds` or else of every seed the claims of
+    `notebook` that read the variant judge (claim_seeds): the runs the verdicts read; nothing is trained
+    (run_of_record).
+    full and small: trained or reused through runs.run_many exactly as --run does (trained())."""
+    import runs
+    if runs.MODE == "records":
+        return from_records(variants, seeds, notebook)
+    return trained(variants, seeds)
+
+
+def trained(variants: list[str], seeds: tuple[int, ...] | None = None) -> dict[str, list[dict]]:
+    """The runs of `variants` on `seeds` (default R.plot_seeds; the small budget: seed 0 on the small world), each
+    summary.json + "dir", trained or reused through runs.run_many exactly as --run does (a variant whose flags give
+    the same config as another's reads that one's run: twin()). At the full budget it prints how they compare with
+    the records (against_records)."""
     import runs
     seeds = (R.plot_seeds if seeds is None else seeds) if runs.FULL else runs.SMALL_SEEDS
     specs, rep = [], {}
@@ -1475,11 +1492,80 @@ def runs_for(variants: list[str], seeds: tuple[int, ...] | None = None) -> dict[
     return got
 
 
+def retrained(variants: list[str], seeds: tuple[int, ...] | None = None) -> dict[str, list[dict]]:
+    """The runs a panel needs that a record does not keep (samples, a model), trained here: in records mode the
+    first plot seed alone (or `seeds`) at runs' budget, cached under runs/; in full and small mode the same runs as
+    runs_for. Each run carries "retrained": the words its panel shows (retrained_note)."""
+    import runs
+    if runs.MODE == "records" and seeds is None:
+        seeds = R.plot_seeds[:1]
+    got = trained(variants, seeds)
+    note = runs.retrained_note()
+    return {v: [{**r, "retrained": note} for r in rs] for v, rs in got.items()}
+
+
+def claim_seeds(variant: str, notebook: str | None = None) -> tuple[int, ...]:
+    """Every seed that a claim reading `variant` judges (the claims of `notebook`, or of the registry), sorted; the
+    variant's recorded seeds when no claim reads it."""
+    seeds = {s for c in R.claims if notebook is None or c.notebook == notebook
+             if any(variant in part_variants(p) for p in c.parts) for s in c.seeds}
+    return tuple(sorted(seeds or {s for v, s in records() if v == variant}))
+
+
+def run_of_record(rec: dict) -> dict:
+    """A record as a run of runs_for: the final evaluation as summary.json words it (final, sft, win_rate_vs_sft,
+    frontier's kl_seq), its per-step curve as "rows" (runs.metrics reads it), the collapse alarm replayed on that curve
+    under monitor.py's thresholds (plumbing.monitor.replay; a record keeps no per-step scores), and "dir" None."""
+    from plumbing import monitor
+    m = rec["metrics"]
+    rows = decompress(rec["curve"]) if rec.get("curve") else []
+    alarm = None
+    if rows and rec["steps"]:   # a base (SFT + RM) has no PPO steps: its curve is the reward model's log
+        replay = monitor.replay({"run": rec["variant"], "rows": rows, "scores": [None] * len(rows), "gold": []})
+        alarm = {"step": replay["alarm"], "reasons": replay["reasons"]} if replay["alarm"] is not None else None
+    get = m.get
+    return {"variant": rec["variant"], "seed": rec["seed"], "steps": rec["steps"], "dir": None, "rows": rows,
+            "final": {"gold_reward": get("final_gold"), "kl": get("final_kl"), "response_length": get("final_length"),
+                      "reward": get("final_score")},
+            "sft": {"gold_reward": None if get("final_gold") is None else get("final_gold") - get("final_gold_vs_sft")},
+            "win_rate_vs_sft": {k: get(k) for k in ("win", "tie", "lose")}, "frontier": {"kl_seq": get("final_kl_seq")},
+            "collapse_alarm": alarm,
+            "machine": rec.get("machine"), "code": rec.get("code"), "record": True}
+
+
+def from_records(variants: list[str], seeds: tuple[int, ...] | None = None, notebook: str | None = None
+                 ) -> dict[str, list[dict]]:
+    """runs_for in records mode: each variant's committed records (of `seeds`, or claim_seeds(variant, notebook)) as
+    runs (run_of_record); prints one line saying which. A planned seed without a record is an error naming it; a
+    variant no claim reads and without any record is retrained (retrained(): its runs say so), and the line names it."""
+    recs = records()
+    got, said = {}, []
+    unrecorded = [v for v in variants if seeds is None and not claim_seeds(v, notebook)]
+    if unrecorded:
+        print(f"[records] no record of {', '.join(unrecorded)} in {R.results} (no claim reads it): retrained")
+        got.update(retrained(unrecorded))
+    for v in variants:
+        if v in got:
+            continue
+        want = tuple(seeds) if seeds is not None else claim_seeds(v, notebook)
+        missing = [s for s in want if (v, s) not in recs]
+        if missing:
+            raise FileNotFoundError(f"{R.results}: no record of {v} on seed(s) {missing}: run "
+                                    f"`python notebooks/claims.py --run` or draw with PPO_MAX_MODE=full")
+        got[v] = [run_of_record(recs[(v, s)]) for s in want]
+        said.append(f"{v} (seeds {_seed_ranges(list(want))})")
+    machines = sorted({r["machine"] for rs in got.values() for r in rs if r.get("record") and r["machine"]})
+    print(f"[records] drawn from {R.name}'s committed records, nothing trained for them: " + ", ".join(said)
+          + (f" (trained on {'; '.join(machines)})" if machines else ""))
+    return {v: got[v] for v in variants}
+
+
 def against_records(got: dict[str, list[dict]], seeds: tuple[int, ...]) -> str:
     """One line: the final held-out gold of runs_for's runs against the committed records of the same config and
     seed. Trained by the records' code on the records' machine they are the same numbers; retrained on another CPU
     they can differ (the last bits differ from the SFT stage on, and a run near a collapse amplifies them), which is
     why every verdict reads the records and never these runs."""
+    import runs
     by_config = {(r["config"], r["seed"]): r for r in records().values()}
     rows = {}   # (config, seed) → (|Δ|, variant, seed, recorded, here, the record's machine): a twin counted once
     for v, rs in got.items():
@@ -1499,7 +1585,9 @@ def against_records(got: dict[str, list[dict]], seeds: tuple[int, ...]) -> str:
             f"{int((gaps > margin).sum())} beyond the gold margin ±{margin:g}")
     if d >= 1e-9:
         line += (f"; the largest, {v} seed {s}: {recorded:+.3f} recorded on {where}, {here:+.3f} here on {machine()}"
-                 f". The tables and figures show these runs; every verdict reads the records")
+                 + (". The panels that say 'retrained' show these runs; every other panel and every verdict reads "
+                    "the records" if runs.MODE == "records" else
+                    ". The tables and figures show these runs; every verdict reads the records"))
     return line
 
 

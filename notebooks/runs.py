@@ -23,23 +23,36 @@ Implements: no equation; the cache, the two budgets and the verdict rule behind 
   verdict(a, b, margin)          the interval rule of methods.ipynb and overoptimization.ipynb (RULE): the per-seed
                                  difference a − b, its mean with a 95 % t-interval, and "higher" / "lower" / "alike" /
                                  "inconclusive"; the figure claims are judged by notebooks/claims.py's rule instead
-  dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length)
+  configure(), MODE, FULL        the mode (records / small / full, PPO_MAX_MODE) and the budget of what is trained
+  figures_dir(here), savefig(fig, path)   where a notebook's PNGs go; a PNG without machine- or day-dependent metadata
+  retrained_note(), note(fig, text)       "retrained on <machine>", and that text under a figure's panels
+  dynamics_figure(variants)      the panels shared by Fig. 6-8 and 14-19 (reward, gold, KL, perplexity, length), each
+                                 variant's mean over seeds with its spread, each seed faint (mean_band)
   table(variants)                the last-10-step means of those metrics and the held-out win − lose, per variant
   interval(values), verdict_words(…)  the 95 % t-interval over seeds; the rule in own words: above / below 0 / inconclusive
   frontier(run_), budget(run_)   a run's gold-vs-√KL point at temperature 1, and the samples / pairs it consumed
   frontier_checkpoints(run_)     every checkpoint as a point of the over-optimisation curve (Gao et al. 2022)
   bon_curve(run_, ns)            best-of-n from the run's SFT model under its reward model, for every n, from one pool
   fit_gao(d, gain, form)         α, β of d(α − βd) (best-of-n) or d(α − β log d) (RL)
-Budgets:
-  FULL (env PPO_MAX_FULL=1)      train.py's default budget (80 PPO steps unless a notebook asks for more),
-                                 seeds 0, 1, 2 (0 … n−1 where a verdict rests on differences between variants), under
-                                 runs/<name>-seed<s>/. The committed notebook outputs and the PNGs in
-                                 notebooks/figures/ come from this budget.
-  small (PPO_MAX_FULL unset/0)   a tiny world (SMALL_FLAGS, as tests/test_pipeline.py), SMALL_STEPS PPO steps,
-                                 seed 0, under runs/small/<name>-seed0/ (its SFT + RM under runs/_base/ with their own
+Modes (env PPO_MAX_MODE; one switch for every figure notebook, printed by its first cell):
+  records (the default)          every panel of per-step or final metrics of a registry's runs is drawn from the
+                                 committed records (notebooks/results/<registry>/, claims.runs_for) of every seed
+                                 the notebook's claims judge: nothing is trained for them, and the PNGs are the same,
+                                 byte for byte, on any machine. What a record cannot give (samples, a model: a score
+                                 histogram, sample texts, best-of-n, the notebooks' own comparisons) is retrained at
+                                 train.py's budget (cached under runs/) and its panel says "retrained on <machine>"
+                                 (claims.retrained). The committed outputs and notebooks/figures/ come from this mode.
+                                 PPO_MAX_RETRAIN=small retrains those panels in the tiny world instead (the tests).
+  full (PPO_MAX_FULL=1 too)      every panel retrained: train.py's default budget (80 PPO steps unless a notebook asks
+                                 for more), the registry's plot seeds (claims.R.plot_seeds), seeds 0 … n−1 for the
+                                 notebooks' own comparisons, under runs/<name>-seed<s>/; figures under runs/figures/.
+  small                          a tiny world (SMALL_FLAGS, as tests/test_pipeline.py), SMALL_STEPS PPO steps, seed
+                                 0, under runs/small/<name>-seed0/ (its SFT + RM under runs/_base/ with their own
                                  hash), so that `pytest -m notebook` runs every notebook in minutes. Its numbers mean
-                                 nothing (one seed: every verdict is "inconclusive"); it checks that the notebooks run.
-Run: in a notebook, `import runs; runs.configure(full=FULL); s = runs.run("vanilla", "--preset", "vanilla")`;
+                                 nothing; it checks that the notebooks run. Figures under runs/small/figures/.
+  FULL                           the budget of whatever is trained: True in full and records (unless
+                                 PPO_MAX_RETRAIN=small), False in small.
+Run: in a notebook, `import runs; MODE = runs.configure(); s = runs.run("vanilla", "--preset", "vanilla")`;
      `runs.run_seeds(...)` trains its seeds side by side. Several single-thread processes, one per core, train
      more runs per hour than one process with several threads (the tiny models gain nothing from a second thread);
      two notebooks side by side share the PPO_MAX_JOBS slots (set it to the number of cores in both).
@@ -61,7 +74,26 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FULL = os.environ.get("PPO_MAX_FULL", "0") == "1"
+MODES = ("records", "small", "full")
+
+
+def mode_from(env=os.environ) -> str:
+    """PPO_MAX_MODE (records, small or full); unset: full when PPO_MAX_FULL=1, else records (a reader's default)."""
+    mode = env.get("PPO_MAX_MODE") or ("full" if env.get("PPO_MAX_FULL", "0") == "1" else "records")
+    if mode not in MODES:
+        print(f"error: PPO_MAX_MODE={mode!r}: choose one of {', '.join(MODES)}", file=sys.stderr)
+        raise SystemExit(2)
+    return mode
+
+
+def full_from(mode: str, env=os.environ) -> bool:
+    """The training budget of a mode: train.py's (full; records, for the panels a record cannot draw, unless
+    PPO_MAX_RETRAIN=small) or the tiny world's (small)."""
+    return mode == "full" or (mode == "records" and env.get("PPO_MAX_RETRAIN", "full") != "small")
+
+
+MODE = mode_from()
+FULL = full_from(MODE)
 FULL_SEEDS = (0, 1, 2)
 SMALL_SEEDS = (0,)
 # trainings / evaluations at once over all processes (the slots), and the worker processes of this one's pool
@@ -73,10 +105,61 @@ SMALL_FLAGS = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pair
 SMALL_STEPS = 4
 
 
-def configure(full: bool) -> None:
-    """Choose the budget for every later call (a notebook's first cell: `runs.configure(full=FULL)`)."""
-    global FULL
-    FULL = bool(full)
+def configure(full: bool | None = None, mode: str | None = None) -> str:
+    """Choose the mode (and with it the budget) for every later call; a notebook's first cell calls it with no
+    argument (the environment's PPO_MAX_MODE, see Modes). `full` alone, as before: full (True) or small (False).
+    Returns the mode."""
+    global FULL, MODE
+    MODE = mode or ({True: "full", False: "small"}[bool(full)] if full is not None else mode_from())
+    if MODE not in MODES:
+        raise ValueError(f"mode {MODE!r}: choose one of {', '.join(MODES)}")
+    FULL = full_from(MODE)
+    return MODE
+
+
+def figures_dir(here: Path) -> Path:
+    """Where a notebook writes its PNGs: notebooks/figures/ (the committed ones) in records mode, runs/figures/ in
+    full, runs/small/figures/ in small, so that a retrain never replaces a committed figure; PPO_MAX_FIGURES
+    overrides it (the tests). Created if missing."""
+    where = {"records": Path(here) / "figures", "full": ROOT / "runs" / "figures",
+             "small": ROOT / "runs" / "small" / "figures"}
+    out = Path(os.environ.get("PPO_MAX_FIGURES") or where[MODE])
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+# PNG metadata: matplotlib writes its version as "Software"; without it the same figure is the same bytes anywhere
+# the same matplotlib draws it
+PNG_METADATA = {"Software": None}
+
+
+def savefig(fig, path: Path) -> None:
+    """fig as a PNG at `path`: tight, 110 dpi, no metadata that changes from one machine or day to the next."""
+    fig.savefig(path, bbox_inches="tight", dpi=110, metadata=PNG_METADATA)
+
+
+def retrained_note() -> str:
+    """What a panel drawn from runs trained here says on itself: "retrained on <machine>", with the budget."""
+    import claims
+    return (f"retrained on {claims.machine()}" + ("" if FULL else f", small world ({SMALL_STEPS} PPO steps)")
+            + ("; not the records the verdicts read" if MODE == "records" else ""))
+
+
+def note(fig, text: str) -> None:
+    """`text` under a figure's panels, small and grey (retrained_note's words on a retrained panel)."""
+    fig.text(0.5, 0.0, text, ha="center", va="top", fontsize=8, color="dimgrey")
+
+
+def mode_line() -> str:
+    """What a notebook's first cell prints: the mode, what it draws from and what it trains."""
+    if MODE == "records":
+        return ("mode: records (PPO_MAX_MODE=records, the default): the registry's runs are drawn from the committed "
+                "records, nothing is trained for them; panels a record cannot draw are retrained "
+                + ("at train.py's budget" if FULL else f"in the small world ({SMALL_STEPS} PPO steps)")
+                + " and say so")
+    if MODE == "full":
+        return "mode: full (PPO_MAX_MODE=full or PPO_MAX_FULL=1): every run retrained at train.py's budget here"
+    return f"mode: small (PPO_MAX_MODE=small): the small world, {SMALL_STEPS} PPO steps, seed 0; numbers mean nothing"
 
 
 def seeds(n: int | None = None) -> tuple[int, ...]:
@@ -216,6 +299,7 @@ def run_each(specs: list[tuple], keep_going: bool = False):
                 continue
             print(f"trained {Path(out).relative_to(ROOT)} in {seconds:.0f} s", flush=True)
             TRAINED["runs"] += 1
+            TRAINED["names"].append((specs[i][0], specs[i][2]))
             yield i, saved(Path(out))   # what the worker just trained (the tree's code may have moved on since)
     except (KeyboardInterrupt, BrokenProcessPool):  # a cell interrupted, or a worker killed: the next call starts a
         _drop_pool()                                 # fresh pool (a broken one would refuse every later run)
@@ -224,7 +308,8 @@ def run_each(specs: list[tuple], keep_going: bool = False):
         TRAINED["seconds"] += time.time() - t0
 
 
-TRAINED = {"runs": 0, "seconds": 0.0}   # what this process had trained so far: runs, wall seconds (report())
+TRAINED = {"runs": 0, "seconds": 0.0, "names": []}   # what this process trained so far: runs, wall seconds
+#                                                       (report()), and each run's (name, seed)
 _POOL = None
 
 
@@ -356,10 +441,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def metrics(run_: dict) -> list[dict]:
+    """A run's per-step metrics: metrics.jsonl of a trained run, the curve of a record (claims.runs_for, records)."""
+    if run_.get("rows") is not None:
+        return run_["rows"]
     return read_jsonl(run_["dir"] / "metrics.jsonl")
 
 
 def samples(run_: dict) -> list[dict]:
+    if run_.get("dir") is None:
+        raise ValueError(f"{run_.get('variant')} seed {run_.get('seed')} is a record: it keeps no samples; draw this "
+                         f"panel from claims.retrained(...)'s runs")
     return read_jsonl(run_["dir"] / "samples.jsonl")
 
 
@@ -576,17 +667,31 @@ DYNAMICS = [("reward/score", "Reward score"), ("reward/gold", "Gold reward (synt
             ("kl/ref", "KL-divergence"), ("policy/perplexity", "Perplexity"), ("response/length", "Response length")]
 
 
+def mean_band(ax, y: np.ndarray, color, label: str, k: int = 5, thin: bool = True, **line) -> None:
+    """y (seeds, steps) on one axis: each seed faint, the mean over seeds (k-step moving average) bold, and its
+    spread, mean ± one sd over seeds (the same average), shaded."""
+    x = np.arange(y.shape[1])
+    if thin:
+        for row in y:
+            ax.plot(x, row, color=color, alpha=0.15, lw=0.7)
+    import warnings
+    with warnings.catch_warnings():   # a metric some runs lack (no critic: no VF loss) is NaN, without numpy's warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean, sd = smooth(np.nanmean(y, 0), k), smooth(np.nanstd(y, 0), k)
+    if len(y) > 1:
+        ax.fill_between(x, mean - sd, mean + sd, color=color, alpha=0.12, lw=0)
+    ax.plot(x, mean, color=color, lw=2, label=f"{label} ({len(y)} seeds)" if len(y) > 1 else label, **line)
+
+
 def dynamics_figure(variants: dict[str, list[dict]], panels=DYNAMICS, title: str = "", k: int = 5, colors=None):
-    """One panel per metric, one colour per variant: mean over seeds (k-step moving average), each seed thin."""
+    """One panel per metric, one colour per variant: mean over seeds (k-step moving average) with its spread, each
+    seed thin (mean_band)."""
     import matplotlib.pyplot as plt
     colors = colors or dict(zip(variants, plt.cm.tab10.colors))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
     for ax, (key, name) in zip(axes[0], panels):
         for label, rs in variants.items():
-            y = series(rs, key)
-            for row in y:
-                ax.plot(row, color=colors[label], alpha=0.15, lw=0.7)
-            ax.plot(smooth(y.mean(0), k), color=colors[label], lw=2, label=label)
+            mean_band(ax, series(rs, key), colors[label], label, k)
         ax.set(title=name, xlabel="step")
     axes[0][0].legend(fontsize=8)
     if title:

@@ -1,8 +1,12 @@
-"""Every notebook under notebooks/ runs top to bottom under nbclient, in its small budget (PPO_MAX_FULL=0).
+"""Every notebook under notebooks/ runs top to bottom under nbclient: in the small mode (PPO_MAX_MODE=small, the tiny
+world), except RECORDS_NOTEBOOKS, which run in records mode (the committed notebooks' mode: the registry's panels from
+the committed records, the panels a record cannot draw retrained in the tiny world, PPO_MAX_RETRAIN=small) and run
+twice: the second time must train nothing for the registry's panels and write the same PNGs, byte for byte.
 
-Run alone: `python -m pytest -m notebook`. The notebooks are executed in memory: their committed outputs
-(from the full-budget runs) are never overwritten by the test. They start as soon as the tests are collected
-(start_early, called by conftest.py), on a thread of this process, and each notebook's test reads its result.
+Run alone: `python -m pytest -m notebook`. The notebooks are executed in memory, their PNGs written to a temporary
+folder (PPO_MAX_FIGURES): their committed outputs and figures are never overwritten by the test. They start as soon
+as the tests are collected (start_early, called by conftest.py), on a thread of this process, and each notebook's test
+reads its result.
 """
 import os
 import queue
@@ -38,10 +42,28 @@ def kernel_dirs(root: Path) -> list[str]:
     return [str(root)]
 
 
-def execute(path: Path, kernel_dirs: list[str], env: dict, running: set) -> None:
+# the notebooks executed in records mode, and the PNGs of their panels of a registry's runs (drawn from the records)
+RECORDS_NOTEBOOKS = {"vanilla_collapse": ("vanilla_collapse_fig4.png", "vanilla_collapse_fig4_gold.png"),
+                     "methods": ("methods_tricks.png",)}
+# a last cell for those: the (name, seed) of every run the kernel's runner trained, as one JSON line
+TRAINED_CELL = 'import json as _json, runs as _runs; print("TRAINED " + _json.dumps(_runs.TRAINED["names"]))'
+
+
+def env_for(path: Path, env: dict, figures: Path) -> dict:
+    """The kernel's environment for one notebook: small mode, or records mode (RECORDS_NOTEBOOKS) with its panels that
+    need samples or a model retrained in the tiny world; PNGs into `figures`."""
+    mode = {"PPO_MAX_MODE": "records", "PPO_MAX_RETRAIN": "small"} if path.stem in RECORDS_NOTEBOOKS else \
+        {"PPO_MAX_MODE": "small"}
+    return {**env, **mode, "PPO_MAX_FIGURES": str(figures)}
+
+
+def execute(path: Path, kernel_dirs: list[str], env: dict, running: set):
     """One notebook top to bottom in a kernel of its own (environment `env`), in memory; raises CellExecutionError,
-    naming the cell, on the first failing cell. Its kernel manager is in `running` while it runs."""
+    naming the cell, on the first failing cell. Its kernel manager is in `running` while it runs. A notebook of
+    RECORDS_NOTEBOOKS ends with TRAINED_CELL. Returns the executed notebook."""
     nb = nbformat.read(path, as_version=4)
+    if path.stem in RECORDS_NOTEBOOKS:
+        nb.cells.append(nbformat.v4.new_code_cell(TRAINED_CELL))
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
     assert Path(km.kernel_spec.argv[0]) == Path(sys.executable)
     running.add(km)
@@ -52,9 +74,11 @@ def execute(path: Path, kernel_dirs: list[str], env: dict, running: set) -> None
             cleanup_kc=True, env=env)
     finally:
         running.discard(km)
+    return nb
 
 
 TIMES: dict = {}  # notebook → (start, end) in seconds after the tests were collected (early_summary)
+EXECUTED: dict = {}  # notebook → the executed notebook (nbformat), for the records-mode checks
 EARLY: dict = {}  # what start_early began: "futures" (name → Future of None or the exception), "stop", "running"
 
 
@@ -68,13 +92,16 @@ def start_early(session) -> None:
     notebooks not yet started run two at a time."""
     chosen = {item.callspec.params["path"] for item in session.items
               if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"}
+    chosen |= {ROOT / "notebooks" / f"{item.callspec.params['name']}.ipynb" for item in session.items
+               if (getattr(item, "originalname", None) or "").startswith("test_records_mode_trains_nothing")}
     paths = [p for p in NOTEBOOKS if p in chosen]
     if not paths:
         return
     alone = all(getattr(item, "module", None) is sys.modules[__name__] for item in session.items)
     jobs = 2 if alone else 1
     root = Path(tempfile.mkdtemp(prefix="ppo-max-kernels-"))
-    env = {**os.environ, "PPO_MAX_FULL": "0", "PPO_MAX_JOBS": str(jobs)}  # small budget; the kernels' slots
+    env = {**os.environ, "PPO_MAX_JOBS": str(jobs)}  # the kernels' slots (env_for adds each notebook's mode)
+    env.pop("PPO_MAX_FULL", None)
     stop, running, dirs = threading.Event(), set(), kernel_dirs(root)
 
     t0, times = time.time(), TIMES
@@ -84,7 +111,7 @@ def start_early(session) -> None:
             return RuntimeError("the session ended before this notebook ran")
         start = time.time() - t0
         try:
-            execute(path, dirs, env, running)
+            EXECUTED[path.stem] = execute(path, dirs, env_for(path, env, root / "figures-1"), running)
         except Exception as e:  # noqa: BLE001 — reported by that notebook's own test
             return e
         finally:
@@ -164,6 +191,45 @@ def test_notebook_runs_top_to_bottom(path):
     error = EARLY["futures"][path.stem].result()   # None, or the exception of the first failing cell
     if error is not None:
         raise error
+
+
+def trained_runs(nb) -> list[tuple[str, int]]:
+    """The (name, seed) of every run the kernel trained, from TRAINED_CELL's output."""
+    import json
+    text = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
+    return [tuple(x) for x in json.loads(text.split("TRAINED ", 1)[1])]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", sorted(RECORDS_NOTEBOOKS))
+def test_records_mode_trains_nothing_for_the_registry_panels_and_draws_them_alike_twice(name):
+    """In records mode a notebook's panels of a registry's runs come from the committed records: the runs it trains
+    are only those of its panels that need samples or a model (claims.retrained) and of its own comparison, none of
+    the registry's variants it draws from records; executed a second time (its retrained runs now cached) it trains
+    nothing, and the registry panels' PNGs are the same bytes as the first time."""
+    finish_on_both()
+    error = EARLY["futures"][name].result()
+    if error is not None:
+        pytest.skip(f"{name} failed to run (its own test reports it)")
+    path = ROOT / "notebooks" / f"{name}.ipynb"
+    first = EXECUTED[name]
+    code = "\n".join(c.source for c in first.cells if c.cell_type == "code")
+    drawn = [o.get("text", "") for c in first.cells if c.cell_type == "code" and "claims.runs_for(" in c.source
+             for o in c.outputs]
+    assert any("[records] drawn from v2's committed records, nothing trained for them" in t for t in drawn)
+    # the runs trained: only those a retrained panel (claims.retrained) or the notebook's own comparison asks for
+    import re
+    retrained = {v for call in re.findall(r"claims\.retrained\(([^)]*)\)", code)
+                 for v in re.findall(r'"([\w.-]+)"', call)}
+    own = set(re.findall(r'\("([\w.-]+)", \(', code)) if name == "methods" else set()
+    trained = {n for n, _ in trained_runs(first)}
+    assert trained <= retrained | own, f"{name} trained {sorted(trained - retrained - own)} for a registry panel"
+    env = env_for(path, EARLY["env"], EARLY["root"] / "figures-2")
+    second = execute(path, kernel_dirs(EARLY["root"] / f"kernels-{name}"), env, EARLY["running"])
+    assert trained_runs(second) == []
+    for png in RECORDS_NOTEBOOKS[name]:
+        a, b = (EARLY["root"] / d / png for d in ("figures-1", "figures-2"))
+        assert a.read_bytes() == b.read_bytes(), f"{png} differs between two executions"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,6 +327,7 @@ def full_budget(monkeypatch):
     import runs
     claims._config_key.cache_clear()
     monkeypatch.setattr(runs, "FULL", True)
+    monkeypatch.setattr(runs, "MODE", "full")
     yield runs
     claims._config_key.cache_clear()
 
@@ -284,3 +351,37 @@ def test_runs_for_reads_the_run_the_registry_trained_under_another_name_of_the_s
     monkeypatch.setattr(runs, "cached", lambda name, *_: {"name": name} if name in cache else None)
     claims.runs_for(["twin-a"], seeds=(6,))
     assert asked == ["twin-b"]
+
+
+def test_the_mode_comes_from_one_switch_and_a_bad_one_is_a_one_line_error(capsys):
+    import runs
+    assert runs.mode_from({}) == "records" and runs.mode_from({"PPO_MAX_FULL": "1"}) == "full"
+    assert runs.mode_from({"PPO_MAX_MODE": "small", "PPO_MAX_FULL": "1"}) == "small"
+    assert runs.full_from("records", {}) and not runs.full_from("records", {"PPO_MAX_RETRAIN": "small"})
+    assert runs.full_from("full", {}) and not runs.full_from("small", {})
+    with pytest.raises(SystemExit) as e:
+        runs.mode_from({"PPO_MAX_MODE": "fast"})
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: PPO_MAX_MODE='fast'")
+
+
+def test_records_mode_draws_every_seed_the_claims_judge_and_reads_what_the_verdicts_read(monkeypatch, capsys):
+    """runs_for in records mode trains nothing (the runner is never asked) and returns, per variant, the records of
+    every seed that the notebook's claims reading it judge; a record's run gives back the numbers its metrics hold:
+    the held-out curve as hgold_* read it, the final gold and win − lose, the per-step curve."""
+    import runs
+    monkeypatch.setattr(runs, "MODE", "records")
+    monkeypatch.setattr(runs, "run_many", lambda specs: pytest.fail(f"records mode trained {specs}"))
+    got = claims.runs_for(["vanilla", "vanilla-cliphigher"], notebook="methods")
+    assert "nothing trained for them" in capsys.readouterr().out
+    judged = {s for c in claims.R.claims if c.notebook == "methods"
+              if "vanilla-cliphigher" in {v for p in c.parts for v in claims.part_variants(p)} for s in c.seeds}
+    assert [r["seed"] for r in got["vanilla-cliphigher"]] == sorted(judged) and len(judged) > len(claims.R.plot_seeds)
+    recs = claims.records()
+    for r in got["vanilla"]:
+        m = recs[("vanilla", r["seed"])]["metrics"]
+        steps, g = claims.heldout_curve(r)
+        assert g[1:].mean() == pytest.approx(m["hgold_auc"]) and g[-3:].mean() == pytest.approx(m["hgold_end"])
+        assert runs.held_out([r])[0] == pytest.approx(m["win_lose"]) and r["final"]["gold_reward"] == m["final_gold"]
+        assert runs.series([r], "policy/entropy")[0, -10:].mean() == pytest.approx(m["last10:policy/entropy"])
+    with pytest.raises(ValueError, match="keeps no samples"):
+        runs.samples(got["vanilla"][0])
