@@ -227,24 +227,24 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:<10}" + "".join(f"{summary[name][k]:>16.3f}" if summary[name][k] is not None
                                              else f"{'—':>16}" for k in keys))
 
-    def win_line(name: str, w: dict, note: str = "") -> str:
+    def win_line(name: str, w: dict, note: str = "") -> str:  # or judge_check's words, where it cannot judge
         check = judge_of(summary, name)
         if check and not check["can_judge"]:
             return f"win rate vs SFT (judge: {name}): {cannot_judge(check)}"
         return f"win rate vs SFT (judge: {name}): win {w['win']:.2f}  tie {w['tie']:.2f}  lose {w['lose']:.2f}{note}"
 
-    peak = summary.get("peak")
-    if peak and peak.get("curve") == "held-out":
-        peak_s = (f"   held-out curve's peak gold {peak['gold_reward']:.2f} at step {peak['step']} "
-                  f"({peak['samples']} sample(s) per prompt; SFT at step 0: {peak['sft']:.2f})")
-    elif peak:
-        peak_s = f"   peak training gold ({peak['smoothing']}) {peak['gold_reward']:.2f} at step {peak['step']}"
-    else:
-        peak_s = ""
-    lines.append(win_line("gold" if judge == "gold" else judge, summary["win_rate_vs_sft"], peak_s))
+    lines.append(win_line("gold" if judge == "gold" else judge, summary["win_rate_vs_sft"]))
     for name, w in (summary.get("win_rate_vs_sft_by_judge") or {}).items():
         if name != judge:
             lines.append(win_line(name, w, "   (the reward PPO optimised)" if "proxy" in name else ""))
+    peak = summary.get("peak")
+    if peak and peak.get("curve") == "held-out":  # the held-out curve: sampled as above, fewer samples per prompt
+        sft = f"SFT (step 0) {peak['sft']:.2f}, " if peak.get("sft") is not None else ""
+        lines.append(f"held-out gold curve ({peak['samples']} sample(s) per prompt, every {peak['every']} steps, "
+                     f"another sampling seed): {sft}peak {peak['gold_reward']:.2f} at step {peak['step']}")
+    elif peak:
+        lines.append(f"training gold (temperature 1, {peak['smoothing']}): peak {peak['gold_reward']:.2f} at step "
+                     f"{peak['step']}")
     if "rm" in summary:
         check = summary["rm"].get("check")
         lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}" + (
@@ -460,9 +460,11 @@ def plot_gold(ax, rows: list[dict], summary: dict, key: str, label: str, at_chan
     """The gold (or judge) panel of one run: the training samples' mean (a thin line), the held-out curve (markers),
     SFT's held-out level (a dotted horizontal line: the final evaluation's SFT, else the curve's step 0) and the
     final evaluation's point (a star), all in the run's colour."""
-    name = key.split("/")[1] + (", judge at chance" if at_chance else "")
+    name = "judge at chance" if at_chance else key.split("/")[1]
+    temperature = (summary.get("config") or {}).get("temperature", 1.0)
     pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    line, = ax.plot(*zip(*pts), linewidth=0.8, alpha=0.6, label=f"{label}: training samples, T 1 ({name})")
+    line, = ax.plot(*zip(*pts), linewidth=0.8, alpha=0.6, label=f"{label}: training samples, T {temperature:g} "
+                                                                 f"({name})")
     colour = line.get_color()
     held = [(r["step"], r[f"heldout/{key.split('/')[1]}"]) for r in rows
             if r.get(f"heldout/{key.split('/')[1]}") is not None]
@@ -471,7 +473,8 @@ def plot_gold(ax, rows: list[dict], summary: dict, key: str, label: str, at_chan
     sft = (summary.get("sft") or {}).get("gold_reward")
     sft = sft if sft is not None else (held[0][1] if held and held[0][0] == 0 else None)
     if sft is not None:
-        ax.axhline(sft, color=colour, linestyle=":", linewidth=1.2, label=f"{label}: SFT, held-out")
+        ax.axhline(sft, color=colour, linestyle=":", linewidth=1.2, label=f"{label}: SFT, held-out (final table)"
+                   if (summary.get("sft") or {}).get("gold_reward") is not None else f"{label}: SFT, held-out (step 0)")
     final = (summary.get("final") or {}).get("gold_reward")
     if final is not None:
         ax.plot([summary["steps"]], [final], marker="*", markersize=11, color=colour, linestyle="none",
@@ -525,8 +528,12 @@ def plot(argv=None) -> dict:
                     va="center", color="firebrick")
         drawn.append(title + ("".join(f": {n}" for n in notes)) if has_lines or notes else f"{title}: none")
         ax.set_title(title if has_lines or notes else f"{title}\n(not in these runs)", fontsize=9)
-        if has_lines:
-            ax.legend(fontsize=6 if len(keys or ()) > 1 else 7)
+        if has_lines and len(keys or ()) > 1:  # the gold panel's four entries per run: room above its lines
+            lo, hi = ax.get_ylim()
+            ax.set_ylim(lo, hi + 0.45 * (hi - lo))
+            ax.legend(fontsize=6, loc="upper right")
+        elif has_lines:
+            ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("PPO step")

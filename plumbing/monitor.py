@@ -630,7 +630,7 @@ class RunLog:
             self.tracker.log(m, step)
         name = "gold" if judge_key == "reward/gold" else "judge"
         gold_s = "n/a" if m.get(judge_key) is None else f"{m[judge_key]:+.2f}"
-        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{name: gold_s}, kl=f"{m['kl/ref']:.3f}",
+        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{f"train_{name}": gold_s}, kl=f"{m['kl/ref']:.3f}",
                              len=f"{m['response/length']:.1f}", refresh=False)
         if step % 10 == 0 or step == self.total - 1:
             tricks = "".join(f"  {label} {fmt(m[key])}" for label, key, fmt in self.columns if m.get(key) is not None)

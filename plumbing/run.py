@@ -569,7 +569,8 @@ def gold_peak(history: list[dict], run: RunConfig) -> dict | None:
     if curve:
         peak = max(curve, key=lambda h: h["heldout/gold"])
         return {"gold_reward": peak["heldout/gold"], "step": peak["step"], "curve": "held-out",
-                "samples": run.heldout_samples, "sft": curve[0]["heldout/gold"] if curve[0]["step"] == 0 else None}
+                "samples": run.heldout_samples, "every": run.heldout_every,
+                "sft": curve[0]["heldout/gold"] if curve[0]["step"] == 0 else None}
     gold = [(h["step"], h["reward/gold"]) for h in history if h.get("reward/gold") is not None]
     if not gold:
         return None
