@@ -567,8 +567,9 @@ class RunLog:
         self.tracker = tracker if main_rank and tracker is not None else Tracker("none", out, "")
         self.alarm_info: dict | None = None
         self.out = out
-        # the step line's columns of the tricks a run enabled: (label, metrics key, format), set by the run
-        self.columns: list[tuple[str, str, Callable[[float], str]]] = []
+        # the step line's columns of the tricks a run enabled: (label, metrics key, format, summed over the run's
+        # steps so far rather than this step's), set by the run
+        self.columns: list[tuple[str, str, Callable[[float], str], bool]] = []
         if main_rank:  # atomic: a crash here loses nothing, and another rank reading metrics.jsonl never sees it torn
             from plumbing.checkpoint import atomic_write_text
             atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
@@ -633,7 +634,8 @@ class RunLog:
         self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{f"train_{name}": gold_s}, kl=f"{m['kl/ref']:.3f}",
                              len=f"{m['response/length']:.1f}", refresh=False)
         if step % 10 == 0 or step == self.total - 1:
-            tricks = "".join(f"  {label} {fmt(m[key])}" for label, key, fmt in self.columns if m.get(key) is not None)
+            tricks = "".join(f"  {label} {fmt(sum(h.get(key) or 0 for h in self.history) if total else m[key])}"
+                             for label, key, fmt, total in self.columns if m.get(key) is not None)
             tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  train {name} {gold_s}"
                        f"{self.heldout_note(judge_key)}  kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  "
                        f"len {m['response/length']:.1f}{tricks}  e.g. {prompts[0]!r} -> {texts[0]!r}")

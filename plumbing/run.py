@@ -463,23 +463,24 @@ def loop(s: Setup, m: "Models", state: LoopState, ckpts: checkpoint.RunCheckpoin
                         s.ppo.group_size, heldout)
 
 
-def trick_columns(cfg: PPOConfig) -> list[tuple[str, str, Callable]]:
+def trick_columns(cfg: PPOConfig) -> list[tuple[str, str, Callable, bool]]:
     """The step line's column for each newer trick the run enabled, its own engagement number: (label, metrics key,
-    format). The clip fraction of clip-higher, GSPO and CISPO (PPO-clip's own is always logged: the column appears
-    when one of them changes what clips) and the tokens clip-higher frees, the groups dynamic sampling dropped, the share of responses the overlong
-    shaping penalised, and the sampler's mismatch with the trainer."""
+    format, whether it is summed over the steps so far). The clip fraction of clip-higher, GSPO and CISPO (PPO-clip's
+    own is always logged: the column appears when one of them changes what clips) and the tokens clip-higher frees,
+    the groups dynamic sampling dropped (so far: a line every 10 steps would miss most), the share of responses the
+    overlong shaping penalised, and the sampler's mismatch with the trainer."""
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     cols = []
     if cfg.clip_eps_high is not None or cfg.ratio == "sequence" or cfg.policy_loss == "cispo":
-        cols.append(("clipped", "ppo/clipfrac", pct))
+        cols.append(("clipped", "ppo/clipfrac", pct, False))
     if cfg.clip_eps_high is not None:
-        cols.append(("freed by clip-higher", "ppo/clip_higher_frac", pct))
+        cols.append(("freed by clip-higher", "ppo/clip_higher_frac", pct, False))
     if cfg.dynamic_sampling:
-        cols.append(("groups dropped", "dynamic/dropped", lambda x: f"{x:.0f}"))
+        cols.append(("groups dropped so far", "dynamic/dropped", lambda x: f"{x:.0f}", True))
     if cfg.overlong_buffer:
-        cols.append(("overlong", "overlong/share", pct))
+        cols.append(("overlong", "overlong/share", pct, False))
     if cfg.rollout_mismatch != "none" or cfg.rollout_correction != "none":
-        cols.append(("mismatch |Δlogp|", "mismatch/mean_abs_logp_diff", lambda x: f"{x:.4f}"))
+        cols.append(("mismatch |Δlogp|", "mismatch/mean_abs_logp_diff", lambda x: f"{x:.4f}", False))
     return cols
 
 
@@ -489,12 +490,15 @@ def step_line_legend(run: RunConfig, cfg: PPOConfig, judge: Judge | None, tricks
     the final evaluation does (eval.EVAL_SAMPLING), so only it is comparable with the final table."""
     name = "gold" if judge is None or judge.name == "gold" else "judge"
     ev = evaluation.EVAL_SAMPLING
-    held = (f"; held-out {name}: the held-out prompts sampled as the final evaluation (top-p {ev['top_p']:g}, "
-            f"temperature {ev['temperature']:g}, {run.heldout_samples} per prompt), the curve's latest point "
-            f"(every {run.heldout_every} steps) and SFT's (step 0)" if judge and run.heldout_every else "")
-    return (f"[4. PPO] step lines: score (proxy) and train {name}: the step's training samples (temperature "
-            f"{cfg.temperature:g}){held}" + (f"; {', '.join(tricks)}: the enabled tricks' own numbers" if tricks
-                                            else ""))
+    lines = [f"[4. PPO] step lines: score (proxy) and train {name}: the step's training samples (temperature "
+             f"{cfg.temperature:g})"]
+    if judge and run.heldout_every:
+        lines.append(f"held-out {name}: the held-out prompts sampled as the final evaluation (top-p {ev['top_p']:g}, "
+                     f"temperature {ev['temperature']:g}, {run.heldout_samples} per prompt), the curve's latest "
+                     f"point (every {run.heldout_every} steps) and SFT's (step 0)")
+    if tricks:
+        lines.append(f"{', '.join(tricks)}: the enabled tricks' own numbers (docs/metrics.md)")
+    return ";\n    ".join(lines)
 
 
 def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | None:

@@ -115,4 +115,14 @@ def test_the_readme_shows_each_trick_as_measured_and_the_step_line_shows_its_num
     configs = flags.resolve(given.split())
     flags.validate(*configs)  # every check of the flags passes
     cfg = configs[3]
-    assert key in [k for _, k, _ in plumbing_run.trick_columns(cfg)]
+    assert key in [k for _, k, _, _ in plumbing_run.trick_columns(cfg)]
+
+
+def test_the_legend_names_each_numbers_sampling():
+    run, cfg = (lambda c: (c[0], c[3]))(flags.resolve(["--preset", "dapo"]))
+    legend = plumbing_run.step_line_legend(run, cfg, SimpleNamespace(name="gold"),
+                                           [c[0] for c in plumbing_run.trick_columns(cfg)])
+    first, held, tricks = legend.splitlines()
+    assert "train gold: the step's training samples (temperature 1)" in first
+    assert "top-p 0.9, temperature 0.8, 1 per prompt" in held and "every 8 steps" in held
+    assert "groups dropped so far" in tricks and "freed by clip-higher" in tricks
