@@ -126,3 +126,26 @@ def test_the_legend_names_each_numbers_sampling():
     assert "train gold: the step's training samples (temperature 1)" in first
     assert "top-p 0.9, temperature 0.8, 1 per prompt" in held and "every 8 steps" in held
     assert "groups dropped so far" in tricks and "freed by clip-higher" in tricks
+
+
+def test_clip_higher_frac_counts_the_tokens_clip_higher_frees_by_a_loop():
+    """ppo/clip_higher_frac: tokens with Â > 0 and 1+ε < ρ ≤ 1+ε_high (clipped by Eq. 15 at ε, not by clip-higher),
+    counted one token at a time over the real tokens; absent without --clip-eps-high."""
+    import torch
+    import ppo_loss
+    g = torch.Generator().manual_seed(0)
+    B, T, eps, eps_high = 32, 9, 0.2, 0.28
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    new = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)   # ratios well beyond 1 ± ε
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).double()  # ragged
+    _, stats = ppo_loss.policy_loss(new, old, adv, mask, eps, clip_eps_high=eps_high)
+    freed = real = 0
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                real += 1
+                rho = math.exp(new[b, t].item() - old[b, t].item())
+                freed += adv[b, t].item() > 0 and 1 + eps < rho <= 1 + eps_high
+    assert freed > 0 and stats["clip_higher_frac"] == pytest.approx(freed / real, abs=1e-12)
+    assert "clip_higher_frac" not in ppo_loss.policy_loss(new, old, adv, mask, eps)[1]
