@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from plumbing import data
 from plumbing import models
 import ppo_max
 import toy_world
-from plumbing.monitor import progress
+from plumbing.monitor import cannot_judge, judge_of, progress, rm_check
 from ppo_loss import kl_full, logprobs_from_logits, ptx_loss
 
 # The paper's evaluation sampling (§ hyperparameters): top-p 0.9, temperature 0.8, repetition penalty 1.1.
@@ -210,24 +211,49 @@ def length_bias(rm, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
 
 
 def format_table(summary: dict) -> str:
+    """The final table: the held-out comparison with SFT as it was sampled (summary["eval_sampling"]), the win rate
+    (or, when its reward-model judge cannot judge, judge_check's words in its place), the held-out curve's peak."""
     keys = ["reward", "gold_reward", "kl", "perplexity", "response_length"]
     judge = summary.get("judge", "gold")
     names = {"gold_reward": {"gold": "gold_reward", "held-out reward model": "judge(held-out)"}.get(judge, "judge(RM)")}
-    lines = [f"{'held-out':<10}" + "".join(f"{names.get(k, k):>16}" for k in keys)]
+    lines = []
+    ev = summary.get("eval_sampling")
+    if ev:
+        lines.append(f"held-out prompts, {ev['samples']} sample(s) each at top-p {ev['top_p']:g}, temperature "
+                     f"{ev['temperature']:g}, repetition penalty {ev['repetition_penalty']:g} "
+                     f"(the paper's evaluation):")
+    lines.append(f"{'held-out':<10}" + "".join(f"{names.get(k, k):>16}" for k in keys))
     for name in ["sft", "final"]:  # a value that does not exist for a method (best-of-n's per-token KL) prints as —
         lines.append(f"{name:<10}" + "".join(f"{summary[name][k]:>16.3f}" if summary[name][k] is not None
                                              else f"{'—':>16}" for k in keys))
-    w = summary["win_rate_vs_sft"]
-    peak = summary.get("peak")
-    lines.append(f"win rate vs SFT (judge: {'gold' if judge == 'gold' else judge}): win {w['win']:.2f}  "
-                 f"tie {w['tie']:.2f}  lose {w['lose']:.2f}"
-                 + (f"   peak training gold {peak['gold_reward']:.2f} at step {peak['step']}" if peak else ""))
+
+    def win_line(name: str, w: dict, note: str = "") -> str:  # or judge_check's words, where it cannot judge
+        check = judge_of(summary, name)
+        if check and not check["can_judge"]:
+            return f"win rate vs SFT (judge: {name}): {cannot_judge(check)}"
+        return f"win rate vs SFT (judge: {name}): win {w['win']:.2f}  tie {w['tie']:.2f}  lose {w['lose']:.2f}{note}"
+
+    lines.append(win_line("gold" if judge == "gold" else judge, summary["win_rate_vs_sft"]))
     for name, w in (summary.get("win_rate_vs_sft_by_judge") or {}).items():
         if name != judge:
-            lines.append(f"win rate vs SFT (judge: {name}): win {w['win']:.2f}  tie {w['tie']:.2f}  lose {w['lose']:.2f}"
-                         + ("   (the reward PPO optimised)" if "proxy" in name else ""))
+            lines.append(win_line(name, w, "   (the reward PPO optimised)" if "proxy" in name else ""))
+    peak = summary.get("peak")
+    if peak and peak.get("curve") == "held-out":  # the held-out curve: sampled as above, fewer samples per prompt
+        sft = f"SFT (step 0) {peak['sft']:.2f}, " if peak.get("sft") is not None else ""
+        lines.append(f"held-out gold curve ({peak['samples']} sample(s) per prompt, every {peak['every']} steps, "
+                     f"another sampling seed): {sft}peak {peak['gold_reward']:.2f} at step {peak['step']}")
+    elif peak:
+        lines.append(f"training gold (temperature 1, {peak['smoothing']}): peak {peak['gold_reward']:.2f} at step "
+                     f"{peak['step']}")
     if "rm" in summary:
-        lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}")
+        check = summary["rm"].get("check")
+        lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}" + (
+            f" on {check['pairs']} pairs (95 % interval [{check['interval'][0]:.3f}, {check['interval'][1]:.3f}])"
+            if check else ""))
+    if summary.get("judge_check"):
+        check = summary["judge_check"]
+        lines.append(f"judge held-out accuracy {check['accuracy']:.3f} on {check['pairs']} pairs (95 % interval "
+                     f"[{check['interval'][0]:.3f}, {check['interval'][1]:.3f}])")
     return "\n".join(lines)
 
 
@@ -399,8 +425,11 @@ def score(argv=None) -> dict:
     return result
 
 
-# the panels of `eval.py plot`, in §5.2's order: (metrics.jsonl key or keys, the panel's title)
-PANELS = [(("reward/score",), "reward-model score (raw)"), (("reward/gold", "reward/judge"), "gold reward / judge"),
+# the panels of `eval.py plot`, in §5.2's order: (metrics.jsonl key or keys, the panel's title). The gold panel draws
+# the training samples' gold (temperature 1, every step), the held-out curve (heldout/*, sampled as the final
+# evaluation, every --heldout-every steps), SFT's held-out level and the final evaluation's point.
+PANELS = [(("reward/score",), "reward-model score (raw)"),
+          (("reward/gold", "reward/judge"), "gold reward / judge: training samples and held-out"),
           (("kl/ref",), "KL to the reference (nats/token)"), (("policy/perplexity",), "perplexity on own samples"),
           (("response/length",), "response length (tokens)"), (None, "win rate vs SFT (win + ½ tie, held out)")]
 # drawn when a run has it (--rollout-mismatch / --rollout-correction): how far the sampler's log-probs are from the
@@ -408,10 +437,10 @@ PANELS = [(("reward/score",), "reward-model score (raw)"), (("reward/gold", "rew
 MISMATCH_PANEL = (("mismatch/mean_abs_logp_diff",), "rollout/training mismatch: mean |log π_rollout − log π_old|")
 
 
-def plot_run(run: str) -> tuple[list[dict], list[dict]]:
-    """One run's curves for plot(): the rows of its metrics.jsonl, and its win rates against SFT by step (the
-    notebooks' checkpoint_eval.json, then the final evaluation of summary.json). A missing or damaged log is one line
-    naming it."""
+def plot_run(run: str) -> tuple[list[dict], list[dict], dict]:
+    """One run's curves for plot(): the rows of its metrics.jsonl, its win rates against SFT by step (the
+    notebooks' checkpoint_eval.json, then the final evaluation of summary.json), and its summary.json ({} before
+    the run ends). A missing or damaged log is one line naming it."""
     f = Path(run) / "metrics.jsonl"
     if not f.is_file():
         cli.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
@@ -424,7 +453,32 @@ def plot_run(run: str) -> tuple[list[dict], list[dict]]:
     s = read_json(summary) if summary.is_file() else {}
     if s.get("win_rate_vs_sft"):
         wins = [w for w in wins if w["step"] != s["steps"]] + [{"step": s["steps"], **s["win_rate_vs_sft"]}]
-    return rows, wins
+    return rows, wins, s
+
+
+def plot_gold(ax, rows: list[dict], summary: dict, key: str, label: str, at_chance: bool) -> None:
+    """The gold (or judge) panel of one run: the training samples' mean (a thin line), the held-out curve (markers),
+    SFT's held-out level (a dotted horizontal line: the final evaluation's SFT, else the curve's step 0) and the
+    final evaluation's point (a star), all in the run's colour."""
+    name = "judge at chance" if at_chance else key.split("/")[1]
+    temperature = (summary.get("config") or {}).get("temperature", 1.0)
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    line, = ax.plot(*zip(*pts), linewidth=0.8, alpha=0.6, label=f"{label}: training samples, T {temperature:g} "
+                                                                 f"({name})")
+    colour = line.get_color()
+    held = [(r["step"], r[f"heldout/{key.split('/')[1]}"]) for r in rows
+            if r.get(f"heldout/{key.split('/')[1]}") is not None]
+    if held:
+        ax.plot(*zip(*held), marker="o", markersize=4, color=colour, label=f"{label}: held-out, eval sampling")
+    sft = (summary.get("sft") or {}).get("gold_reward")
+    sft = sft if sft is not None else (held[0][1] if held and held[0][0] == 0 else None)
+    if sft is not None:
+        ax.axhline(sft, color=colour, linestyle=":", linewidth=1.2, label=f"{label}: SFT, held-out (final table)"
+                   if (summary.get("sft") or {}).get("gold_reward") is not None else f"{label}: SFT, held-out (step 0)")
+    final = (summary.get("final") or {}).get("gold_reward")
+    if final is not None:
+        ax.plot([summary["steps"]], [final], marker="*", markersize=11, color=colour, linestyle="none",
+                label=f"{label}: final evaluation")
 
 
 def plot(argv=None) -> dict:
@@ -442,29 +496,43 @@ def plot(argv=None) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    mismatch = any(r.get(MISMATCH_PANEL[0][0]) is not None for rows, _ in runs for r in rows)
+    mismatch = any(r.get(MISMATCH_PANEL[0][0]) is not None for rows, _, _ in runs for r in rows)
     panels = PANELS + [MISMATCH_PANEL] if mismatch else PANELS
     fig, axes = plt.subplots(2, 4 if mismatch else 3, figsize=(17 if mismatch else 13, 7), sharex=True)
     if mismatch:
         axes[1, 3].set_visible(False)
     drawn = []
     for ax, (keys, title) in zip([a for a in axes.flat if a.get_visible()], panels):
-        for (rows, wins), label in zip(runs, labels):
+        notes = []  # runs whose judge cannot tell the policies apart: words in place of their win rate
+        for (rows, wins, summary), label in zip(runs, labels):
+            check = judge_of(summary, summary.get("judge", "gold"))
+            at_chance = bool(check) and not check["can_judge"]
             if keys is None:  # the win rate (win + ½ tie) of each evaluated checkpoint against SFT
-                if wins:
+                if at_chance:
+                    notes.append(f"{label}: {cannot_judge(check)}")
+                elif wins:
                     ax.plot([w["step"] for w in wins], [w["win"] + 0.5 * w["tie"] for w in wins], marker="o",
                             label=label)
                 continue
             key = next((k for k in keys if any(r.get(k) is not None for r in rows)), None)
-            if key:
+            if key and len(keys) > 1:
+                plot_gold(ax, rows, summary, key, label, at_chance)
+            elif key:
                 pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-                ax.plot(*zip(*pts), label=label if len(keys) == 1 else f"{label} ({key.split('/')[1]})")
+                ax.plot(*zip(*pts), label=label)
         has_lines = bool(ax.lines)
         if keys is None and has_lines:
             ax.axhline(0.5, color="gray", linestyle="--", linewidth=0.8)  # as good as SFT
-        drawn.append(title if has_lines else f"{title}: none")
-        ax.set_title(title if has_lines else f"{title}\n(not in these runs)", fontsize=9)
-        if has_lines:
+        if notes:
+            ax.text(0.02, 0.5, "\n".join(textwrap.fill(n, 48) for n in notes), transform=ax.transAxes, fontsize=7,
+                    va="center", color="firebrick")
+        drawn.append(title + ("".join(f": {n}" for n in notes)) if has_lines or notes else f"{title}: none")
+        ax.set_title(title if has_lines or notes else f"{title}\n(not in these runs)", fontsize=9)
+        if has_lines and len(keys or ()) > 1:  # the gold panel's four entries per run: room above its lines
+            lo, hi = ax.get_ylim()
+            ax.set_ylim(lo, hi + 0.45 * (hi - lo))
+            ax.legend(fontsize=6, loc="upper right")
+        elif has_lines:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
@@ -563,8 +631,13 @@ def evaluate(argv) -> None:
     extra = {"reward model (proxy)": rm_judge(rm)} if judge_dir else None
     rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge,
                   extra_judges=extra)
+    rm_check_ = rm_check(Path(a.reward_model))
+    judge_check_ = rm_check(Path(judge_dir)) if judge_dir else None
     print(format_table({"sft": rep["sft"], "final": rep["policy"], "win_rate_vs_sft": rep["win_rate"],
                         "peak": None, "judge": judge_name,
+                        "eval_sampling": {"samples": a.samples, **EVAL_SAMPLING},
+                        **({"rm": {"accuracy": rm_check_["accuracy"], "check": rm_check_}} if rm_check_ else {}),
+                        **({"judge_check": judge_check_} if judge_check_ else {}),
                         "win_rate_vs_sft_by_judge": {judge_name: rep["win_rate"], **rep.get("win_rates", {})}}))
     for e in rep["examples"]:
         print(f"{e['prompt']!r:28} policy: {e['policy']!r}\n{'':28} sft:    {e['sft']!r}")

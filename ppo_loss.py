@@ -149,7 +149,8 @@ def policy_loss(
     KL(π_old ‖ π_θ) on the sampled tokens, mean of (ρ − 1) − log ρ; ratio = mean ρ.
 
     Keyword-only, each off by default (Eq. 15 as above; the peers' names for them: docs/differences.md):
-      clip_eps_high    ε_high: clip(ρ, 1−ε, 1+ε_high), DAPO's clip-higher (ε 0.2, ε_high 0.28); None = ε.
+      clip_eps_high    ε_high: clip(ρ, 1−ε, 1+ε_high), DAPO's clip-higher (ε 0.2, ε_high 0.28); None = ε. stats
+                       gain clip_higher_frac, the fraction of tokens it frees (Â > 0, 1+ε < ρ ≤ 1+ε_high).
       ratio_level      "sequence": ρ_t replaced by GSPO-token's s_{i,t} (sequence_log_ratio), one clip per sequence.
       weights          a constant per-token weight multiplying the clipped objective (rollout_correction's TIS/MIS).
       dual_clip        c > 1: where Â < 0 the objective is max(min(ρÂ, clip(ρ)Â), c·Â) (dual-clip PPO, Ye et al.
@@ -203,6 +204,9 @@ def policy_loss(
         }
         if dual is not None:
             stats["dual_clipfrac"] = masked_mean(dual, mask).item()
+        if clip_eps_high is not None:  # what clip-higher changes: Â > 0 and 1+ε < ρ ≤ 1+ε_high, clipped by Eq. 15
+            freed = (advantages > 0) & (ratio > 1.0 + clip_eps) & (ratio <= 1.0 + clip_eps_high)
+            stats["clip_higher_frac"] = masked_mean(freed.to(surr1.dtype), mask).item()
     return loss, stats
 
 

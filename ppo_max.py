@@ -428,9 +428,11 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
             rewards_seq = scale_rewards(scores, moments)
         else:
             rewards_seq = scores
+        overlong = None
         if cfg.overlong_buffer:  # DAPO's overlong shaping, on the normalised score: −P·(how far into the last L tokens)
-            rewards_seq = rewards_seq + overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_buffer,
-                                                         cfg.overlong_penalty).to(rewards_seq)
+            overlong = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_buffer,
+                                        cfg.overlong_penalty).to(rewards_seq)                   # (B,) ≤ 0
+            rewards_seq = rewards_seq + overlong
         # (4) token-level KL penalty against the frozen SFT reference (Eq. 19); with --kl-in loss it acts in (6)
         logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
         ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
@@ -459,6 +461,8 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
                "scores": scores, "all_scores": all_scores, "kl_coef": kl_coef, "nonfinite": None,
                "weights": None, "policy_mask": mask}
         extra = dict((sampled or {}).get("stats", {}))
+        if overlong is not None:  # the share of responses the overlong shaping penalised (inside the last L tokens)
+            extra["overlong/share"] = (overlong < 0).float().mean().item()
         rollout_logprobs = (sampled or {}).get("logprobs")
         if rollout_logprobs is not None:  # the sampler's log π_rollout against the trainer's log π_old (= logprobs)
             extra.update({f"mismatch/{k}": v for k, v in rollout_mismatch(logprobs, rollout_logprobs, mask).items()})

@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -447,6 +448,8 @@ def minibatch_stats(pg_loss, vf_loss, ptx, kl_loss, pg_stats: dict, grad_norm, c
         stats["loss/kl"] = kl_loss.item()
     if "dual_clipfrac" in pg_stats:
         stats["ppo/dual_clipfrac"] = pg_stats["dual_clipfrac"]
+    if "clip_higher_frac" in pg_stats:  # --clip-eps-high: the tokens clip-higher keeps that Eq. 15 would clip
+        stats["ppo/clip_higher_frac"] = pg_stats["clip_higher_frac"]
     return stats  # the same numbers on every rank (the KL controller and the logs read them)
 
 
@@ -459,6 +462,63 @@ def update_stats(per_minibatch: list[dict], nonfinite: list[str], device) -> dic
     if any_rank(bool(nonfinite), device):
         return {**stats, "guard/nonfinite": sorted(set(nonfinite)) or ["on another rank"]}
     return stats
+
+
+# A reward model judges a win rate only when its held-out pairwise accuracy is above chance beyond sampling noise: the
+# lower end of the 95 % Wilson score interval of that accuracy over its held-out pairs lies above 0.5. Otherwise
+# (the interval holds 0.5, or lies below it) its win rate says nothing about which policy is better, and the run
+# prints that the judge cannot tell the policies apart instead of the win rate (docs/metrics.md; eval.format_table
+# and eval.plot read these).
+JUDGE_Z = 1.96  # the 95 % two-sided normal quantile of the interval
+
+
+def wilson_interval(p: float, n: int, z: float = JUDGE_Z) -> tuple[float, float]:
+    """The Wilson score interval of a proportion p observed on n trials (Wilson 1927): (lo, hi), the p0 for which
+    |p − p0| ≤ z·√(p0(1 − p0)/n). Better than p ± z·√(p(1 − p)/n) near 0 and 1 and on few trials."""
+    if n < 1:
+        return 0.0, 1.0
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(max(p * (1 - p) / n + z * z / (4 * n * n), 0.0))
+    return centre - half, centre + half
+
+
+def judge_check(accuracy: float, pairs: int) -> dict:
+    """The rule above for a reward model of held-out `accuracy` on `pairs` held-out pairs: {"accuracy", "pairs",
+    "interval": [lo, hi], "can_judge": lo > 0.5}."""
+    lo, hi = wilson_interval(accuracy, pairs)
+    return {"accuracy": accuracy, "pairs": pairs, "interval": [lo, hi], "can_judge": lo > 0.5}
+
+
+def judge_of(summary: dict, judge: str) -> dict | None:
+    """The judge_check of the reward model that judged a win-rate line of `summary`: the held-out judge
+    ("held-out reward model": summary["judge_check"]) or the proxy ("reward model", "reward model (proxy)":
+    summary["rm"]["check"]); None for gold or where the run did not record it."""
+    if judge == "gold":
+        return None
+    if judge == "held-out reward model":
+        return summary.get("judge_check")
+    return (summary.get("rm") or {}).get("check")
+
+
+def rm_check(model_dir: Path) -> dict | None:
+    """judge_check of the reward model whose stage 2 wrote rm_log.json and rm_heldout_scores.json into
+    `model_dir` (or, for a base's reward_model/, beside it): its final held-out accuracy and the number of held-out
+    pairs; None where they are missing."""
+    if not (model_dir / "rm_log.json").is_file() and model_dir.name == "reward_model":
+        model_dir = model_dir.parent  # the cached base of the synthetic world or --data keeps them beside it
+    log, scores = model_dir / "rm_log.json", model_dir / "rm_heldout_scores.json"
+    if not (log.is_file() and scores.is_file()):
+        return None
+    return judge_check(json.loads(log.read_text())[-1]["heldout_accuracy"],
+                       len(json.loads(scores.read_text())["chosen"]))
+
+
+def cannot_judge(check: dict) -> str:
+    """The words that stand in place of a win rate its judge cannot give."""
+    lo, hi = check["interval"]
+    return (f"the judge cannot tell the policies apart (its held-out accuracy {check['accuracy']:.3f} on "
+            f"{check['pairs']} pairs, 95 % interval [{lo:.3f}, {hi:.3f}], is not above chance)")
 
 
 def progress(iterable, desc: str, total: int | None = None, initial: int = 0, disable: bool = False,
@@ -507,6 +567,9 @@ class RunLog:
         self.tracker = tracker if main_rank and tracker is not None else Tracker("none", out, "")
         self.alarm_info: dict | None = None
         self.out = out
+        # the step line's columns of the tricks a run enabled: (label, metrics key, format, summed over the run's
+        # steps so far rather than this step's), set by the run
+        self.columns: list[tuple[str, str, Callable[[float], str], bool]] = []
         if main_rank:  # atomic: a crash here loses nothing, and another rank reading metrics.jsonl never sees it torn
             from plumbing.checkpoint import atomic_write_text
             atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
@@ -568,16 +631,28 @@ class RunLog:
             self.tracker.log(m, step)
         name = "gold" if judge_key == "reward/gold" else "judge"
         gold_s = "n/a" if m.get(judge_key) is None else f"{m[judge_key]:+.2f}"
-        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{name: gold_s}, kl=f"{m['kl/ref']:.3f}",
+        self.bar.set_postfix(score=f"{m['reward/score']:.2f}", **{f"train_{name}": gold_s}, kl=f"{m['kl/ref']:.3f}",
                              len=f"{m['response/length']:.1f}", refresh=False)
         if step % 10 == 0 or step == self.total - 1:
-            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  {name} {gold_s}  "
-                       f"kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  len {m['response/length']:.1f}  "
-                       f"e.g. {prompts[0]!r} -> {texts[0]!r}")
+            tricks = "".join(f"  {label} {fmt(sum(h.get(key) or 0 for h in self.history) if total else m[key])}"
+                             for label, key, fmt, total in self.columns if m.get(key) is not None)
+            tqdm.write(f"step {step:4d}  score {m['reward/score']:+.2f}  train {name} {gold_s}"
+                       f"{self.heldout_note(judge_key)}  kl {m['kl/ref']:.3f}  ppl {m['policy/perplexity']:.2f}  "
+                       f"len {m['response/length']:.1f}{tricks}  e.g. {prompts[0]!r} -> {texts[0]!r}")
         if alarm is not None:
             tqdm.write(f"[collapse alarm] step {step}: " + "; ".join(alarm.reasons))
             self.alarm_info = self.alarm_info or {"step": alarm.step, "reasons": alarm.reasons}
         return alarm
+
+    def heldout_note(self, judge_key: str) -> str:
+        """The held-out curve beside a step line: its latest point and SFT's (the point of step 0, the SFT policy),
+        "" before the first point or without a curve."""
+        key = {"reward/gold": "heldout/gold", "reward/judge": "heldout/judge"}.get(judge_key)
+        points = [h for h in self.history if h.get(key) is not None]
+        if not points:
+            return ""
+        sft = f" (SFT {points[0][key]:+.2f})" if points[0]["step"] == 0 else ""
+        return f"  held-out {key.split('/')[1]} {points[-1][key]:+.2f} @{points[-1]['step']}{sft}"
 
     def close(self) -> None:
         self.metrics_f.close()

@@ -457,8 +457,48 @@ def loop(s: Setup, m: "Models", state: LoopState, ckpts: checkpoint.RunCheckpoin
     heldout = functools.partial(evaluation.heldout_point, engine.unwrap(m.policy), m.ref, m.reward_model,
                                 inp.tokenizer, [r["prompt"] for r in inp.rows["eval"]], s.run.heldout_samples,
                                 10_007 * s.run.seed + 1, s.ppo.max_new_tokens, judge.score if judge else proxy, key)
+    log.columns = trick_columns(s.ppo)
+    print(step_line_legend(s.run, s.ppo, judge, [c[0] for c in log.columns]))
     return LoopPlumbing(s.run, log, state, ckpts, judge, m.policy_opt, inp.tokenizer, s.device, start,
                         s.ppo.group_size, heldout)
+
+
+def trick_columns(cfg: PPOConfig) -> list[tuple[str, str, Callable, bool]]:
+    """The step line's column for each newer trick the run enabled, its own engagement number: (label, metrics key,
+    format, whether it is summed over the steps so far). The clip fraction of clip-higher, GSPO and CISPO (PPO-clip's
+    own is always logged: the column appears when one of them changes what clips) and the tokens clip-higher frees,
+    the groups dynamic sampling dropped (so far: a line every 10 steps would miss most), the share of responses the
+    overlong shaping penalised, and the sampler's mismatch with the trainer."""
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    cols = []
+    if cfg.clip_eps_high is not None or cfg.ratio == "sequence" or cfg.policy_loss == "cispo":
+        cols.append(("clipped", "ppo/clipfrac", pct, False))
+    if cfg.clip_eps_high is not None:
+        cols.append(("freed by clip-higher", "ppo/clip_higher_frac", pct, False))
+    if cfg.dynamic_sampling:
+        cols.append(("groups dropped so far", "dynamic/dropped", lambda x: f"{x:.0f}", True))
+    if cfg.overlong_buffer:
+        cols.append(("overlong", "overlong/share", pct, False))
+    if cfg.rollout_mismatch != "none" or cfg.rollout_correction != "none":
+        cols.append(("mismatch |Δlogp|", "mismatch/mean_abs_logp_diff", lambda x: f"{x:.4f}", False))
+    return cols
+
+
+def step_line_legend(run: RunConfig, cfg: PPOConfig, judge: Judge | None, tricks: list[str]) -> str:
+    """One line before the first step line: what its numbers are measured on. The step's own samples are the
+    training samples (temperature cfg.temperature, nothing cut); the held-out curve samples the held-out prompts as
+    the final evaluation does (eval.EVAL_SAMPLING), so only it is comparable with the final table."""
+    name = "gold" if judge is None or judge.name == "gold" else "judge"
+    ev = evaluation.EVAL_SAMPLING
+    lines = [f"[4. PPO] step lines: score (proxy) and train {name}: the step's training samples (temperature "
+             f"{cfg.temperature:g})"]
+    if judge and run.heldout_every:
+        lines.append(f"held-out {name}: the held-out prompts sampled as the final evaluation (top-p {ev['top_p']:g}, "
+                     f"temperature {ev['temperature']:g}, {run.heldout_samples} per prompt), the curve's latest "
+                     f"point (every {run.heldout_every} steps) and SFT's (step 0)")
+    if tricks:
+        lines.append(f"{', '.join(tricks)}: the enabled tricks' own numbers (docs/metrics.md)")
+    return ";\n    ".join(lines)
 
 
 def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | None:
@@ -504,13 +544,15 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: li
                                 heldout, run.eval_samples, seed=run.seed, max_new_tokens=cfg.max_new_tokens,
                                 judge=judge.score if judge else proxy,
                                 extra_judges={"reward model (proxy)": proxy} if judge and judge.name != "gold" else None)
-    peak = max(history, key=lambda h: h["reward/gold"]) if judge and judge.name == "gold" and history else None
     out = {"sft": report["sft"], "final": report["policy"],
-           "peak": {"gold_reward": peak["reward/gold"], "step": peak["step"]} if peak else None,
-           "win_rate_vs_sft": report["win_rate"], "judge": judge.name if judge else "reward model"}
+           "peak": gold_peak(history, run) if judge and judge.name == "gold" else None,
+           "win_rate_vs_sft": report["win_rate"], "judge": judge.name if judge else "reward model",
+           "eval_sampling": {"samples": run.eval_samples, **evaluation.EVAL_SAMPLING}}
     if report.get("win_rates"):
         out["win_rate_vs_sft_by_judge"] = {out["judge"]: report["win_rate"], **report["win_rates"]}
         out["judge_model"] = str(inp.judge)
+    if judge and judge.name != "gold" and (check := collapse.rm_check(Path(inp.judge))):  # monitor.judge_check
+        out["judge_check"] = check
     # the policy as itself (temperature 1): gold and proxy against d = √KL(π ‖ π_SFT), the over-optimisation curve
     out["frontier"] = evaluation.frontier_point(engine.unwrap(m.policy).eval(), sft_model, m.reward_model,
                                                 inp.tokenizer, heldout, run.eval_samples, run.seed + 1,
@@ -523,6 +565,25 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: li
     return out
 
 
+def gold_peak(history: list[dict], run: RunConfig) -> dict | None:
+    """The run's best gold along the way: the held-out curve's peak (sampled as the final evaluation, beside its
+    step-0 point, the SFT policy); without a curve (--heldout-every 0), the training samples' gold as a mean of 10
+    steps (one batch's gold is noisy), at the last step of its window."""
+    curve = [h for h in history if h.get("heldout/gold") is not None]
+    if curve:
+        peak = max(curve, key=lambda h: h["heldout/gold"])
+        return {"gold_reward": peak["heldout/gold"], "step": peak["step"], "curve": "held-out",
+                "samples": run.heldout_samples, "every": run.heldout_every,
+                "sft": curve[0]["heldout/gold"] if curve[0]["step"] == 0 else None}
+    gold = [(h["step"], h["reward/gold"]) for h in history if h.get("reward/gold") is not None]
+    if not gold:
+        return None
+    w = min(10, len(gold))
+    means = [(gold[i][0], sum(g for _, g in gold[i - w + 1:i + 1]) / w) for i in range(w - 1, len(gold))]
+    step, value = max(means, key=lambda x: x[1])
+    return {"gold_reward": value, "step": step, "curve": "training", "smoothing": f"mean of {w} steps"}
+
+
 def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
     """What summary.json says of stages 1-2: the RM's held-out accuracy (and length bias), or the given models."""
     dirs = {k: str(v) if v else None for k, v in (dirs or {}).items()}
@@ -530,6 +591,8 @@ def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
     if not rm_log.is_file():
         return {"models": dirs}
     rm = {"accuracy": json.loads(rm_log.read_text())[-1]["heldout_accuracy"]}
+    if check := collapse.rm_check(rm_log.parent):  # whether it could judge a win rate (monitor.judge_check)
+        rm["check"] = check
     if not inp.base:
         return {"models": dirs, "rm": rm}
     if not run.data:
@@ -652,6 +715,9 @@ def other_method(s: Setup, inp: Inputs) -> dict | None:
         kl = best_of_n.bon_kl(run.bon_n)  # exact for continuous scores: no per-token KL to estimate
         report = {"sft": rep["sft"], "final": rep["policy"], "peak": None, "win_rate_vs_sft": rep["win_rate"],
                   "judge": judge.name if judge else "reward model",
+                  "eval_sampling": {"samples": run.eval_samples, **evaluation.EVAL_SAMPLING},
+                  **({"judge_check": check} if judge and judge.name != "gold"
+                     and (check := collapse.rm_check(Path(inp.judge))) else {}),
                   "frontier": {"gold_reward": m_plain["gold_reward"], "reward": m_plain["reward"], "kl_seq": kl,
                                "d": kl ** 0.5, "response_length": m_plain["response_length"],
                                "samples": len(plain["texts"])}}

@@ -138,10 +138,11 @@ def test_eval_runs_with_a_trained_reward_model_and_a_tokenizer_without_pad(tmp_p
     trained = capsys.readouterr().out
     # real prompts have no gold: the reward model judges; the policy is the SFT model, so every sample ties
     assert "win rate vs SFT (judge: reward model): win 0.00  tie 1.00  lose 0.00" in trained, trained
-    assert trained.splitlines()[1].startswith("sft")
+    assert trained.splitlines()[0].startswith("held-out prompts, 1 sample(s) each at top-p 0.9, temperature 0.8")
+    sft_row = lambda out: next(line for line in out.splitlines() if line.startswith("sft"))  # noqa: E731
     evaluation.main(argv + ["--reward-model", str(model), "--random-head"])
     random_head = capsys.readouterr().out
-    assert "win rate vs SFT" in random_head and random_head.splitlines()[1] != trained.splitlines()[1]
+    assert "win rate vs SFT" in random_head and sft_row(random_head) != sft_row(trained)
 
 
 def test_chat_messages_pairs_read_like_transcripts(tmp_path):
