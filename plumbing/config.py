@@ -60,7 +60,9 @@ class RunConfig:
     seed: int = arg(0, "seed of the world, every model init and every sample", "[0,2147483647]")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
-                       "runs/<preset>-loraR-seed<seed>)")
+                       "runs/<preset>-loraR-seed<seed>; a default that holds a run: the next free -2, -3, ...)")
+    overwrite: bool = arg(False, "replace the run --out holds (its checkpoints and summary are removed); without it "
+                                 "a run into a folder that holds a finished or resumable run stops")
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate", ">=1")
     heldout_every: int = arg(8, "the held-out curve: every N PPO steps (at the top of steps 0, N, 2N, ...: step 0 is "
@@ -380,7 +382,7 @@ def implied(cfg: PPOConfig, given: set[str]) -> PPOConfig:
 
 # `python train.py --help`: the flags of a first reading, by stage (`--help-all`: every flag of every dataclass above)
 FIRST_READING: dict[str, list[str]] = {
-    "run": ["preset", "seed", "steps", "out", "stages", "method", "resume", "break_at", "threads", "log_with"],
+    "run": ["preset", "seed", "steps", "out", "overwrite", "stages", "method", "resume", "break_at", "threads", "log_with"],
     "real text and real models": ["data", "model", "lora_r", "plan"],
     "1. SFT": ["sft_epochs", "sft_lr", "sft_batch"],
     "2. reward model (Eq. 1-2)": ["rm_epochs", "rm_lr", "rm_lm_coef"],

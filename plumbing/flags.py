@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import os
 from pathlib import Path
 
@@ -293,7 +294,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0] if full else
                           "RLHF with PPO-max: SFT -> reward model -> critic pre-training -> PPO (arXiv 2307.04964)",
                           epilog=None if full else "--help-all lists every flag (about 130); defaults and presets: "
-                                                   "plumbing/config.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                                   "plumbing/config.py", formatter_class=cli.DefaultsHelpFormatter)
     p.add_argument("--help-all", action=HelpAll, nargs=0, default=argparse.SUPPRESS,
                    help="every flag, by configuration, and exit")
     first = {name: title for title, names in FIRST_READING.items() for name in names}
@@ -409,7 +410,7 @@ def lora_tag(run: RunConfig) -> str:
 
 RUN_RECORD = "run_config.json"  # in the run directory: the flags and the resolved configuration of the run
 SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps",
-                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
+                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed", "overwrite"}  # what --resume may change
 
 
 def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfig, toy_world.WorldConfig,
@@ -419,8 +420,9 @@ def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfi
     run = parse_configs(argv)[0]
     if run.resume:
         try:  # before anything is built: a resume with nothing intact to resume from stops now
-            if checkpoint.find_intact(run.resume, log=lambda line: None) is None:
-                fail(f"--resume {run.resume}: no intact checkpoint there")
+            refused: list[str] = []
+            if checkpoint.find_intact(run.resume, log=refused.append) is None:
+                fail(nothing_to_resume(run, refused))
         except ValueError as e:
             fail(str(e))
         argv = resumed_argv(argv, run)
@@ -429,6 +431,24 @@ def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfi
     if note and int(os.environ.get("RANK", "0")) == 0:  # once, by the process that prints
         print(note)
     return (argv, *configs)
+
+
+def nothing_to_resume(run: RunConfig, refused: list[str]) -> str:
+    """--resume's one line when no checkpoint there is intact: the newest refused one with its file and reason
+    (checkpoint.find_intact's lines), or, for a run stopped before its first PPO checkpoint, that a plain rerun of its
+    command continues from what it finished (stages 1-2 are cached: runs/_base/, or a real model's --out/sft/ ...)."""
+    if refused:
+        newest = refused[0].removeprefix("[resume] ").split("; trying")[0]
+        more = f" (and {len(refused) - 1} older)" if len(refused) > 1 else ""
+        return f"--resume {run.resume}: no intact checkpoint there; the newest is refused{more}: {newest}"
+    record = Path(run.out) / RUN_RECORD
+    try:
+        argv = json.loads(record.read_text())["argv"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"--resume {run.resume}: no checkpoint there (a run writes its first at the end of its first PPO step)"
+    out = [] if "--out" in argv else ["--out", run.out]
+    return (f"--resume {run.resume}: the run stopped before its first PPO checkpoint; what it finished (SFT, the reward "
+            f"model) is cached, and a plain rerun continues from there: python train.py {shlex.join(argv + out)}")
 
 
 def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
@@ -485,7 +505,8 @@ def resolve(argv):
 
 def write_record(out: Path, argv: list[str], *configs) -> None:
     """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
-    flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
+    flags = [a for i, a in enumerate(argv) if a not in ("--resume", "--overwrite", "--no-overwrite")
+             and (i == 0 or argv[i - 1] != "--resume")]  # --overwrite acted once, at the start
     write_json(out / RUN_RECORD, {"argv": flags, "configs": {name: dataclasses.asdict(c) for name, c in
                                                              zip(("run", "sft", "rm", "ppo", "world", "dpo"), configs)}})
 

@@ -367,6 +367,12 @@ def test_grade_names_a_missing_function_and_a_file_that_does_not_import(graded):
     assert rows["ppo_loss.policy_loss"]["status"] == "passed"  # graded with the reference entropy: not its fault
     for f in assignment.all_functions(["reward_model"]):
         assert rows[f]["status"] == "error" and "reward_model.py cannot be imported: SyntaxError" in rows[f]["message"]
+    # a function that cannot be graded has 0 of its tests passed, never "tests 100/100" for what did import
+    reference = graded["reference"]["functions"]
+    for f in assignment.all_functions(["reward_model"]) + ["ppo_loss.entropy"]:
+        assert rows[f]["passed"] == 0 and rows[f]["total"] == reference[f]["total"] > 0, (f, rows[f])
+    (row,) = assignment.class_table([graded["broken"]])
+    assert row["tests"] == sum(r["total"] for r in reference.values()) and row["tests_passed"] < row["tests"]
 
 
 def test_grade_loads_a_students_own_helper_module(graded):
