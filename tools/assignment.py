@@ -894,8 +894,8 @@ def check_worksheet(path: Path, timeout: float = 600) -> bool:
     return True
 
 
-@cli_guard
-def main(argv: list[str] | None = None) -> int:
+def parser() -> OneLineParser:
+    """The command line: make, grade, check."""
     p = OneLineParser(prog="tools/assignment.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     pm = sub.add_parser("make", help="write the hand-out folder, or a copy of the repository without the solutions")
@@ -919,7 +919,12 @@ def main(argv: list[str] | None = None) -> int:
     pw = sub.add_parser("_worker")  # internal: grade_submissions runs it
     pw.add_argument("job", type=Path)
     pw.add_argument("results", type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_guard
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.cmd == "_worker":
         return run_worker(args.job, args.results)
     if args.cmd == "check":
