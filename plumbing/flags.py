@@ -291,7 +291,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     """Every field of config.py's dataclasses as a flag (`--field-name`), with its help, allowed range and default.
     `--help` shows the flags of config.FIRST_READING grouped by stage; `--help-all` (full=True) every flag, grouped by
     configuration. PPO's parser defaults are None: its defaults come from the preset (config.py's layers)."""
-    p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0] if full else
+    p = cli.OneLineParser(prog="train.py", description=" ".join(__doc__.split("\n\n")[0].split()) if full else
                           "RLHF with PPO-max: SFT -> reward model -> critic pre-training -> PPO (arXiv 2307.04964)",
                           epilog=None if full else "--help-all lists every flag (about 130); defaults and presets: "
                                                    "plumbing/config.py", formatter_class=cli.DefaultsHelpFormatter)

@@ -226,8 +226,9 @@ def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataRepo
     held = evaluation_parts(splits, out, ("pairs_heldout",))
     out["pairs_judge"], left["pairs_judge"] = keep_out(out["pairs_judge"], held, report)
     out["pairs_train"], left["pairs_train"] = keep_out(out["pairs_train"], evaluation_parts(splits, out), report)
+    report.pairs_summary = report.summary()  # the run's closing [data] line repeats it
     print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
-          f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
+          f"{len(out['pairs_heldout'])} held-out pairs; {report.pairs_summary}")
     for name, what in PART_NAMES.items():
         if out[name] or (name == "pairs_judge" and not run.judge_frac):
             continue
@@ -390,7 +391,8 @@ def real_data(tmp: Path, run, limits: dict):
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)  # tiny_llama's ids
     records = run_records(run, tokenizer, report, splits)
     toy_world.write_dataset(records, tmp / "data")
-    write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(), "file": run.data,
+    write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(),
+                                          "pairs_summary": report.pairs_summary, "file": run.data,
                                           **{k: len(records[k]) for k in ("pairs_train", "pairs_judge",
                                                                           "pairs_heldout")}})
     write_json(tmp / "data_limits.json", limits)

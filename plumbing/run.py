@@ -636,7 +636,10 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, log: c
     print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     print(f"curves: python eval.py plot {out} --out {out / 'curves.png'}")
     if run.data and inp.base:
-        print(f"[data] {run.data}: {summary['data']['summary']}")
+        report = summary["data"]  # the pairs as the first [data] line said; with --sft-data / --prompts, all read
+        pairs = report.get("pairs_summary") or report["summary"]
+        print(f"[data] {run.data}: {pairs}" + ("" if pairs == report["summary"] else
+                                              f" (with --sft-data / --prompts: {report['summary']})"))
     return summary
 
 
