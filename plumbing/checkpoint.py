@@ -73,7 +73,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from plumbing.cli import WRITE_ERRNOS, write_failure
+from plumbing.cli import WRITE_ERRNOS, WriteFailed, write_failure
 
 CKPT_SUBDIR = "checkpoints"
 LATEST = "latest"
@@ -299,6 +299,23 @@ def checkpoint_bytes(ckpt: Path | None, models: Mapping[str, Any] = (), optimize
         sd = getattr(o, "state_dict", None)
         total += tensors(sd()) if callable(sd) else 0
     return total
+
+
+def check_room(run_dir: str | os.PathLike, models: Mapping[str, Any], optimizers: Mapping[str, Any],
+               hint: str = "") -> int:
+    """Before the first PPO step: the bytes one checkpoint will take (checkpoint_bytes, with an optimizer that has
+    no state yet counted as AdamW's two moments per trained weight), or cli.WriteFailed when the file system of
+    `run_dir` has less free, so that a run with no room stops before its steps instead of after them."""
+    needed = checkpoint_bytes(find_latest(run_dir), models, optimizers)
+    for o in dict(optimizers).values():
+        if getattr(o, "state", None) == {} or (isinstance(getattr(o, "state", None), Mapping) and not o.state):
+            needed += sum(2 * p.numel() * p.element_size() for g in getattr(o, "param_groups", [])
+                          for p in g["params"] if getattr(p, "requires_grad", False))
+    free = shutil.disk_usage(_checkpoints_dir(run_dir) if _checkpoints_dir(run_dir).is_dir() else run_dir).free
+    if free < needed:
+        raise WriteFailed(_checkpoints_dir(run_dir), "no room for a checkpoint before the first PPO step",
+                          needed=needed, full=True, hint=hint)
+    return needed
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[str, Any],

@@ -145,7 +145,11 @@ def ppo_setup(s: Setup, inp: Inputs) -> tuple["Models", data.RolloutBatches, "Lo
                                   seed=s.run.seed, rank=s.rank, world=s.world, device=s.device)
     state = new_state(s.run, s.ppo)
     s.timings = dict(inp.timings)
-    return m, batches, state, run_checkpoints(m, s.out, batches, s.run, s.rank)
+    ckpts = run_checkpoints(m, s.out, batches, s.run, s.rank)
+    if s.world == 1:  # a disk without room for one checkpoint: one line now, not after every step has run
+        checkpoint.check_room(s.out, ckpts.models, ckpts.optimizers, hint="free some space or pass another --out "
+                              "(stages 1-2 are cached: a rerun starts from them)")
+    return m, batches, state, ckpts
 
 
 def resume(s: Setup, ckpts: checkpoint.RunCheckpoints, state: "LoopState") -> int:

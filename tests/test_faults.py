@@ -471,3 +471,19 @@ def test_a_stage_result_that_cannot_be_written_keeps_the_earlier_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
     after = safetensors.torch.load_file(str(out / "model.safetensors"))
     assert torch.equal(after["lm_head.weight"], models["policy"].lm_head.weight)
+
+
+def test_no_room_for_a_checkpoint_is_said_before_the_first_ppo_step(tmp_path, monkeypatch):
+    """A disk without room for one checkpoint (the weights, and AdamW's two moments that the first step creates) is
+    one line before any PPO step, naming the folder, the bytes needed and those free."""
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.AdamW(model.parameters())
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert checkpoint.check_room(tmp_path, {"policy": model}, {"policy": opt}) == 3 * weights  # no state yet
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=2 * weights))
+    with pytest.raises(WriteFailed) as e:
+        checkpoint.check_room(tmp_path, {"policy": model}, {"policy": opt}, hint="free some space")
+    line = str(e.value)
+    assert line.startswith(f"cannot write {tmp_path / 'checkpoints'}: no room for a checkpoint before the first PPO "
+                           f"step (about {3 * weights:,} bytes needed, ") and line.endswith("; free some space"), line
