@@ -312,7 +312,8 @@ def _train(out: Path, argv: list[str]) -> None:
     (out / "runner.json").write_text(json.dumps({"argv": argv, "code": WORKER_CODE[0] or code_version()}, indent=2))
     with open(out / "train.log", "w") as log, contextlib.chdir(ROOT), \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        train.main(argv)     # builds (or reuses) runs/_base/<seed>-<hash>, then critic pre-training + PPO
+        train.main(argv + ["--overwrite"])  # builds (or reuses) runs/_base/<seed>-<hash>, then critic + PPO;
+        # --overwrite: a run of other code, or one killed half-way, is replaced (cached() found none to reuse)
 
 
 def _lock(path: Path):

@@ -5,9 +5,11 @@ one line naming it; a model whose pickle would run code is refused in one line; 
 ignore or cannot run are refused in one line (and negative numbers are values). The end-to-end runs (a disk that
 fills during train.py, then --resume; a second run on a live run's folder, then SIGKILL and --resume) are in
 tests/test_resume.py."""
+import ast
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -487,3 +489,45 @@ def test_no_room_for_a_checkpoint_is_said_before_the_first_ppo_step(tmp_path, mo
     line = str(e.value)
     assert line.startswith(f"cannot write {tmp_path / 'checkpoints'}: no room for a checkpoint before the first PPO "
                            f"step (about {3 * weights:,} bytes needed, ") and line.endswith("; free some space"), line
+
+
+def test_a_tampered_checkpoint_is_refused_naming_its_file_and_never_the_advice_to_unpickle_it(tmp_path, capsys):
+    """An optimizer file replaced by a pickle that runs code, then a truncated one: --resume of the checkpoint, and of
+    the run, stops in one line naming the file and why ("not a weights-only file", "truncated"); the code never runs,
+    and no line passes on torch's advice to load it with weights_only set to False."""
+    models, optimizers = tiny_models()
+    save_checkpoint(tmp_path, 1, models=models, optimizers=optimizers)
+    step = tmp_path / "checkpoints" / "step-000001"
+    marker = tmp_path / "PWNED"
+    torch.save({"state": {}, "x": Evil(marker)}, step / "optimizer-policy.pt")
+    complete = json.loads((step / checkpoint.COMPLETE).read_text())
+    complete["files"]["optimizer-policy.pt"] = (step / "optimizer-policy.pt").stat().st_size  # a careful tamperer
+    (step / checkpoint.COMPLETE).write_text(json.dumps(complete))
+    lines = []
+    for target in (step, tmp_path):
+        with pytest.raises(SystemExit) as e:
+            plumbing.flags.configure(["--resume", str(target)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert "optimizer-policy.pt: not a weights-only file (" in err[0] and "never loaded" in err[0], err
+        lines += err
+    assert lines[1].startswith(f"error: --resume {tmp_path}: no intact checkpoint there; the newest is refused: ")
+    with open(step / "optimizer-policy.pt", "r+b") as fh:  # now cut short
+        fh.truncate(100)
+    with pytest.raises(SystemExit):
+        plumbing.flags.configure(["--resume", str(step)])
+    lines += capsys.readouterr().err.strip().splitlines()
+    assert "optimizer-policy.pt has 100 bytes" in lines[-1] and "truncated" in lines[-1], lines[-1]
+    assert not marker.exists()
+    assert not any(re.search(r"weights_only.{0,20}False", l) for l in lines), lines
+
+
+def test_no_message_of_the_project_advises_weights_only_false():
+    """No string the project's code prints holds torch's advice to load a file with weights_only=False."""
+    said = []
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("plumbing/*.py"), *ROOT.glob("tools/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.search(r"weights_only\W{0,4}(=|set to)\W{0,4}False", node.value):
+                said.append(f"{path.name}:{node.lineno}")
+    assert not said, said

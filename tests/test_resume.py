@@ -157,20 +157,25 @@ def test_a_damaged_run_record_is_one_line_naming_it(tmp_path, content, capsys):
     assert e.value.code == 2 and len(err) == 1 and "run_config.json: damaged run record" in err[0], err
 
 
-def test_a_new_run_replaces_a_finished_run_and_refuses_an_unfinished_one(tmp_path, capsys):
+def test_a_new_run_refuses_a_folder_that_holds_a_run_unless_told_to_overwrite(tmp_path, capsys):
     """Without --resume, an earlier run's checkpoints in --out would be continued by a later --resume as if they
-    were this run's (steps 0, 1 and then 3 of the other run): a finished run's are removed, an unfinished run (whose
-    work --resume could still continue) stops the new one with one line."""
+    were this run's: a folder that holds an unfinished or a finished run stops the new one with one line naming the
+    folder and the ways on; --overwrite removes that run's checkpoints and summary."""
     (tmp_path / "checkpoints" / "step-000003").mkdir(parents=True)
     run = plumbing.config.RunConfig(out=str(tmp_path))
     with pytest.raises(SystemExit) as e:
         plumbing.run.replace_earlier_run(run, tmp_path, rank=0)
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "unfinished run (newest checkpoint step-000003)" in err[0], err
+    assert e.value.code == 2 and len(err) == 1 and err[0] == (
+        f"error: --out {tmp_path} holds an unfinished run (newest checkpoint step-000003): --resume {tmp_path} "
+        f"continues it, --out NEW starts this run in another folder, --overwrite replaces it"), err
     assert (tmp_path / "checkpoints" / "step-000003").is_dir()  # nothing lost
     plumbing.run.replace_earlier_run(plumbing.config.RunConfig(out=str(tmp_path), resume=str(tmp_path)), tmp_path, rank=0)  # resume
     (tmp_path / "summary.json").write_text("{}")
-    plumbing.run.replace_earlier_run(run, tmp_path, rank=0)
+    with pytest.raises(SystemExit) as e:
+        plumbing.run.replace_earlier_run(run, tmp_path, rank=0)
+    assert e.value.code == 2 and "holds a finished run (summary.json)" in capsys.readouterr().err
+    plumbing.run.replace_earlier_run(plumbing.config.RunConfig(out=str(tmp_path), overwrite=True), tmp_path, rank=0)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "summary.json").exists()
     assert "replaces it" in capsys.readouterr().out
 
