@@ -445,7 +445,8 @@ def nothing_to_resume(run: RunConfig, refused: list[str]) -> str:
     try:
         argv = json.loads(record.read_text())["argv"]
     except (OSError, ValueError, KeyError, TypeError):
-        return f"--resume {run.resume}: no checkpoint there (a run writes its first at the end of its first PPO step)"
+        return (f"--resume {run.resume}: no intact checkpoint there (a run writes its first at the end of its first "
+                f"PPO step)")
     out = [] if "--out" in argv else ["--out", run.out]
     return (f"--resume {run.resume}: the run stopped before its first PPO checkpoint; what it finished (SFT, the reward "
             f"model) is cached, and a plain rerun continues from there: python train.py {shlex.join(argv + out)}")
