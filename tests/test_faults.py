@@ -531,3 +531,17 @@ def test_no_message_of_the_project_advises_weights_only_false():
                     re.search(r"weights_only\W{0,4}(=|set to)\W{0,4}False", node.value):
                 said.append(f"{path.name}:{node.lineno}")
     assert not said, said
+
+
+def test_help_shows_no_empty_default_and_a_tools_help_is_whole_sentences(capsys):
+    """`train.py --help` never shows `(default: )` or `(default: None)` (--out's default is said in its help), and
+    `tools/tiny_model.py --help` describes itself in whole sentences, not a first line cut mid-sentence."""
+    with pytest.raises(SystemExit):
+        plumbing.flags.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: )" not in text and "(default: None)" not in text and "--overwrite" in text
+    import tiny_model
+    with pytest.raises(SystemExit):
+        tiny_model.main(["--help"])
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert description.endswith("can run on a CPU with nothing downloaded."), description

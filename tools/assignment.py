@@ -432,8 +432,12 @@ def _set(obj, dotted: str, value) -> None:
         setattr(obj, last, value)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's colour codes (IPython colours its tracebacks)
+
+
 def first_line(text: str, limit: int = 240) -> str:
-    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+    """The first non-blank line of `text`, without colour codes, at most `limit` characters."""
+    line = next((l.strip() for l in ANSI.sub("", str(text)).splitlines() if l.strip()), "")
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
@@ -861,9 +865,6 @@ def grade_class(folder: Path, csv_path: Path | None, modules: list[str] | None =
     write_csv(table, csv_path)
     print(f"wrote {csv_path}")
     return all(r["functions_passed"] == r["functions"] for r in table)
-
-
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's colour codes (IPython colours its tracebacks)
 
 
 def check_worksheet(path: Path, timeout: float = 600) -> bool:
