@@ -88,12 +88,22 @@ def out_dir(name: str, seed: int) -> Path:
     return ROOT / "runs" / (f"{name}-seed{seed}" if FULL else f"small/{name}-seed{seed}")
 
 
+def small_flags(flags: list[str]) -> list[str]:
+    """SMALL_FLAGS for a variant: without --critic-pretrain-steps where the variant has no critic (a critic-free
+    --advantage, given or by its preset), which train.py refuses as it refuses every critic flag there."""
+    from plumbing import flags as train_flags
+    if train_flags.parse_configs(list(flags))[3].advantage == "gae":
+        return list(SMALL_FLAGS)
+    i = SMALL_FLAGS.index("--critic-pretrain-steps")
+    return SMALL_FLAGS[:i] + SMALL_FLAGS[i + 2:]
+
+
 def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) -> list[str]:
     flags = [str(f) for f in flags]
     if FULL:
         argv = flags + (["--steps", str(steps)] if steps else [])
     else:
-        argv = SMALL_FLAGS + flags + ["--steps", str(SMALL_STEPS)]
+        argv = small_flags(flags) + flags + ["--steps", str(SMALL_STEPS)]
     return argv + ["--seed", str(seed), "--out", str(out_dir(name, seed)), "--threads", "1"]
 
 

@@ -23,7 +23,8 @@ Flags a run ignores. A flag given on the command line that the run would not rea
     --on-collapse, --alarm-*, --log-with, --critic-model); --resume.
   * --dpo-beta, --dpo-lr, --dpo-eval-every without --method dpo; --bon-n without --method best-of-n.
   * a critic-free --advantage: the critic's flags (--critic-lr, --critic-init, --value-clip, --vf-coef, --lam,
-    --lam-critic, --lam-adaptive, --critic-pretrain-target, --critic-model, --stages ending in critic).
+    --lam-critic, --lam-adaptive, --critic-pretrain-target, --critic-pretrain-steps but 0, --critic-model, --stages
+    ending in critic).
   * a setting that acts only through another that is off: --kl-target without η (--kl-coef 0), --kl-horizon without
     --kl-target, --entropy-clip without --entropy-coef, --adv-clip without --adv-norm, --reward-clip without
     --reward-norm (0 = off is always accepted), --ptx-data without --ptx-coef, --heldout-samples with
@@ -35,8 +36,9 @@ Flags a run ignores. A flag given on the command line that the run would not rea
     --judge-frac) in the synthetic world; --rebuild-base with --resume (a resume continues on the stages it trained).
 The documented exception is a method's budget (plumbing/flags.py BUDGET: --steps, --rollout-batch, --minibatch,
 --critic-pretrain-steps, and an explicit --preset ppo-max; DPO_BUDGET: --dpo-epochs, --dpo-batch): one budget is
-passed to every method and estimator alike (notebooks/runs.py's small budget, the tests' TINY lists), so where it is
-unused it is accepted and said once, in a line `[flags] … not used`. The loop also needs --minibatch to divide
+passed to every method alike (notebooks/runs.py's small budget, the tests' TINY lists), so where a method without
+PPO leaves it unused it is accepted and said once, in a line `[flags] … not used`. Inside PPO the rule holds without
+exception: a critic-free --advantage refuses --critic-pretrain-steps (but 0) as it refuses every critic flag. The loop also needs --minibatch to divide
 --rollout-batch (equal minibatches; they are drawn shuffled, so a group of G responses is never kept within one
 minibatch and needs no alignment there) and --break-at inside the run (0 … --steps − 1, or -1).
 

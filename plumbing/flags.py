@@ -237,8 +237,9 @@ def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, 
              f"(e.g. 16) or drop it")
     if run.method != "ppo":
         return
-    if cfg.advantage != "gae":
-        critic = [n for n in CRITIC if n in given]
+    if cfg.advantage != "gae":  # the critic's flags, and its pre-training unless 0 (off is always accepted)
+        critic = [n for n in CRITIC if n in given] + (["critic_pretrain_steps"] if "critic_pretrain_steps" in given
+                                                      and cfg.critic_pretrain_steps else [])
         if critic:
             fail(f"{', '.join(flag(n) for n in critic)} with --advantage {cfg.advantage}: "
                  f"{'it sets' if len(critic) == 1 else 'they set'} the critic, and --advantage {cfg.advantage} has "
@@ -260,16 +261,14 @@ def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, 
 
 
 def ignored_budget(run: RunConfig, cfg: PPOConfig, given: set[str], dpo_cfg: DPOConfig | None = None) -> str | None:
-    """One line on the budget flags given that this run does not use (PPO's with a method without PPO, or an
-    estimator without a critic; DPO's without --method dpo), or None: they are accepted, so that one budget can be
-    passed to every method (notebooks/runs.py, the tests' TINY lists)."""
+    """One line on the budget flags given that this run does not use (PPO's with a method without PPO; DPO's without
+    --method dpo), or None: they are accepted, so that one budget can be passed to every method (notebooks/runs.py,
+    the tests' TINY lists). Critic pre-training with a critic-free --advantage is a critic flag instead, refused
+    (validate_combinations) unless 0."""
     unused, why = [], []
     if run.method != "ppo" and (ppo := [n for n in BUDGET + ("preset",) if n in given]):
         unused += ppo
         why.append(f"--method {run.method} trains no PPO")
-    elif run.method == "ppo" and cfg.advantage != "gae" and "critic_pretrain_steps" in given:
-        unused.append("critic_pretrain_steps")
-        why.append(f"--advantage {cfg.advantage} has no critic")
     if run.method != "dpo" and (dpo := [n for n in DPO_BUDGET if n in given]):
         unused += dpo
         why.append(f"--method {run.method} trains no DPO")

@@ -390,6 +390,9 @@ def test_a_model_whose_pickle_would_run_code_is_one_line(tmp_path, capsys):
     (["--rollout-correction-cap", "3"], "--rollout-correction-cap 3.0: acts only with --rollout-correction"),
     (["--advantage", "rloo", "--group-size", "2", "--critic-pretrain-target", "returns"],
      "--critic-pretrain-target with --advantage rloo"),
+    (["--advantage", "grpo", "--group-size", "4", "--critic-pretrain-steps", "5"],
+     "--critic-pretrain-steps with --advantage grpo: it sets the critic, and --advantage grpo has none; drop it"),
+    (["--preset", "dapo", "--critic-pretrain-steps", "5"], "--critic-pretrain-steps with --advantage grpo"),
     (["--lora-dropout", "0.1"], "--lora-dropout: sets LoRA's adapters"),
     (["--skip-bad"], "--skip-bad: reads --data"),
     (["--vocab-size", "500"], "--vocab-size: reads --data"),
@@ -417,16 +420,15 @@ def test_resume_with_rebuild_base_is_one_line(tmp_path, capsys):
      "not used"),
     (["--method", "best-of-n", "--preset", "ppo-max"], "[flags] --method best-of-n trains no PPO: --preset ppo-max "
                                                        "not used"),
-    (["--advantage", "grpo", "--group-size", "4", "--critic-pretrain-steps", "2"],
-     "[flags] --advantage grpo has no critic: --critic-pretrain-steps 2 not used"),
+    (["--advantage", "grpo", "--group-size", "4", "--critic-pretrain-steps", "0"], None),  # 0 = off: accepted
     (["--method", "best-of-n", "--bon-n", "4", "--dpo-epochs", "1"],
      "[flags] --method best-of-n trains no DPO: --dpo-epochs 1.0 not used"),
     (["--no-reward-norm", "--reward-clip", "0", "--method", "ppo"], None),
     (["--method", "dpo", "--max-new-tokens", "8", "--policy-init", "pretrained"], None),
 ])
 def test_a_budget_is_accepted_and_said_once_where_unused(argv, note):
-    """One budget for every method and estimator (notebooks/runs.py's small budget, the tests' TINY lists): where a
-    run does not use it, it is accepted and said in one line; 0 = off is always accepted."""
+    """One budget for every method (notebooks/runs.py's small budget, the tests' TINY lists): where a method without
+    PPO does not use it, it is accepted and said in one line; 0 = off is always accepted."""
     run, _, _, cfg, _, dpo_cfg = plumbing.flags.parse_configs(argv)
     assert plumbing.flags.ignored_budget(run, cfg, plumbing.flags.given_flags(argv), dpo_cfg) == note
 
