@@ -38,9 +38,10 @@ The documented exception is a method's budget (plumbing/flags.py BUDGET: --steps
 --critic-pretrain-steps, and an explicit --preset ppo-max; DPO_BUDGET: --dpo-epochs, --dpo-batch): one budget is
 passed to every method alike (notebooks/runs.py's small budget, the tests' TINY lists), so where a method without
 PPO leaves it unused it is accepted and said once, in a line `[flags] … not used`. Inside PPO the rule holds without
-exception: a critic-free --advantage refuses --critic-pretrain-steps (but 0) as it refuses every critic flag. The loop also needs --minibatch to divide
---rollout-batch (equal minibatches; they are drawn shuffled, so a group of G responses is never kept within one
-minibatch and needs no alignment there) and --break-at inside the run (0 … --steps − 1, or -1).
+exception: a critic-free --advantage refuses --critic-pretrain-steps (but 0) as it refuses every critic flag.
+The loop also needs --minibatch to divide --rollout-batch (equal minibatches; they are drawn shuffled, so a group of
+G responses is never kept within one minibatch and needs no alignment there) and --break-at inside the run (0 …
+--steps − 1, or -1).
 
 Symbols: B rollout batch, G group size, T response length cap, η KL coefficient (Eq. 19), δ reward clip (Eq. 18),
 ε PPO clip (Eq. 15), γ discount, λ GAE (Eq. 9), λ_ptx (Eq. 17), β_rm (Eq. 2), β of DPO (Rafailov et al., Eq. 7).

@@ -677,7 +677,8 @@ def _parse_pair(obj: dict, path, line_no: int) -> PreferencePair:
     for name in ("chosen", "rejected"):
         if name not in obj:
             kind = row_format(obj)
-            elsewhere = ("; a file of PPO prompts goes to --prompts (beside --data PAIRS)" if kind.endswith("prompt-only")
+            elsewhere = ("; a file of PPO prompts goes to --prompts (beside --data PAIRS)"
+                         if kind.endswith("prompt-only")
                          else "; a file of demonstrations goes to --sft-data (beside --data PAIRS)"
                          if kind.endswith(("prompt-completion", "prompt-response", "language modeling", "chosen}"))
                          else "")

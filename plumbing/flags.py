@@ -409,7 +409,8 @@ def lora_tag(run: RunConfig) -> str:
 
 RUN_RECORD = "run_config.json"  # in the run directory: the flags and the resolved configuration of the run
 SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps",
-                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed", "overwrite"}  # what --resume may change
+                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed",
+                  "overwrite"}  # what --resume may change
 
 
 def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfig, toy_world.WorldConfig,
@@ -447,8 +448,9 @@ def nothing_to_resume(run: RunConfig, refused: list[str]) -> str:
         return (f"--resume {run.resume}: no intact checkpoint there (a run writes its first at the end of its first "
                 f"PPO step)")
     out = [] if "--out" in argv else ["--out", run.out]
-    return (f"--resume {run.resume}: the run stopped before its first PPO checkpoint; what it finished (SFT, the reward "
-            f"model) is cached, and a plain rerun continues from there: python train.py {shlex.join(argv + out)}")
+    return (f"--resume {run.resume}: the run stopped before its first PPO checkpoint; what it finished (SFT, the "
+            f"reward model) is cached, and a plain rerun continues from there: python train.py "
+            f"{shlex.join(argv + out)}")
 
 
 def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
