@@ -283,6 +283,14 @@ def left_out(dropped: Counter) -> str:
         f" ({', '.join(f'{k} {n}' for k, n in sorted(dropped.items()))})" if dropped else "")
 
 
+def closing_data_line(path: str, report: dict) -> str:
+    """The run's last [data] line, from the base's data_report.json: --data's pairs as the first [data] line counted
+    them (kept, skipped, truncated, dropped), and, when --sft-data or --prompts added to the counts, all of it."""
+    pairs = report.get("pairs_summary") or report["summary"]
+    return f"[data] {path}: {pairs}" + ("" if pairs == report["summary"] else
+                                       f" (with --sft-data / --prompts: {report['summary']})")
+
+
 def run_records(run, tokenizer, report: data.DataReport | None = None, splits: dict | None = None) -> dict:
     """Every record the run's stages read, from ONE split of --data (split_pairs), each stage taking its part by name
     and every text cut by the one rule (data.fit_example):

@@ -44,7 +44,7 @@ from plumbing.monitor import LoopPlumbing, LoopState
 from plumbing.cli import fail
 from plumbing.config import DPOConfig, PPOConfig, RunConfig
 from plumbing.pipeline import (Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
-                               real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
+                               closing_data_line, real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
                                stop_after_stages, use_bf16, write_json, write_stage_records)
 from reward_model import ScalarHeadModel
 
@@ -640,10 +640,7 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, log: c
     print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     print(f"curves: python eval.py plot {out} --out {out / 'curves.png'}")
     if run.data and inp.base:
-        report = summary["data"]  # the pairs as the first [data] line said; with --sft-data / --prompts, all read
-        pairs = report.get("pairs_summary") or report["summary"]
-        print(f"[data] {run.data}: {pairs}" + ("" if pairs == report["summary"] else
-                                              f" (with --sft-data / --prompts: {report['summary']})"))
+        print(closing_data_line(run.data, summary["data"]))
     return summary
 
 

@@ -596,3 +596,14 @@ def test_a_cut_prompt_names_the_first_and_the_longest_where_they_are(tmp_path):
     assert report.truncated == 2
     assert "truncated 2 prompts (first at a.jsonl:2; the longest, " in report.summary()
     assert f"the longest, {len(longer)} tokens, at a.jsonl:7)" in report.summary(), report.summary()
+
+
+def test_the_closing_data_line_counts_the_pairs_as_the_first_line_did():
+    """The run's last [data] line repeats the pairs' counts of its first one; what --sft-data or --prompts dropped
+    later is said beside them, not folded into --data's own count."""
+    from plumbing.pipeline import closing_data_line
+    first = "kept 10; skipped 0; truncated 0 prompts; dropped 0"
+    later = "kept 10; skipped 0; truncated 0 prompts; dropped 88: response_too_long 88 (first at sft.jsonl:3)"
+    assert closing_data_line("pairs.jsonl", {"summary": first, "pairs_summary": first}) == f"[data] pairs.jsonl: {first}"
+    line = closing_data_line("pairs.jsonl", {"summary": later, "pairs_summary": first})
+    assert line == f"[data] pairs.jsonl: {first} (with --sft-data / --prompts: {later})"
