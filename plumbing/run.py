@@ -44,8 +44,8 @@ from plumbing.monitor import LoopPlumbing, LoopState
 from plumbing.cli import fail
 from plumbing.config import DPOConfig, PPOConfig, RunConfig
 from plumbing.pipeline import (Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
-                               closing_data_line, real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
-                               stop_after_stages, use_bf16, write_json, write_stage_records)
+                               real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
+                               stop_after_stages, use_bf16, write_json, write_stage_records, closing_data_line)
 from reward_model import ScalarHeadModel
 
 
@@ -83,8 +83,9 @@ class Setup:
 
 def start(argv: list[str]) -> Setup:
     """Every flag and combination checked (plumbing/flags.py), real models resolved and read, the data files read
-    once, --out made, probed and held (one run per folder: hold_out_dir), the processes started, an earlier finished
-    run in --out replaced, the run's record written and its start-up line printed: all before any stage trains."""
+    once, --out made, probed and held (one run per folder: hold_out_dir), the processes started, a run that --out
+    holds refused (replaced with --overwrite; the default --out moves to the next free folder), the run's record
+    written and its start-up line printed: all before any stage trains."""
     command = list(argv)
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = flags.configure(argv)  # with --resume: the recorded flags
     run = free_default_out(run, argv)  # the default --out holds a run: the next free one
@@ -648,6 +649,7 @@ def other_method(s: Setup, inp: Inputs) -> dict | None:
     """--method dpo (dpo.train_dpo on the reward model's own pairs, from the SFT model) or best-of-n (no training),
     then the held-out evaluation PPO gets: the same judge, prompts, sampling and summary.json layout."""
     run, cfg, dpo_cfg, dirs, rank, world, device = s.run, s.ppo, s.dpo, s.dirs, s.rank, s.world, s.device
+    cli.interrupt_note(during=f"--method {run.method}")  # what is kept, and the rerun, as stages 1-2 left them
     checkpoint.seed_everything(run.seed + rank)
     out, timings, bf16 = Path(run.out), dict(inp.timings), use_bf16(run, device)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}
