@@ -171,12 +171,22 @@ def out_dir(name: str, seed: int) -> Path:
     return ROOT / "runs" / (f"{name}-seed{seed}" if FULL else f"small/{name}-seed{seed}")
 
 
+def small_flags(flags: list[str]) -> list[str]:
+    """SMALL_FLAGS for a variant: without --critic-pretrain-steps where the variant has no critic (a critic-free
+    --advantage, given or by its preset), which train.py refuses as it refuses every critic flag there."""
+    from plumbing import flags as train_flags
+    if train_flags.parse_configs(list(flags))[3].advantage == "gae":
+        return list(SMALL_FLAGS)
+    i = SMALL_FLAGS.index("--critic-pretrain-steps")
+    return SMALL_FLAGS[:i] + SMALL_FLAGS[i + 2:]
+
+
 def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) -> list[str]:
     flags = [str(f) for f in flags]
     if FULL:
         argv = flags + (["--steps", str(steps)] if steps else [])
     else:
-        argv = SMALL_FLAGS + flags + ["--steps", str(SMALL_STEPS)]
+        argv = small_flags(flags) + flags + ["--steps", str(SMALL_STEPS)]
     return argv + ["--seed", str(seed), "--out", str(out_dir(name, seed)), "--threads", "1"]
 
 
@@ -397,7 +407,8 @@ def _train(out: Path, argv: list[str]) -> None:
     (out / "runner.json").write_text(json.dumps({"argv": argv, "code": WORKER_CODE[0] or code_version()}, indent=2))
     with open(out / "train.log", "w") as log, contextlib.chdir(ROOT), \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        train.main(argv)     # builds (or reuses) runs/_base/<seed>-<hash>, then critic pre-training + PPO
+        train.main(argv + ["--overwrite"])  # builds (or reuses) runs/_base/<seed>-<hash>, then critic + PPO;
+        # --overwrite: a run of other code, or one killed half-way, is replaced (cached() found none to reuse)
 
 
 def _lock(path: Path):

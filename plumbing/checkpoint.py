@@ -73,7 +73,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from plumbing.cli import WRITE_ERRNOS, write_failure
+from plumbing.cli import WRITE_ERRNOS, WriteFailed, write_failure
 
 CKPT_SUBDIR = "checkpoints"
 LATEST = "latest"
@@ -301,6 +301,23 @@ def checkpoint_bytes(ckpt: Path | None, models: Mapping[str, Any] = (), optimize
     return total
 
 
+def check_room(run_dir: str | os.PathLike, models: Mapping[str, Any], optimizers: Mapping[str, Any],
+               hint: str = "") -> int:
+    """Before the first PPO step: the bytes one checkpoint will take (checkpoint_bytes, with an optimizer that has
+    no state yet counted as AdamW's two moments per trained weight), or cli.WriteFailed when the file system of
+    `run_dir` has less free, so that a run with no room stops before its steps instead of after them."""
+    needed = checkpoint_bytes(find_latest(run_dir), models, optimizers)
+    for o in dict(optimizers).values():
+        if getattr(o, "state", None) == {} or (isinstance(getattr(o, "state", None), Mapping) and not o.state):
+            needed += sum(2 * p.numel() * p.element_size() for g in getattr(o, "param_groups", [])
+                          for p in g["params"] if getattr(p, "requires_grad", False))
+    free = shutil.disk_usage(_checkpoints_dir(run_dir) if _checkpoints_dir(run_dir).is_dir() else run_dir).free
+    if free < needed:
+        raise WriteFailed(_checkpoints_dir(run_dir), "no room for a checkpoint before the first PPO step",
+                          needed=needed, full=True, hint=hint)
+    return needed
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[str, Any],
                     optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
                     schedulers: Mapping[str, Any] | None = None, rngs: Mapping[str, Any] | None = None,
@@ -377,6 +394,17 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, models: Mapping[st
 # ======================================================================================================
 # Find and load
 # ======================================================================================================
+def held_run(out: str | os.PathLike) -> str | None:
+    """What run the folder `out` holds, in words, or None: "a finished run (summary.json)" when its summary is
+    written, "an unfinished run (newest checkpoint step-000003)" when it has PPO checkpoints but no summary. A run
+    stopped before its first PPO checkpoint holds nothing of its own (stages 1-2 are in the cached base): None."""
+    out = Path(out)
+    if (out / "summary.json").is_file():
+        return "a finished run (summary.json)"
+    steps = sorted(p.name for p in (out / CKPT_SUBDIR).glob("step-*")) if (out / CKPT_SUBDIR).is_dir() else []
+    return f"an unfinished run (newest checkpoint {steps[-1]})" if steps else None
+
+
 def _is_complete(d: Path) -> bool:
     return d.is_dir() and (d / COMPLETE).is_file() and ".tmp-" not in d.name and ".old-" not in d.name
 
@@ -416,16 +444,31 @@ def damage(d: Path) -> str | None:
             return f"{name} is missing"
         if p.stat().st_size != size:
             return f"{name} has {p.stat().st_size} bytes, {size} when it was written (truncated or overwritten)"
+    p = d / STATE
     try:
-        json.loads((d / STATE).read_text())
-        for p in d.rglob("*.safetensors"):
+        json.loads(p.read_text())
+        for p in sorted(d.rglob("*.safetensors")):
             with safetensors.safe_open(str(p), framework="pt") as f:
                 f.keys()
-        for p in d.rglob("*.pt"):
+        for p in sorted(d.rglob("*.pt")):
             torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001  (any unreadable file is damage, whatever the library raises)
-        return f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return f"{p.relative_to(d)}: {refusal(p, e)}"
     return None
+
+
+def refusal(path: Path, e: Exception) -> str:
+    """Why a checkpoint file was not loaded, in a few words of our own: "not a weights-only file (…)" for a pickle
+    that names globals beyond tensors and plain containers (never torch's advice to load it with weights_only off,
+    which would run that pickle's code), else "unreadable (the error's first line)"."""
+    import pickle
+    if isinstance(e, pickle.UnpicklingError):
+        lines = [l.strip() for l in str(e).splitlines() if "GLOBAL" in l]
+        return f"not a weights-only file ({lines[0] if lines else 'its pickle names code to run'}; never loaded)"
+    first = next((l.strip() for l in str(e).splitlines() if l.strip()), "")
+    if "weights_only" in first:
+        first = "not a file torch.load reads as data alone"
+    return f"unreadable ({type(e).__name__}: {first})"
 
 
 def unreadable(d: Path) -> str | None:

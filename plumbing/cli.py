@@ -13,7 +13,9 @@ Implements (no equation; nothing here is part of the algorithm, and no equation 
                                     torch.save's own errors), else None
     OneLineParser                 → argparse whose own errors are such lines, and whose values may be negative numbers
                                     in any notation (--policy-lr -1e-5)
-    cli_guard(main)               → an entry point whose UserError / FileNotFoundError / WriteFailed become such lines
+    cli_guard(main)               → an entry point whose UserError / FileNotFoundError / WriteFailed become such lines,
+                                    and whose Ctrl-C or SIGTERM ends in one: what it stopped, what is kept, the command
+                                    that continues (interrupt_note)
 
 Exit statuses of train.py and the other entry points: 0 done (or stopped by a signal, resumable); 1 stopped on
 non-finite values (monitor.NonFiniteGuard); 2 a mistake, found before any work; 3 a write failed during the run.
@@ -196,13 +198,58 @@ class OneLineParser(argparse.ArgumentParser):
         fail(f"{message} ({self.prog} --help lists every flag)")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each flag's default, where it has one to show: not `(default: )` or `(default: None)` (a flag
+    whose help says what leaving it unset means, or whose default comes from a preset)."""
+
+    def _get_help_string(self, action):
+        if action.default in ("", None):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# what a Ctrl-C or SIGTERM now stops: the stage, what of the run is kept, the command that continues (interrupt_note)
+INTERRUPT = {"during": "", "kept": "", "again": ""}
+_SIGNAL = {"name": ""}
+
+
+def interrupt_note(during: str | None = None, kept: str | None = None, again: str | None = None) -> None:
+    """Say what a Ctrl-C or SIGTERM from now on interrupts (`during`: the stage), what of the run is kept by then,
+    and the command that continues it; cli_guard prints them as one line. Arguments left None stay as they were."""
+    for key, value in (("during", during), ("kept", kept), ("again", again)):
+        if value is not None:
+            INTERRUPT[key] = value
+
+
+def interrupted_line() -> str:
+    """The one line a run stopped by a signal outside the PPO loop ends with (the loop has its own, monitor.py)."""
+    name, note = _SIGNAL["name"] or "SIGINT", INTERRUPT
+    line = f"[{name}] stopped" + (f" during {note['during']}" if note["during"] else "")
+    line += f"; kept: {note['kept']}" if note["kept"] else ""
+    return line + (f"; continue with: {note['again']}" if note["again"] else "")
+
+
+def _sigterm(signum, frame):
+    _SIGNAL["name"] = "SIGTERM"
+    raise KeyboardInterrupt
+
+
 def cli_guard(fn: Callable) -> Callable:
     """Wrap a CLI entry point: UserError (data.DataError among them) / FileNotFoundError → one line `error: …` on
     stderr, exit 2; WriteFailed, or any other error of a write that failed on the way (a full disk, a read-only
     folder, a quota: write_failure tells them from other errors) → one line naming the file, exit 3."""
     def wrapped(*args, **kwargs):
+        import signal
+        try:  # SIGTERM as Ctrl-C: the stage stops, and the run ends in one line (interrupted_line)
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _sigterm)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            print(interrupted_line(), file=sys.stderr)
+            raise SystemExit(0 if INTERRUPT["again"] else 130) from None
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
         except FileNotFoundError as e:

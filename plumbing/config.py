@@ -23,7 +23,8 @@ Flags a run ignores. A flag given on the command line that the run would not rea
     --on-collapse, --alarm-*, --log-with, --critic-model); --resume.
   * --dpo-beta, --dpo-lr, --dpo-eval-every without --method dpo; --bon-n without --method best-of-n.
   * a critic-free --advantage: the critic's flags (--critic-lr, --critic-init, --value-clip, --vf-coef, --lam,
-    --lam-critic, --lam-adaptive, --critic-pretrain-target, --critic-model, --stages ending in critic).
+    --lam-critic, --lam-adaptive, --critic-pretrain-target, --critic-pretrain-steps but 0, --critic-model, --stages
+    ending in critic).
   * a setting that acts only through another that is off: --kl-target without η (--kl-coef 0), --kl-horizon without
     --kl-target, --entropy-clip without --entropy-coef, --adv-clip without --adv-norm, --reward-clip without
     --reward-norm (0 = off is always accepted), --ptx-data without --ptx-coef, --heldout-samples with
@@ -35,10 +36,12 @@ Flags a run ignores. A flag given on the command line that the run would not rea
     --judge-frac) in the synthetic world; --rebuild-base with --resume (a resume continues on the stages it trained).
 The documented exception is a method's budget (plumbing/flags.py BUDGET: --steps, --rollout-batch, --minibatch,
 --critic-pretrain-steps, and an explicit --preset ppo-max; DPO_BUDGET: --dpo-epochs, --dpo-batch): one budget is
-passed to every method and estimator alike (notebooks/runs.py's small budget, the tests' TINY lists), so where it is
-unused it is accepted and said once, in a line `[flags] … not used`. The loop also needs --minibatch to divide
---rollout-batch (equal minibatches; they are drawn shuffled, so a group of G responses is never kept within one
-minibatch and needs no alignment there) and --break-at inside the run (0 … --steps − 1, or -1).
+passed to every method alike (notebooks/runs.py's small budget, the tests' TINY lists), so where a method without
+PPO leaves it unused it is accepted and said once, in a line `[flags] … not used`. Inside PPO the rule holds without
+exception: a critic-free --advantage refuses --critic-pretrain-steps (but 0) as it refuses every critic flag.
+The loop also needs --minibatch to divide --rollout-batch (equal minibatches; they are drawn shuffled, so a group of
+G responses is never kept within one minibatch and needs no alignment there) and --break-at inside the run (0 …
+--steps − 1, or -1).
 
 Symbols: B rollout batch, G group size, T response length cap, η KL coefficient (Eq. 19), δ reward clip (Eq. 18),
 ε PPO clip (Eq. 15), γ discount, λ GAE (Eq. 9), λ_ptx (Eq. 17), β_rm (Eq. 2), β of DPO (Rafailov et al., Eq. 7).
@@ -60,7 +63,9 @@ class RunConfig:
     seed: int = arg(0, "seed of the world, every model init and every sample", "[0,2147483647]")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
-                       "runs/<preset>-loraR-seed<seed>)")
+                       "runs/<preset>-loraR-seed<seed>; a default that holds a run: the next free -2, -3, ...)")
+    overwrite: bool = arg(False, "replace the run --out holds (its checkpoints and summary are removed); without it "
+                                 "a run into a folder that holds a finished or resumable run stops")
     model: str = arg("tiny", "policy/SFT model: 'tiny' (synthetic world), an alias, a hub id or a local HF directory")
     eval_samples: int = arg(4, "samples per held-out prompt for the final evaluation and win rate", ">=1")
     heldout_every: int = arg(8, "the held-out curve: every N PPO steps (at the top of steps 0, N, 2N, ...: step 0 is "
@@ -380,7 +385,7 @@ def implied(cfg: PPOConfig, given: set[str]) -> PPOConfig:
 
 # `python train.py --help`: the flags of a first reading, by stage (`--help-all`: every flag of every dataclass above)
 FIRST_READING: dict[str, list[str]] = {
-    "run": ["preset", "seed", "steps", "out", "stages", "method", "resume", "break_at", "threads", "log_with"],
+    "run": ["preset", "seed", "steps", "out", "overwrite", "stages", "method", "resume", "break_at", "threads", "log_with"],
     "real text and real models": ["data", "model", "lora_r", "plan"],
     "1. SFT": ["sft_epochs", "sft_lr", "sft_batch"],
     "2. reward model (Eq. 1-2)": ["rm_epochs", "rm_lr", "rm_lm_coef"],

@@ -134,6 +134,8 @@ class DataReport:
     dropped: Counter = field(default_factory=Counter)       # reason → examples dropped when encoding
     first: dict = field(default_factory=dict)               # reason → "file:line" where it first happened
     formats: dict = field(default_factory=dict)             # file → Counter(format (row_format) → rows kept)
+    pairs_summary: str = ""                                 # summary() once --data's pairs are encoded
+    longest_cut: tuple = (0, "")                            # (query tokens, "file:line") of the longest cut prompt
 
     def saw(self, path, fmt: str) -> None:
         self.formats.setdefault(str(path), Counter())[fmt] += 1
@@ -160,7 +162,13 @@ class DataReport:
             return ", ".join(f"{r} {n} (first at {self.first.get(r, '?')})" for r, n in sorted(c.items()))
         parts = ([self.format_summary()] if self.formats else []) + [f"kept {self.kept}"]
         parts.append(f"skipped {sum(self.skipped.values())}" + (f": {by_reason(self.skipped)}" if self.skipped else ""))
-        parts.append(f"truncated {self.truncated} prompts"
+        where = [f"first at {self.first['truncated']}"] if self.first.get("truncated") else []
+        if self.longest_cut[1] and self.longest_cut[1] != self.first.get("truncated"):
+            where.append(f"the longest, {self.longest_cut[0]} tokens, at {self.longest_cut[1]}")
+        elif self.longest_cut[1]:
+            where[-1] += f", the longest, {self.longest_cut[0]} tokens"
+        parts.append(f"truncated {self.truncated} prompts" + (f" ({'; '.join(where)})" if where and self.truncated
+                                                              else "")
                      + (f" and {self.truncated_responses} responses" if self.truncated_responses else ""))
         parts.append(f"dropped {sum(self.dropped.values())}" + (f": {by_reason(self.dropped)}" if self.dropped else ""))
         return "; ".join(parts)
@@ -231,6 +239,11 @@ def _read_jsonl(path: Path, skip_bad: bool, report: DataReport) -> Iterator[tupl
         raise DataError(path, None, None, "empty_file", "file is empty (no JSON lines)")
 
 
+def json_error(e: json.JSONDecodeError) -> str:
+    """json's error as `what at column N` (the column of its line)."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
@@ -242,7 +255,7 @@ def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(path, line_no, None, "not_json", f"line is not JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(path, line_no, None, "not_json", f"line is not JSON ({json_error(e)})") from None
     if not isinstance(obj, dict):
         raise DataError(path, line_no, None, "not_object", f"expected a JSON object {{...}}, got {_type_name(obj)}")
     if "\\ud" in text.lower():  # a \ud800-\udfff escape is half of a UTF-16 pair: json.loads joins whole pairs only
@@ -347,8 +360,13 @@ def _dataset_rows(src: Source) -> Iterator[tuple[int, dict]]:
                 json.loads(p.read_text(encoding="utf-8"))
             except (ValueError, UnicodeDecodeError) as bad:
                 where = getattr(bad, "lineno", None)
-                raise DataError(src.path, where, None, "not_json", f"not JSON ({getattr(bad, 'msg', bad)}"
-                                + (f" at column {bad.colno})" if where else ")")) from None
+                if getattr(bad, "msg", "") == "Extra data":  # JSON Lines in a .json file: its first bad line
+                    for line_no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+                        if line.strip():
+                            _parse_line(p, line_no, line.encode())
+                else:
+                    raise DataError(src.path, where, None, "not_json", "not JSON (" + (
+                        json_error(bad) if where else str(bad)) + ")") from None
         while e.__cause__ is not None or e.__context__ is not None:  # the innermost error says what went wrong
             e = e.__cause__ or e.__context__
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -658,9 +676,15 @@ def _parse_pair(obj: dict, path, line_no: int) -> PreferencePair:
     _refuse_unreadable(obj, path, line_no, pairs_or_texts=True)
     for name in ("chosen", "rejected"):
         if name not in obj:
+            kind = row_format(obj)
+            elsewhere = ("; a file of PPO prompts goes to --prompts (beside --data PAIRS)"
+                         if kind.endswith("prompt-only")
+                         else "; a file of demonstrations goes to --sft-data (beside --data PAIRS)"
+                         if kind.endswith(("prompt-completion", "prompt-response", "language modeling", "chosen}"))
+                         else "")
             raise DataError(path, line_no, name, "missing_field", f"missing: a preference row has 'chosen' and "
-                            f"'rejected' (this row reads as {row_format(obj)}; fields present: "
-                            f"{', '.join(repr(k) for k in obj) or 'none'})")
+                            f"'rejected' (this row reads as {kind}; fields present: "
+                            f"{', '.join(repr(k) for k in obj) or 'none'}){elsewhere}")
     conversational = isinstance(obj.get("chosen"), list) or isinstance(obj.get("rejected"), list)
     if conversational and isinstance(obj.get("prompt"), list):  # explicit prompt: prompt, then one answer each
         prompt = _prompt_messages(read_messages(obj["prompt"], path, line_no, "prompt", last="user"), path, line_no,
@@ -870,6 +894,10 @@ def _fit_prompt(prompt: str, tokenizer, max_prompt_tokens: int, source: str, rep
         return prompt
     if report is not None:
         report.truncated += 1
+        report.first.setdefault("truncated", source)
+        n = known.query_len(prompt, tokenizer)
+        if source and n > report.longest_cut[0]:
+            report.longest_cut = (n, source)
     if isinstance(prompt, Chat):
         cut = fit_chat(prompt, tokenizer, max_prompt_tokens)
         if cut is not None:

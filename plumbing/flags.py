@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import os
 from pathlib import Path
 
@@ -236,8 +237,9 @@ def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, 
              f"(e.g. 16) or drop it")
     if run.method != "ppo":
         return
-    if cfg.advantage != "gae":
-        critic = [n for n in CRITIC if n in given]
+    if cfg.advantage != "gae":  # the critic's flags, and its pre-training unless 0 (off is always accepted)
+        critic = [n for n in CRITIC if n in given] + (["critic_pretrain_steps"] if "critic_pretrain_steps" in given
+                                                      and cfg.critic_pretrain_steps else [])
         if critic:
             fail(f"{', '.join(flag(n) for n in critic)} with --advantage {cfg.advantage}: "
                  f"{'it sets' if len(critic) == 1 else 'they set'} the critic, and --advantage {cfg.advantage} has "
@@ -259,16 +261,14 @@ def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, 
 
 
 def ignored_budget(run: RunConfig, cfg: PPOConfig, given: set[str], dpo_cfg: DPOConfig | None = None) -> str | None:
-    """One line on the budget flags given that this run does not use (PPO's with a method without PPO, or an
-    estimator without a critic; DPO's without --method dpo), or None: they are accepted, so that one budget can be
-    passed to every method (notebooks/runs.py, the tests' TINY lists)."""
+    """One line on the budget flags given that this run does not use (PPO's with a method without PPO; DPO's without
+    --method dpo), or None: they are accepted, so that one budget can be passed to every method (notebooks/runs.py,
+    the tests' TINY lists). Critic pre-training with a critic-free --advantage is a critic flag instead, refused
+    (validate_combinations) unless 0."""
     unused, why = [], []
     if run.method != "ppo" and (ppo := [n for n in BUDGET + ("preset",) if n in given]):
         unused += ppo
         why.append(f"--method {run.method} trains no PPO")
-    elif run.method == "ppo" and cfg.advantage != "gae" and "critic_pretrain_steps" in given:
-        unused.append("critic_pretrain_steps")
-        why.append(f"--advantage {cfg.advantage} has no critic")
     if run.method != "dpo" and (dpo := [n for n in DPO_BUDGET if n in given]):
         unused += dpo
         why.append(f"--method {run.method} trains no DPO")
@@ -290,10 +290,10 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     """Every field of config.py's dataclasses as a flag (`--field-name`), with its help, allowed range and default.
     `--help` shows the flags of config.FIRST_READING grouped by stage; `--help-all` (full=True) every flag, grouped by
     configuration. PPO's parser defaults are None: its defaults come from the preset (config.py's layers)."""
-    p = cli.OneLineParser(prog="train.py", description=__doc__.split("\n")[0] if full else
+    p = cli.OneLineParser(prog="train.py", description=" ".join(__doc__.split("\n\n")[0].split()) if full else
                           "RLHF with PPO-max: SFT -> reward model -> critic pre-training -> PPO (arXiv 2307.04964)",
                           epilog=None if full else "--help-all lists every flag (about 130); defaults and presets: "
-                                                   "plumbing/config.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                                   "plumbing/config.py", formatter_class=cli.DefaultsHelpFormatter)
     p.add_argument("--help-all", action=HelpAll, nargs=0, default=argparse.SUPPRESS,
                    help="every flag, by configuration, and exit")
     first = {name: title for title, names in FIRST_READING.items() for name in names}
@@ -409,7 +409,8 @@ def lora_tag(run: RunConfig) -> str:
 
 RUN_RECORD = "run_config.json"  # in the run directory: the flags and the resolved configuration of the run
 SAFE_ON_RESUME = {"steps", "break_at", "save_every", "keep_last", "threads", "eval_samples", "max_bad_steps",
-                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed"}  # what --resume may change
+                  "on_collapse", "alarm_kl_max", "alarm_patience", "resume", "out", "deepspeed",
+                  "overwrite"}  # what --resume may change
 
 
 def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfig, toy_world.WorldConfig,
@@ -419,8 +420,9 @@ def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfi
     run = parse_configs(argv)[0]
     if run.resume:
         try:  # before anything is built: a resume with nothing intact to resume from stops now
-            if checkpoint.find_intact(run.resume, log=lambda line: None) is None:
-                fail(f"--resume {run.resume}: no intact checkpoint there")
+            refused: list[str] = []
+            if checkpoint.find_intact(run.resume, log=refused.append) is None:
+                fail(nothing_to_resume(run, refused))
         except ValueError as e:
             fail(str(e))
         argv = resumed_argv(argv, run)
@@ -429,6 +431,26 @@ def configure(argv) -> tuple[list[str], RunConfig, SFTConfig, RMConfig, PPOConfi
     if note and int(os.environ.get("RANK", "0")) == 0:  # once, by the process that prints
         print(note)
     return (argv, *configs)
+
+
+def nothing_to_resume(run: RunConfig, refused: list[str]) -> str:
+    """--resume's one line when no checkpoint there is intact: the newest refused one with its file and reason
+    (checkpoint.find_intact's lines), or, for a run stopped before its first PPO checkpoint, that a plain rerun of its
+    command continues from what it finished (stages 1-2 are cached: runs/_base/, or a real model's --out/sft/ ...)."""
+    if refused:
+        newest = refused[0].removeprefix("[resume] ").split("; trying")[0]
+        more = f" (and {len(refused) - 1} older)" if len(refused) > 1 else ""
+        return f"--resume {run.resume}: no intact checkpoint there; the newest is refused{more}: {newest}"
+    record = Path(run.out) / RUN_RECORD
+    try:
+        argv = json.loads(record.read_text())["argv"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"--resume {run.resume}: no intact checkpoint there (a run writes its first at the end of its first "
+                f"PPO step)")
+    out = [] if "--out" in argv else ["--out", run.out]
+    return (f"--resume {run.resume}: the run stopped before its first PPO checkpoint; what it finished (SFT, the "
+            f"reward model) is cached, and a plain rerun continues from there: python train.py "
+            f"{shlex.join(argv + out)}")
 
 
 def resumed_argv(argv: list[str], run: RunConfig) -> list[str]:
@@ -485,7 +507,8 @@ def resolve(argv):
 
 def write_record(out: Path, argv: list[str], *configs) -> None:
     """RUN_RECORD: the run's flags (without --resume) and every resolved configuration."""
-    flags = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
+    flags = [a for i, a in enumerate(argv) if a not in ("--resume", "--overwrite", "--no-overwrite")
+             and (i == 0 or argv[i - 1] != "--resume")]  # --overwrite acted once, at the start
     write_json(out / RUN_RECORD, {"argv": flags, "configs": {name: dataclasses.asdict(c) for name, c in
                                                              zip(("run", "sft", "rm", "ppo", "world", "dpo"), configs)}})
 

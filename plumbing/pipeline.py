@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from plumbing import lora
 
 from plumbing import scale
 import toy_world
+from plumbing import cli
 from plumbing.cli import fail
 from plumbing.config import PPOConfig, RMConfig, SFTConfig
 from plumbing.models import not_a_reward_model, reward_model_kind
@@ -103,7 +105,8 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
         timings["data" if run.data else "world"] = time.time() - t0
         if cfg is not None:
             write_stage_records(Path(run.out), stage_records(records, run, cfg))
-        rm = sft_and_reward_model(tmp, tokenizer, records, sft_cfg, rm_cfg, run.seed, timings, max_positions)
+        rm = sft_and_reward_model(tmp, tokenizer, records, sft_cfg, rm_cfg, run.seed, timings, max_positions,
+                                  sft_cache=sft_cache)
         if run.data and records["pairs_judge"]:  # the judge: the same recipe on pairs the proxy never saw
             t0 = time.time()
             train_judge(tmp / "sft", tokenizer, records, rm_cfg, run.seed, tmp / "judge_model")
@@ -123,7 +126,14 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
 
     what = ("tokenizer, SFT and reward model for this data file and config" if run.data
             else "world, SFT and reward model for this seed and config")
+    sft_cache = Path("runs/_base") / f"{name}.sft"  # stage 1 alone, kept as soon as it ends (keep_sft)
+    if rebuild:
+        shutil.rmtree(sft_cache, ignore_errors=True)
+    cli.interrupt_note(during="stages 1-2 (SFT, reward model)", kept="nothing of this run yet")
     path, built = checkpoint.build_once(Path("runs/_base") / name, build, what, rebuild=rebuild)
+    shutil.rmtree(sft_cache, ignore_errors=True)  # the base holds its sft/ now
+    cli.interrupt_note(during="stage 3 (critic pre-training) or the start of PPO",
+                       kept=f"SFT and the reward model in {path} (a rerun reuses them)")
     if not built and (problem := checkpoint.unreadable(path)):  # a cached base damaged since it was built
         fail(f"{problem}; --rebuild-base trains stages 1-2 again")
     if not built and cfg is not None:
@@ -216,8 +226,9 @@ def encode_splits(run, splits: dict[str, list], tokenizer, report: data.DataRepo
     held = evaluation_parts(splits, out, ("pairs_heldout",))
     out["pairs_judge"], left["pairs_judge"] = keep_out(out["pairs_judge"], held, report)
     out["pairs_train"], left["pairs_train"] = keep_out(out["pairs_train"], evaluation_parts(splits, out), report)
+    report.pairs_summary = report.summary()  # the run's closing [data] line repeats it
     print(f"[data] {run.data}: {len(out['pairs_train'])} train / {len(out['pairs_judge'])} judge / "
-          f"{len(out['pairs_heldout'])} held-out pairs; {report.summary()}")
+          f"{len(out['pairs_heldout'])} held-out pairs; {report.pairs_summary}")
     for name, what in PART_NAMES.items():
         if out[name] or (name == "pairs_judge" and not run.judge_frac):
             continue
@@ -270,6 +281,14 @@ def left_out(dropped: Counter) -> str:
     """keep_out's counts as a phrase of a [data] line: "3 left out (same_prompt_as_heldout 2, prefix_of_judge 1)"."""
     return f"{sum(dropped.values())} left out" + (
         f" ({', '.join(f'{k} {n}' for k, n in sorted(dropped.items()))})" if dropped else "")
+
+
+def closing_data_line(path: str, report: dict) -> str:
+    """The run's last [data] line, from the base's data_report.json: --data's pairs as the first [data] line counted
+    them (kept, skipped, truncated, dropped), and, when --sft-data or --prompts added to the counts, all of it."""
+    pairs = report.get("pairs_summary") or report["summary"]
+    return f"[data] {path}: {pairs}" + ("" if pairs == report["summary"] else
+                                       f" (with --sft-data / --prompts: {report['summary']})")
 
 
 def run_records(run, tokenizer, report: data.DataReport | None = None, splits: dict | None = None) -> dict:
@@ -380,7 +399,8 @@ def real_data(tmp: Path, run, limits: dict):
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)  # tiny_llama's ids
     records = run_records(run, tokenizer, report, splits)
     toy_world.write_dataset(records, tmp / "data")
-    write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(), "file": run.data,
+    write_json(tmp / "data_report.json", {**report.to_dict(), "summary": report.summary(),
+                                          "pairs_summary": report.pairs_summary, "file": run.data,
                                           **{k: len(records[k]) for k in ("pairs_train", "pairs_judge",
                                                                           "pairs_heldout")}})
     write_json(tmp / "data_limits.json", limits)
@@ -388,19 +408,33 @@ def real_data(tmp: Path, run, limits: dict):
 
 
 def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig, rm_cfg: RMConfig, seed: int,
-                         timings: dict, max_positions: int | None = None) -> ScalarHeadModel:
+                         timings: dict, max_positions: int | None = None,
+                         sft_cache: Path | None = None) -> ScalarHeadModel:
     """Stage 1 (tmp/sft) on records["sft"], then stage 2 (tmp/reward_model) from it with a fresh scalar head on
-    records["pairs_train"], held-out accuracy on records["pairs_heldout"]; the logs of Fig. 2 and Fig. 3."""
+    records["pairs_train"], held-out accuracy on records["pairs_heldout"]; the logs of Fig. 2 and Fig. 3. With
+    `sft_cache`, stage 1 is kept there as soon as it ends (keep_sft), and taken from there when an earlier build
+    stopped after it (Ctrl-C in the reward model): stage 2 reseeds, so it trains the same either way."""
     # 1. SFT: a from-scratch tiny LLaMA on the demonstrations
     t0 = time.time()
-    checkpoint.seed_everything(seed)
-    model = tiny_llama(len(tokenizer), sft_cfg)
-    if max_positions:
-        model.config.max_position_embeddings = max_positions  # RoPE: no table to resize
-    sft_losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg, seed,
-                           out_dir=tmp / "sft")
-    timings["sft"] = time.time() - t0
-    print(f"[1. SFT] {timings['sft']:.1f} s")
+    if sft_cache is not None and (sft_cache / checkpoint.DONE).is_file():
+        shutil.copytree(sft_cache / "sft", tmp / "sft")
+        kept = json.loads((sft_cache / "sft_log.json").read_text())
+        sft_losses, timings["sft"] = kept["loss"], kept["seconds"]
+        print(f"[1. SFT] reusing {sft_cache} (finished by an earlier run that stopped before its reward model)")
+    else:
+        cli.interrupt_note(during="stage 1 (SFT)")
+        checkpoint.seed_everything(seed)
+        model = tiny_llama(len(tokenizer), sft_cfg)
+        if max_positions:
+            model.config.max_position_embeddings = max_positions  # RoPE: no table to resize
+        sft_losses = train_sft(model, tokenizer, [(r["prompt"], r["response"]) for r in records["sft"]], sft_cfg,
+                               seed, out_dir=tmp / "sft")
+        timings["sft"] = time.time() - t0
+        print(f"[1. SFT] {timings['sft']:.1f} s")
+        if sft_cache is not None:
+            keep_sft(sft_cache, tmp / "sft", sft_losses, timings["sft"])
+    if sft_cache is not None:
+        cli.interrupt_note(during="stage 2 (reward model)", kept=f"SFT in {sft_cache} (a rerun starts from it)")
     # 2. reward model, initialised from SFT with a fresh scalar head (Eq. 2), held-out accuracy along the way (Fig. 3)
     t0 = time.time()
     backbone = tmp / "sft"
@@ -425,6 +459,18 @@ def sft_and_reward_model(tmp: Path, tokenizer, records: dict, sft_cfg: SFTConfig
     write_json(tmp / "rm_log.json", rm_log)                                                      # Fig. 3
     write_json(tmp / "rm_heldout_scores.json", {"chosen": rc.tolist(), "rejected": rr.tolist()})  # Fig. 2
     return rm
+
+
+def keep_sft(cache: Path, sft_dir: Path, losses: list[float], seconds: float) -> None:
+    """Stage 1's model and log at `cache` (written beside it, then renamed into place with its DONE), so that a run
+    stopped in stage 2 keeps its SFT; build_base removes it once the whole base is built."""
+    part = Path(str(cache) + ".tmp")
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.copytree(sft_dir, part / "sft")
+    write_json(part / "sft_log.json", {"loss": losses, "seconds": seconds})
+    (part / checkpoint.DONE).write_text("ok\n")
+    shutil.rmtree(cache, ignore_errors=True)
+    part.rename(cache)
 
 
 def reward_model_dir(sft_dir, tokenizer, pairs: list[dict], heldout: list[dict], rm_cfg: RMConfig, seed: int,

@@ -19,6 +19,7 @@ import functools
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -37,14 +38,14 @@ import dpo
 import eval as evaluation
 import ppo_max
 import toy_world
-from plumbing import checkpoint, data, engine, flags, models, lora
+from plumbing import checkpoint, cli, data, engine, flags, models, lora
 from plumbing import monitor as collapse
 from plumbing.monitor import LoopPlumbing, LoopState
 from plumbing.cli import fail
 from plumbing.config import DPOConfig, PPOConfig, RunConfig
 from plumbing.pipeline import (Inputs, check_models, fit_context, last_stage, load_lm, ppo_inputs, preference_pairs,
                                real_model_records, real_model_stages, resolve_real_models, stage_ds, stage_records,
-                               stop_after_stages, use_bf16, write_json, write_stage_records)
+                               stop_after_stages, use_bf16, write_json, write_stage_records, closing_data_line)
 from reward_model import ScalarHeadModel
 
 
@@ -82,9 +83,12 @@ class Setup:
 
 def start(argv: list[str]) -> Setup:
     """Every flag and combination checked (plumbing/flags.py), real models resolved and read, the data files read
-    once, --out made, probed and held (one run per folder: hold_out_dir), the processes started, an earlier finished
-    run in --out replaced, the run's record written and its start-up line printed: all before any stage trains."""
+    once, --out made, probed and held (one run per folder: hold_out_dir), the processes started, a run that --out
+    holds refused (replaced with --overwrite; the default --out moves to the next free folder), the run's record
+    written and its start-up line printed: all before any stage trains."""
+    command = list(argv)
     argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg = flags.configure(argv)  # with --resume: the recorded flags
+    run = free_default_out(run, argv)  # the default --out holds a run: the next free one
     dirs = resolve_real_models(run, cfg) if run.model != "tiny" else None  # fails at once, before anything loads
     if dirs:  # every id of the tokenizer must have an embedding, every text a stage builds fit every model's positions
         check_models(dirs)
@@ -99,6 +103,9 @@ def start(argv: list[str]) -> Setup:
         if rank == 0:  # --resume DIR alone continues from this record
             flags.write_record(out, argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)
     print(flags.startup_line(run, (run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg)))
+    # Ctrl-C or SIGTERM before the PPO loop: one line, what is kept, and this command, which continues from it
+    cli.interrupt_note(during="the start-up", kept="nothing of this run yet",
+                       again=f"{'deepspeed' if world > 1 else 'python'} train.py {shlex.join(command)}".rstrip())
     return Setup(argv, run, sft_cfg, rm_cfg, cfg, world_cfg, dpo_cfg, dirs, out, rank, world, device, time.time(),
                  lock=lock)
 
@@ -108,6 +115,8 @@ def stages_1_2(s: Setup) -> Inputs | None:
     --data's) cached base; then what the PPO stage reads (pipeline.ppo_inputs). None, with s.done, when --stages
     ends the run after sft or rm."""
     if s.dirs:  # one split of --data for every stage (pipeline.run_records); the tiny model's: in the cached base
+        cli.interrupt_note(during=f"stages 1-2 of {s.run.model}",
+                           kept=f"each stage finished in {s.out} (sft/, reward_model/: a rerun reuses them)")
         s.records = real_model_records(s.run, s.dirs)
         if s.rank == 0 and not keeps_earlier_run(s.run, s.out):  # records.json: what each stage reads, up front
             write_stage_records(s.out, stage_records(s.records, s.run, s.ppo))
@@ -137,7 +146,11 @@ def ppo_setup(s: Setup, inp: Inputs) -> tuple["Models", data.RolloutBatches, "Lo
                                   seed=s.run.seed, rank=s.rank, world=s.world, device=s.device)
     state = new_state(s.run, s.ppo)
     s.timings = dict(inp.timings)
-    return m, batches, state, run_checkpoints(m, s.out, batches, s.run, s.rank)
+    ckpts = run_checkpoints(m, s.out, batches, s.run, s.rank)
+    if s.world == 1:  # a disk without room for one checkpoint: one line now, not after every step has run
+        checkpoint.check_room(s.out, ckpts.models, ckpts.optimizers, hint="free some space or pass another --out "
+                              "(stages 1-2 are cached: a rerun starts from them)")
+    return m, batches, state, ckpts
 
 
 def resume(s: Setup, ckpts: checkpoint.RunCheckpoints, state: "LoopState") -> int:
@@ -166,6 +179,7 @@ def critic_stage(s: Setup, m: "Models", batches: data.RolloutBatches, state: "Lo
     if m.critic is None or "critic" not in s.run.stages.split(","):  # a critic-free --advantage has no stage 3
         return 0
     if cfg.critic_pretrain_steps:
+        cli.interrupt_note(during="stage 3 (critic pre-training)")
         t0 = time.time()
         critic_log = ppo_max.pretrain_critic(
             m.policy, m.ref, m.reward_model, m.critic, m.critic_opt, state.moments,
@@ -223,20 +237,36 @@ def keeps_earlier_run(run: RunConfig, out: Path) -> bool:
 
 
 def replace_earlier_run(run: RunConfig, out: Path, rank: int) -> None:
-    """A new run (no --resume) in a directory that holds an earlier run's checkpoints: a finished earlier run (its
-    summary.json written) is replaced, its checkpoints removed so that a later --resume can only continue this run;
-    an unfinished one is refused with one line, since --resume would continue it and starting afresh would lose it."""
-    steps = sorted((out / checkpoint.CKPT_SUBDIR).glob("step-*")) if not run.resume else []
-    if not steps:
+    """A new run (no --resume) in a directory that holds an earlier run (checkpoint.held_run: its summary or its PPO
+    checkpoints) stops with one line, exit 2, naming the folder and the ways on (--out NEW, --overwrite; --resume for
+    an unfinished one): a finished run is never replaced silently. With --overwrite its checkpoints and summary are
+    removed, so that a later --resume can only continue this run."""
+    held = None if run.resume else checkpoint.held_run(out)
+    if held is None:
         return
-    if not (out / "summary.json").is_file():
-        fail(f"--out {out} holds an unfinished run (newest checkpoint {steps[-1].name}): --resume {out} continues "
-             f"it; to start afresh delete that directory or pass another --out")
+    if not run.overwrite:
+        again = f"--resume {out} continues it, " if "unfinished" in held else ""
+        fail(f"--out {out} holds {held}: {again}--out NEW starts this run in another folder, --overwrite replaces it")
     if rank == 0:
-        print(f"[out] {out} held a finished run: this run replaces it (its checkpoints and summary are removed)")
-        shutil.rmtree(out / checkpoint.CKPT_SUBDIR)
-        (out / "summary.json").unlink()  # until this run writes its own, the directory holds no finished run
+        print(f"[out] --overwrite: {out} held {held}; this run replaces it (its checkpoints and summary are removed)")
+        shutil.rmtree(out / checkpoint.CKPT_SUBDIR, ignore_errors=True)
+        (out / "summary.json").unlink(missing_ok=True)  # until this run writes its own, it holds no finished run
     engine.barrier()
+
+
+def free_default_out(run: RunConfig, argv: list[str]) -> RunConfig:
+    """The default --out (no --out given, no --resume) when it holds a run (checkpoint.held_run): the next free
+    runs/<name>-2, -3, ..., said in one line, so that a command run twice never needs --overwrite; a --out given
+    is the user's choice, refused in replace_earlier_run when it holds a run."""
+    if run.resume or run.overwrite or last_stage(run) in ("sft", "rm") or "out" in flags.given_flags(argv) \
+            or checkpoint.held_run(run.out) is None:  # (--stages sft[,rm] leaves the run there as it is)
+        return run
+    n = 2
+    while checkpoint.held_run(f"{run.out}-{n}") is not None:
+        n += 1
+    print(f"[out] {run.out} holds {checkpoint.held_run(run.out)}: this run writes {run.out}-{n} "
+          f"(--out names the folder; --overwrite replaces that run)")
+    return dataclasses.replace(run, out=f"{run.out}-{n}")
 
 
 OUT_LOCK = ".run.lock"  # in --out: the file a live run holds locked (hold_out_dir)
@@ -450,6 +480,8 @@ def loop(s: Setup, m: "Models", state: LoopState, ckpts: checkpoint.RunCheckpoin
          start: int) -> LoopPlumbing:
     """Stage 4's plumbing (monitor.LoopPlumbing): the run's logs (metrics.jsonl, samples.jsonl, --log-with), the
     judge, the checkpoints and the held-out curve's point of a step (eval.heldout_point, --heldout-every)."""
+    cli.interrupt_note(during="stage 4 (PPO)", kept=f"stages 1-2 (cached) and the PPO checkpoints in {s.out}",
+                       again=f"{'deepspeed' if s.world > 1 else 'python'} train.py --resume {s.out}")
     log = collapse.RunLog(s.out, state.monitor, *s.logs, main_rank=s.rank == 0,
                           tracker=tracker(s.run, inp, s.out, s.rank))
     judge, proxy = s.judge, evaluation.rm_judge(m.reward_model)
@@ -514,6 +546,8 @@ def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | Non
         raise SystemExit(1)
     if not ended["stop_reason"] and (not s.run.save_every or s.run.steps % s.run.save_every):
         loop.ckpts.save(s.run.steps, loop.state.state_dict())
+    cli.interrupt_note(during="the final evaluation", kept=f"every PPO step, in {s.out / checkpoint.CKPT_SUBDIR}",
+                       again=f"{'deepspeed' if s.world > 1 else 'python'} train.py --resume {s.out}")
     s.timings["ppo"] = loop.seconds
     if loop.debugged:
         print(f"[debugger] {loop.debugged:.1f} s of PPO steps under the debugger, not counted in its time")
@@ -670,7 +704,7 @@ def write_summary(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, log: c
     print("stage seconds: " + "  ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     print(f"curves: python eval.py plot {out} --out {out / 'curves.png'}")
     if run.data and inp.base:
-        print(f"[data] {run.data}: {summary['data']['summary']}")
+        print(closing_data_line(run.data, summary["data"]))
     return summary
 
 
@@ -678,6 +712,7 @@ def other_method(s: Setup, inp: Inputs) -> dict | None:
     """--method dpo (dpo.train_dpo on the reward model's own pairs, from the SFT model) or best-of-n (no training),
     then the held-out evaluation PPO gets: the same judge, prompts, sampling and summary.json layout."""
     run, cfg, dpo_cfg, dirs, rank, world, device = s.run, s.ppo, s.dpo, s.dirs, s.rank, s.world, s.device
+    cli.interrupt_note(during=f"--method {run.method}")  # what is kept, and the rerun, as stages 1-2 left them
     checkpoint.seed_everything(run.seed + rank)
     out, timings, bf16 = Path(run.out), dict(inp.timings), use_bf16(run, device)
     head_kw = {"torch_dtype": torch.bfloat16} if bf16 else {}

@@ -235,6 +235,95 @@ def test_student_repo_holds_no_solution_line(tmp_path):
     assert proc.returncode == 1 and "NotImplementedError: exercise: implement gae.compute_gae" in proc.stdout
 
 
+def test_student_repo_holds_only_committed_files(tmp_path, monkeypatch, capsys):
+    """A teacher's tree with an untracked solution file, an ignored one and an uncommitted change: the student
+    repository has none of them (HEAD's files as committed), and one line says what was left out."""
+    teacher, course = tmp_path / "teacher", tmp_path / "course"
+    (teacher / "notebooks").mkdir(parents=True)
+    shutil.copy(ROOT / "gae.py", teacher / "gae.py")
+    shutil.copy(ROOT / assignment.NOTEBOOK, teacher / assignment.NOTEBOOK)
+    (teacher / ".gitignore").write_text("secret/\n")
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(teacher), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "the course")
+    solution = "delta = rewards[:, t] + gamma * next_values - values[:, t]"  # a line of the reference compute_gae
+    assert solution in (teacher / "gae.py").read_text()
+    for rel in ("notes/my_gae_solution.py", "secret/answers.py"):
+        (teacher / rel).parent.mkdir()
+        (teacher / rel).write_text(f"# the reference line\n{solution}\n")
+    with open(teacher / "gae.py", "a") as fh:
+        fh.write("# a change the teacher has not committed\n")
+    monkeypatch.setattr(assignment, "ROOT", teacher)
+    files = assignment.make_student_repo(course, ["gae"])
+    assert sorted(files) == [".gitignore", "gae.py", assignment.NOTEBOOK]
+    assert sorted(str(p.relative_to(course)) for p in course.rglob("*") if p.is_file()) == sorted(files)
+    handed = (course / "gae.py").read_text()
+    assert solution not in handed and "not committed" not in handed and "NotImplementedError" in handed
+    assert capsys.readouterr().out.splitlines()[-1] == ("left out: untracked notes/; uncommitted changes of gae.py "
+                                                        "(handed out as committed); ignored secret/")
+    # or exactly the files a manifest lists
+    (teacher / "course.txt").write_text("# what the course hands out\ngae.py\n")
+    assert assignment.make_student_repo(tmp_path / "course2", ["gae"], teacher / "course.txt") == ["gae.py"]
+    (teacher / "course.txt").write_text("gae.py\nnotes/none.py\n")
+    with pytest.raises(assignment.UserError, match=r"course.txt:2: notes/none.py: no such file"):
+        assignment.make_student_repo(tmp_path / "course3", ["gae"], teacher / "course.txt")
+
+
+def teaching_commands() -> list[str]:
+    """Every command of TEACHING.md's ```bash blocks, a continued line joined, its comment dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "TEACHING.md").read_text(), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [l.split("  #")[0].strip() for l in lines if l.strip() and not l.startswith("#")]
+
+
+@pytest.mark.slow
+def test_every_teaching_command_runs_as_written(tmp_path):
+    """TEACHING.md's commands, in its order, in a fresh copy of the committed repository: each runs (no usage error,
+    no missing file); the ones whose work is graded elsewhere in this file (pytest on a hand-out, grade) run on the
+    smallest case: their folders and test files exist and their flags parse. The worksheet check runs in the student
+    repository and names the first cell that fails, in one line without colour codes."""
+    commands = teaching_commands()
+    assert len(commands) >= 13 and commands[0].startswith("python tools/assignment.py check"), commands
+    clone = tmp_path / "ppo-max"
+    for rel, content in assignment.repository_files().items():
+        (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+        (clone / rel).write_bytes(content)
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a fresh clone"]):  # a clone: a git repository
+        subprocess.run(["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+    env = clean_env()
+    checks = [c for c in commands if c.startswith("python tools/assignment.py check")]  # after the student repo
+    for command in [c for c in commands if c not in checks] + checks:
+        argv = command.split()
+        impl = argv.pop(0).split("=", 1)[1] if argv[0].startswith("PPO_MAX_IMPL=") else None
+        cwd = tmp_path / "course-ppo-max" if command in checks else clone  # the worksheet: in the student repository
+        if argv[2:3] == ["grade"]:
+            if "--class" in argv:
+                shutil.copytree(clone / "handout", clone / "submissions" / "alice")
+            args = assignment.parser().parse_args(argv[2:])
+            assert (cwd / (args.klass or args.dir)).is_dir(), command
+            continue
+        if argv[1:3] == ["-m", "pytest"]:
+            assert (cwd / argv[3]).is_file() and (cwd / impl).is_dir(), command
+            continue
+        proc = subprocess.run([sys.executable, *argv[1:]], cwd=cwd, env={**env, **({"PPO_MAX_IMPL": impl} if impl
+                              else {})}, capture_output=True, text=True, timeout=600)
+        assert "usage:" not in proc.stderr and "No such file" not in proc.stderr, (command, proc.stderr)
+        if argv[1] == "handout/gae.py":  # the worked example stops at the first exercise
+            assert proc.returncode == 1 and "NotImplementedError: exercise: implement gae." in proc.stderr
+        elif argv[2] == "check":
+            assert proc.returncode == 1 and "\x1b" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+            (line,) = proc.stdout.strip().splitlines()
+            assert re.match(r"notebooks/exercises.ipynb: cell \d+ fails .*NotImplementedError: your answer here: "
+                            r"define p_prefer_w", line), line
+        else:
+            assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
+
+
 def test_student_repo_refuses_the_repository_and_a_folder_in_use(tmp_path):
     with pytest.raises(assignment.UserError, match="outside the repository"):
         assignment.make_student_repo(ROOT / "course", ["gae"])
@@ -367,6 +456,12 @@ def test_grade_names_a_missing_function_and_a_file_that_does_not_import(graded):
     assert rows["ppo_loss.policy_loss"]["status"] == "passed"  # graded with the reference entropy: not its fault
     for f in assignment.all_functions(["reward_model"]):
         assert rows[f]["status"] == "error" and "reward_model.py cannot be imported: SyntaxError" in rows[f]["message"]
+    # a function that cannot be graded has 0 of its tests passed, never "tests 100/100" for what did import
+    reference = graded["reference"]["functions"]
+    for f in assignment.all_functions(["reward_model"]) + ["ppo_loss.entropy"]:
+        assert rows[f]["passed"] == 0 and rows[f]["total"] == reference[f]["total"] > 0, (f, rows[f])
+    (row,) = assignment.class_table([graded["broken"]])
+    assert row["tests"] == sum(r["total"] for r in reference.values()) and row["tests_passed"] < row["tests"]
 
 
 def test_grade_loads_a_students_own_helper_module(graded):

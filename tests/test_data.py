@@ -565,3 +565,45 @@ def test_pad_puts_every_row_at_its_side_and_the_mask_says_which_tokens_are_real(
             assert ids[i, j].item() == (row[j - start] if real else fill)
     one, one_mask = data.pad([[3, 4]], None, side)  # nothing to pad
     assert one.tolist() == [[3, 4]] and one_mask.tolist() == [[1.0, 1.0]]
+
+
+def test_json_lines_in_a_json_file_name_the_bad_line_and_its_column(tmp_path):
+    """A .json file holding JSON Lines with a broken line: that line and the column of the error on it (not "line 2
+    column 1", where the whole file stops parsing as one JSON value)."""
+    good = {"chosen": f"{H} hi{A} yo", "rejected": f"{H} hi{A} no"}
+    path = write(tmp_path / "pairs.json", [good, '{"chosen": "ab" "rejected": "x"}'])
+    with pytest.raises(DataError, match=r"pairs.json:2: line is not JSON \(Expecting ',' delimiter at column 17\)"):
+        data.load_pairs(str(path))
+    path = write(tmp_path / "tab.jsonl", [good, '{"chosen": "a\tb", "rejected": "x"}'])
+    with pytest.raises(DataError, match=r"tab.jsonl:2: line is not JSON \(Invalid control character at column 14\)"):
+        data.load_pairs(str(path))
+
+
+@pytest.mark.parametrize("row, flag", [({"prompt": "hello there"}, "--prompts"),
+                                       ({"prompt": "hello", "completion": "hi"}, "--sft-data"),
+                                       ({"prompt": "hello", "response": "hi"}, "--sft-data")])
+def test_a_prompt_or_sft_file_given_as_pairs_says_which_flag_takes_it(tmp_path, row, flag):
+    path = write(tmp_path / "rows.jsonl", [row])
+    with pytest.raises(DataError, match=f"goes to {flag} \\(beside --data PAIRS\\)$"):
+        data.load_pairs(str(path))
+
+
+def test_a_cut_prompt_names_the_first_and_the_longest_where_they_are(tmp_path):
+    report = DataReport()
+    long, longer = f"{H} {'word ' * 20}{A}", f"{H} {'word ' * 2000}{A}"
+    for text, where in ((f"{H} short{A}", "a.jsonl:1"), (long, "a.jsonl:2"), (longer, "a.jsonl:7")):
+        data.fit_prompt(text, CharTok(), 40, source=where, report=report)
+    assert report.truncated == 2
+    assert "truncated 2 prompts (first at a.jsonl:2; the longest, " in report.summary()
+    assert f"the longest, {len(longer)} tokens, at a.jsonl:7)" in report.summary(), report.summary()
+
+
+def test_the_closing_data_line_counts_the_pairs_as_the_first_line_did():
+    """The run's last [data] line repeats the pairs' counts of its first one; what --sft-data or --prompts dropped
+    later is said beside them, not folded into --data's own count."""
+    from plumbing.pipeline import closing_data_line
+    first = "kept 10; skipped 0; truncated 0 prompts; dropped 0"
+    later = "kept 10; skipped 0; truncated 0 prompts; dropped 88: response_too_long 88 (first at sft.jsonl:3)"
+    assert closing_data_line("pairs.jsonl", {"summary": first, "pairs_summary": first}) == f"[data] pairs.jsonl: {first}"
+    line = closing_data_line("pairs.jsonl", {"summary": later, "pairs_summary": first})
+    assert line == f"[data] pairs.jsonl: {first} (with --sft-data / --prompts: {later})"

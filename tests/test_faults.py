@@ -5,9 +5,11 @@ one line naming it; a model whose pickle would run code is refused in one line; 
 ignore or cannot run are refused in one line (and negative numbers are values). The end-to-end runs (a disk that
 fills during train.py, then --resume; a second run on a live run's folder, then SIGKILL and --resume) are in
 tests/test_resume.py."""
+import ast
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -388,6 +390,9 @@ def test_a_model_whose_pickle_would_run_code_is_one_line(tmp_path, capsys):
     (["--rollout-correction-cap", "3"], "--rollout-correction-cap 3.0: acts only with --rollout-correction"),
     (["--advantage", "rloo", "--group-size", "2", "--critic-pretrain-target", "returns"],
      "--critic-pretrain-target with --advantage rloo"),
+    (["--advantage", "grpo", "--group-size", "4", "--critic-pretrain-steps", "5"],
+     "--critic-pretrain-steps with --advantage grpo: it sets the critic, and --advantage grpo has none; drop it"),
+    (["--preset", "dapo", "--critic-pretrain-steps", "5"], "--critic-pretrain-steps with --advantage grpo"),
     (["--lora-dropout", "0.1"], "--lora-dropout: sets LoRA's adapters"),
     (["--skip-bad"], "--skip-bad: reads --data"),
     (["--vocab-size", "500"], "--vocab-size: reads --data"),
@@ -415,16 +420,15 @@ def test_resume_with_rebuild_base_is_one_line(tmp_path, capsys):
      "not used"),
     (["--method", "best-of-n", "--preset", "ppo-max"], "[flags] --method best-of-n trains no PPO: --preset ppo-max "
                                                        "not used"),
-    (["--advantage", "grpo", "--group-size", "4", "--critic-pretrain-steps", "2"],
-     "[flags] --advantage grpo has no critic: --critic-pretrain-steps 2 not used"),
+    (["--advantage", "grpo", "--group-size", "4", "--critic-pretrain-steps", "0"], None),  # 0 = off: accepted
     (["--method", "best-of-n", "--bon-n", "4", "--dpo-epochs", "1"],
      "[flags] --method best-of-n trains no DPO: --dpo-epochs 1.0 not used"),
     (["--no-reward-norm", "--reward-clip", "0", "--method", "ppo"], None),
     (["--method", "dpo", "--max-new-tokens", "8", "--policy-init", "pretrained"], None),
 ])
 def test_a_budget_is_accepted_and_said_once_where_unused(argv, note):
-    """One budget for every method and estimator (notebooks/runs.py's small budget, the tests' TINY lists): where a
-    run does not use it, it is accepted and said in one line; 0 = off is always accepted."""
+    """One budget for every method (notebooks/runs.py's small budget, the tests' TINY lists): where a method without
+    PPO does not use it, it is accepted and said in one line; 0 = off is always accepted."""
     run, _, _, cfg, _, dpo_cfg = plumbing.flags.parse_configs(argv)
     assert plumbing.flags.ignored_budget(run, cfg, plumbing.flags.given_flags(argv), dpo_cfg) == note
 
@@ -471,3 +475,75 @@ def test_a_stage_result_that_cannot_be_written_keeps_the_earlier_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
     after = safetensors.torch.load_file(str(out / "model.safetensors"))
     assert torch.equal(after["lm_head.weight"], models["policy"].lm_head.weight)
+
+
+def test_no_room_for_a_checkpoint_is_said_before_the_first_ppo_step(tmp_path, monkeypatch):
+    """A disk without room for one checkpoint (the weights, and AdamW's two moments that the first step creates) is
+    one line before any PPO step, naming the folder, the bytes needed and those free."""
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.AdamW(model.parameters())
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert checkpoint.check_room(tmp_path, {"policy": model}, {"policy": opt}) == 3 * weights  # no state yet
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=2 * weights))
+    with pytest.raises(WriteFailed) as e:
+        checkpoint.check_room(tmp_path, {"policy": model}, {"policy": opt}, hint="free some space")
+    line = str(e.value)
+    assert line.startswith(f"cannot write {tmp_path / 'checkpoints'}: no room for a checkpoint before the first PPO "
+                           f"step (about {3 * weights:,} bytes needed, ") and line.endswith("; free some space"), line
+
+
+def test_a_tampered_checkpoint_is_refused_naming_its_file_and_never_the_advice_to_unpickle_it(tmp_path, capsys):
+    """An optimizer file replaced by a pickle that runs code, then a truncated one: --resume of the checkpoint, and of
+    the run, stops in one line naming the file and why ("not a weights-only file", "truncated"); the code never runs,
+    and no line passes on torch's advice to load it with weights_only set to False."""
+    models, optimizers = tiny_models()
+    save_checkpoint(tmp_path, 1, models=models, optimizers=optimizers)
+    step = tmp_path / "checkpoints" / "step-000001"
+    marker = tmp_path / "PWNED"
+    torch.save({"state": {}, "x": Evil(marker)}, step / "optimizer-policy.pt")
+    complete = json.loads((step / checkpoint.COMPLETE).read_text())
+    complete["files"]["optimizer-policy.pt"] = (step / "optimizer-policy.pt").stat().st_size  # a careful tamperer
+    (step / checkpoint.COMPLETE).write_text(json.dumps(complete))
+    lines = []
+    for target in (step, tmp_path):
+        with pytest.raises(SystemExit) as e:
+            plumbing.flags.configure(["--resume", str(target)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert "optimizer-policy.pt: not a weights-only file (" in err[0] and "never loaded" in err[0], err
+        lines += err
+    assert lines[1].startswith(f"error: --resume {tmp_path}: no intact checkpoint there; the newest is refused: ")
+    with open(step / "optimizer-policy.pt", "r+b") as fh:  # now cut short
+        fh.truncate(100)
+    with pytest.raises(SystemExit):
+        plumbing.flags.configure(["--resume", str(step)])
+    lines += capsys.readouterr().err.strip().splitlines()
+    assert "optimizer-policy.pt has 100 bytes" in lines[-1] and "truncated" in lines[-1], lines[-1]
+    assert not marker.exists()
+    assert not any(re.search(r"weights_only.{0,20}False", l) for l in lines), lines
+
+
+def test_no_message_of_the_project_advises_weights_only_false():
+    """No string the project's code prints holds torch's advice to load a file with weights_only=False."""
+    said = []
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("plumbing/*.py"), *ROOT.glob("tools/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.search(r"weights_only\W{0,4}(=|set to)\W{0,4}False", node.value):
+                said.append(f"{path.name}:{node.lineno}")
+    assert not said, said
+
+
+def test_help_shows_no_empty_default_and_a_tools_help_is_whole_sentences(capsys):
+    """`train.py --help` never shows `(default: )` or `(default: None)` (--out's default is said in its help), and
+    `tools/tiny_model.py --help` describes itself in whole sentences, not a first line cut mid-sentence."""
+    with pytest.raises(SystemExit):
+        plumbing.flags.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: )" not in text and "(default: None)" not in text and "--overwrite" in text
+    import tiny_model
+    with pytest.raises(SystemExit):
+        tiny_model.main(["--help"])
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert description.endswith("can run on a CPU with nothing downloaded."), description

@@ -10,8 +10,7 @@ import train
 import plumbing.flags
 
 TINY = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
-        "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8", "--critic-pretrain-steps", "2",
-        "--eval-samples", "1", "--threads", "1"]
+        "--rm-epochs", "1", "--rollout-batch", "16", "--minibatch", "8", "--eval-samples", "1", "--threads", "1"]
 
 
 @pytest.mark.slow

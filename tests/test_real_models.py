@@ -48,10 +48,10 @@ def test_all_four_stages_on_a_real_architecture(arch, tmp_path, pairs, monkeypat
     # one epoch over one minibatch: the update's first (and only) ratio is exactly 1, so nothing is clipped
     assert m["ppo/ratio"] == pytest.approx(1.0, abs=1e-5) and m["ppo/clipfrac"] == 0.0
     assert set(summary["timings"]) >= {"sft", "reward_model", "critic_pretrain", "ppo", "eval"}
-    # a second start reuses the finished stages instead of training them again
+    # a second start (told to replace the finished run) reuses the finished stages instead of training them again
     stamp = (out / "sft" / "model.safetensors").stat().st_mtime_ns
     capsys.readouterr()
-    train.main(["--model", str(model), "--data", str(pairs), "--out", str(out), *BUDGET])
+    train.main(["--model", str(model), "--data", str(pairs), "--out", str(out), "--overwrite", *BUDGET])
     printed = capsys.readouterr().out
     assert f"[stage] reusing {out / 'sft'}" in printed and f"[stage] reusing {out / 'reward_model'}" in printed
     assert (out / "sft" / "model.safetensors").stat().st_mtime_ns == stamp

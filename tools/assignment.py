@@ -10,8 +10,10 @@ Implements (the exercises are the paper's equations; see docs/paper.md and TEACH
     stub_source(...)           a file with those bodies replaced by `raise NotImplementedError("exercise: …")`
     make(out, modules)         the hand-out folder: the stubbed files and, copied as they are, the project modules
                                they import, so `python handout/reward_model.py` runs its worked example from there
-    make_student_repo(dest)    a copy of the repository without the solutions: the assigned bodies stubbed in place
-                               and the exercises notebook's worked answers (# BEGIN SOLUTION … # END SOLUTION) removed
+    make_student_repo(dest)    a copy of the committed files (git archive HEAD, or a --manifest) without the
+                               solutions: the assigned bodies stubbed in place and the exercises notebook's worked
+                               answers (# BEGIN SOLUTION … # END SOLUTION) removed; untracked files never go
+    check_worksheet(path)      run a worksheet; one line naming the first cell that fails, without colour codes
     grade_submissions(subs)    every assigned function of every submission graded by the tests named after it
                                (tests/test_<module>.py::test_<function>_…), all submissions in one pytest session.
                                While a function is graded, the other assigned functions are the reference's, so a
@@ -21,7 +23,8 @@ Implements (the exercises are the paper's equations; see docs/paper.md and TEACH
 
 Run:
     python tools/assignment.py make --out handout/                       # all four modules
-    python tools/assignment.py make --student-repo ../course-ppo-max     # the repository without the solutions
+    python tools/assignment.py make --student-repo ../course-ppo-max     # the committed files without the solutions
+    python tools/assignment.py check notebooks/exercises.ipynb           # a worksheet: which cell fails, if any
     PPO_MAX_IMPL=handout/ python -m pytest tests/test_gae.py -q          # a student's own check
     python tools/assignment.py grade handout/                            # one student: a line per function
     python tools/assignment.py grade --class submissions/ --csv grades.csv   # one row per student
@@ -268,42 +271,85 @@ def strip_notebook(nb: dict) -> dict:
     return nb
 
 
-def repository_files() -> list[str]:
-    """The repository's files, relative to ROOT: what git tracks plus untracked files it does not ignore (without
-    git: every file outside hidden folders and __pycache__)."""
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=True).stdout
+
+
+def repository_files(manifest: Path | None = None) -> dict[str, bytes]:
+    """{path relative to ROOT: its content} of what a student repository is made from: the files committed at HEAD,
+    as committed (`git archive HEAD`), or the files a `manifest` lists (one path a line, # comments), as they are on
+    disk. Never a file git does not track: a teacher's untracked or ignored notes stay out."""
+    if manifest is not None:
+        try:
+            names = [l.strip() for l in manifest.read_text().splitlines() if l.strip() and not l.startswith("#")]
+        except OSError as e:
+            raise UserError(f"--manifest {manifest}: {e.strerror or e}")
+        for i, name in enumerate(names, 1):
+            if not (ROOT / name).is_file() or ".." in Path(name).parts or Path(name).is_absolute():
+                raise UserError(f"{manifest}:{i}: {name}: no such file in {ROOT}")
+        return {name: (ROOT / name).read_bytes() for name in names}
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, text=True, check=True).stdout
-        return sorted({f for f in out.split("\0") if f and (ROOT / f).is_file()})
+        archive = _git("archive", "--format=tar", "HEAD")
     except (OSError, subprocess.CalledProcessError):
-        return sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
-                      and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(ROOT).parts))
+        raise UserError(f"make --student-repo: {ROOT} is not a git repository with a commit; commit the course, or "
+                        f"give --manifest FILE (the files to hand out, one path a line)") from None
+    import io
+    import tarfile
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
 
-def make_student_repo(dest: Path, modules: list[str]) -> list[str]:
-    """A copy of the repository at `dest` for students: `modules` stubbed in place (their tests, conftest.py and
-    everything else as they are), notebooks/exercises.ipynb without its worked answers, no git history (it holds the
-    solutions) and none of TEACHER_ONLY. Returns the files written, relative to `dest`."""
+def left_out(taken: dict[str, bytes], manifest: Path | None) -> str:
+    """One line: what of the teacher's working tree a student repository does not get (untracked and ignored files,
+    uncommitted changes of tracked ones), or "" when nothing (or git cannot tell)."""
+    if manifest is not None:
+        return f"only the {len(taken)} files {manifest} lists"
+    try:
+        status = _git("status", "--porcelain=v1", "-z", "--ignored").decode(errors="replace").split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    untracked, ignored, changed = [], [], []
+    for entry in (e for e in status if len(e) > 3):
+        code, name = entry[:2], entry[3:]
+        (untracked if code == "??" else ignored if code == "!!" else changed).append(name)
+    show = lambda names: ", ".join(names[:6]) + (f", … ({len(names)} in all)" if len(names) > 6 else "")  # noqa: E731
+    parts = [f"untracked {show(untracked)}" if untracked else "",
+             f"uncommitted changes of {show(changed)} (handed out as committed)" if changed else "",
+             f"ignored {show(ignored)}" if ignored else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def make_student_repo(dest: Path, modules: list[str], manifest: Path | None = None) -> list[str]:
+    """A copy of the repository at `dest` for students, made from what git tracks (repository_files: HEAD's files,
+    or a manifest's): `modules` stubbed in place (their tests, conftest.py and everything else as they are),
+    notebooks/exercises.ipynb without its worked answers, no git history (it holds the solutions) and none of
+    TEACHER_ONLY. Prints what was written and, in one line, what was left out. Returns the files written, relative
+    to `dest`."""
     check_modules(modules)
     dest = dest.resolve()
     if dest == ROOT or ROOT in dest.parents or dest in ROOT.parents:
         raise UserError(f"make --student-repo {dest}: choose a folder outside the repository {ROOT}")
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"make --student-repo {dest}: exists and is not empty; give a new folder")
-    files = [f for f in repository_files() if f not in TEACHER_ONLY]
+    taken = repository_files(manifest)
+    files = sorted(f for f in taken if f not in TEACHER_ONLY)
     for rel in files:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         module = rel[:-3] if rel.endswith(".py") and "/" not in rel else None
         if module in modules:
-            target.write_text(stub_source((ROOT / rel).read_text(), module, list(ASSIGNMENT[module])))
+            target.write_text(stub_source(taken[rel].decode(), module, list(ASSIGNMENT[module])))
         elif rel == NOTEBOOK:
-            target.write_text(json.dumps(strip_notebook(json.loads((ROOT / rel).read_text())), indent=1,
-                                         ensure_ascii=False) + "\n")
+            target.write_text(json.dumps(strip_notebook(json.loads(taken[rel])), indent=1, ensure_ascii=False) + "\n")
         else:
-            shutil.copy2(ROOT / rel, target)
-    print(f"wrote {dest}: {len(files)} files; {', '.join(m + '.py' for m in modules)} without the assigned bodies, "
-          f"{NOTEBOOK} without its worked answers; no .git, no {', '.join(TEACHER_ONLY)}")
+            target.write_bytes(taken[rel])
+            if ((ROOT / rel).stat().st_mode if (ROOT / rel).exists() else 0) & 0o111:
+                target.chmod(0o755)
+    print(f"wrote {dest}: {len(files)} files {'listed in ' + str(manifest) if manifest else 'committed at HEAD'}; "
+          f"{', '.join(m + '.py' for m in modules)} without the assigned bodies, {NOTEBOOK} without its worked "
+          f"answers; no .git, no {', '.join(TEACHER_ONLY)}")
+    if (why := left_out(taken, manifest)):
+        print(f"left out: {why}")
     return files
 
 
@@ -386,8 +432,12 @@ def _set(obj, dotted: str, value) -> None:
         setattr(obj, last, value)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # a terminal's colour codes (IPython colours its tracebacks)
+
+
 def first_line(text: str, limit: int = 240) -> str:
-    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+    """The first non-blank line of `text`, without colour codes, at most `limit` characters."""
+    line = next((l.strip() for l in ANSI.sub("", str(text)).splitlines() if l.strip()), "")
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
@@ -507,11 +557,15 @@ class GradePlugin:
             self.results[i]["seconds"] += time.perf_counter() - t0
 
     def record(self, i: int, function: str, status: str, message: str = "", test: str | None = None) -> None:
+        """A function that cannot be graded (its file does not import, or it is missing): 0 of its tests passed."""
         self.results[i]["functions"][function] = {"status": status, "passed": 0, "total": 0, "message": message,
                                                   "test": test}
 
     def gradable(self, i: int, function: str) -> bool:
         return function in self.subs[i]["functions"] and function not in self.results[i]["functions"]
+
+    def assigned(self, i: int, function: str) -> bool:
+        return function in self.subs[i]["functions"]
 
     @staticmethod
     def function_of(path, test_name: str) -> str | None:
@@ -524,13 +578,21 @@ class GradePlugin:
         function = self.function_of(metafunc.definition.path, metafunc.function.__name__)
         if function is None:
             return
-        subs = [i for i in range(len(self.subs)) if self.gradable(i, function)]
+        # every submission it is assigned to: a test of a function that cannot be graded counts as not passed
+        subs = [i for i in range(len(self.subs)) if self.assigned(i, function)]
         metafunc.parametrize("_graded_submission", subs, indirect=True, ids=[f"sub{i}" for i in subs])
 
     def pytest_collection_modifyitems(self, session, config, items):
         graded = [it for it in items  # (an empty parameter set, no submission to grade, gives a NOTSET param)
                   if isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("_graded_submission"), int)]
-        config.hook.pytest_deselected(items=[it for it in items if it not in graded])
+        recorded = lambda it: self.results[it.callspec.params["_graded_submission"]]["functions"].get(  # noqa: E731
+            self.function_of(it.path, it.originalname))  # missing, or its file does not import (set in __init__)
+        for it in graded:
+            if recorded(it) is not None:  # each of its tests counts, not passed, and is not run
+                recorded(it)["total"] += 1
+        graded = [it for it in graded if recorded(it) is None]
+        kept = set(map(id, graded))
+        config.hook.pytest_deselected(items=[it for it in items if id(it) not in kept])
         graded.sort(key=lambda it: it.callspec.params["_graded_submission"])  # stable: one submission after another
         items[:] = graded
         for it in graded:
@@ -805,8 +867,36 @@ def grade_class(folder: Path, csv_path: Path | None, modules: list[str] | None =
     return all(r["functions_passed"] == r["functions"] for r in table)
 
 
-@cli_guard
-def main(argv: list[str] | None = None) -> int:
+def check_worksheet(path: Path, timeout: float = 600) -> bool:
+    """Run a worksheet (the exercises notebook, a student's copy) as a student's check: every cell from the top, in
+    the notebook's folder; prints "all checks pass", or one line naming the first cell that does not hold and its
+    error (no colour codes). True iff every cell ran."""
+    import nbclient
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+    if not path.is_file():
+        raise UserError(f"check {path}: no such notebook")
+    nb = nbformat.read(str(path), as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=timeout, resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        failed = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                       and any(o.get("output_type") == "error" for o in c.get("outputs", []))), None)
+        error = next((o for o in nb.cells[failed].outputs if o.get("output_type") == "error"), {}) if failed is not \
+            None else {}
+        title = next((ANSI.sub("", c.source).strip().splitlines()[0] for c in reversed(nb.cells[:failed or 0])
+                      if c.cell_type == "markdown" and c.source.strip()), "")
+        why = f"{error.get('ename', 'error')}: {ANSI.sub('', error.get('evalue', ''))}" if error else \
+            first_line(ANSI.sub("", str(e)))
+        print(f"{path}: cell {failed} fails{f' (after {title!r})' if title else ''}: {first_line(why, 200)}")
+        return False
+    print(f"{path}: all checks pass")
+    return True
+
+
+def parser() -> OneLineParser:
+    """The command line: make, grade, check."""
     p = OneLineParser(prog="tools/assignment.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     pm = sub.add_parser("make", help="write the hand-out folder, or a copy of the repository without the solutions")
@@ -815,6 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--student-repo", type=Path, help="new folder for a copy of the repository without solutions")
     pm.add_argument("--modules", nargs="+", default=list(ASSIGNMENT), help=f"of {', '.join(ASSIGNMENT)} (default all)")
     pm.add_argument("--force", action="store_true", help="--out: overwrite files that already exist there")
+    pm.add_argument("--manifest", type=Path, help="--student-repo: the files to hand out, one path a line (default: "
+                                                  "those committed at HEAD; never untracked or ignored ones)")
     pg = sub.add_parser("grade", help="grade a student's folder, or a class (a folder of student folders)")
     pg.add_argument("dir", type=Path, nargs="?", help="the student's folder (gae.py, ppo_loss.py, ...)")
     pg.add_argument("--class", dest="klass", type=Path, help="a folder with one subfolder per student")
@@ -823,15 +915,26 @@ def main(argv: list[str] | None = None) -> int:
     pg.add_argument("--functions", nargs="+", help="grade only these, e.g. gae.compute_gae ppo_loss.masked_mean")
     pg.add_argument("--timeout", type=float, default=STUDENT_TIMEOUT,
                     help=f"seconds one student's tests may take before they are stopped (default {STUDENT_TIMEOUT})")
+    pc = sub.add_parser("check", help="run a worksheet (the exercises notebook) and say which cell fails, if any")
+    pc.add_argument("notebook", type=Path, nargs="?", default=Path(NOTEBOOK), help=f"default {NOTEBOOK}")
     pw = sub.add_parser("_worker")  # internal: grade_submissions runs it
     pw.add_argument("job", type=Path)
     pw.add_argument("results", type=Path)
-    args = p.parse_args(argv)
+    return p
+
+
+@cli_guard
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.cmd == "_worker":
         return run_worker(args.job, args.results)
+    if args.cmd == "check":
+        return 0 if check_worksheet(args.notebook) else 1
     if args.cmd == "make":
+        if args.manifest and not args.student_repo:
+            raise UserError("--manifest: only with --student-repo")
         if args.student_repo:
-            make_student_repo(args.student_repo, args.modules)
+            make_student_repo(args.student_repo, args.modules, args.manifest)
         else:
             make(args.out, args.modules, args.force)
         return 0

@@ -98,7 +98,7 @@ def stages(argv: list[str], run: Path, variant: str, P: int, sft_len: float, pai
 
 
 def main(argv=None) -> list[dict]:
-    p = cli.OneLineParser(prog="tools/gpu_check.py", description=__doc__.split("\n")[0])
+    p = cli.OneLineParser(prog="tools/gpu_check.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", default="runs/gpu_check", help="working directory of the check")
     p.add_argument("--tiny", action="store_true", help="a 0.1 M model: checks the script itself, on a CPU too")
     p.add_argument("--steps", type=int, default=4, help="PPO iterations")

@@ -380,7 +380,7 @@ def _table(rows: list[tuple]) -> str:
 
 def main(argv=None) -> None:
     from plumbing import cli
-    p = cli.OneLineParser(prog="tools/memory_check.py", description=__doc__.split("\n")[0])
+    p = cli.OneLineParser(prog="tools/memory_check.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("static", "phases"):
         s = sub.add_parser(name)

@@ -96,7 +96,7 @@ def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 
 def main(argv: list[str] | None = None) -> None:
     from plumbing import cli
     from plumbing import data
-    p = cli.OneLineParser(prog="tools/tiny_model.py", description=__doc__.split("\n")[0])
+    p = cli.OneLineParser(prog="tools/tiny_model.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--arch", choices=ARCHS, default="llama", help="the architecture and its tokenizer's conventions")
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--data", default="data/hh-rlhf/harmless-base-test.dev.jsonl.gz",
