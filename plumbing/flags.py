@@ -96,7 +96,7 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfi
             lora.target_modules("", run.lora_targets)
         except ValueError as e:
             fail(str(e))
-    if run.lora_bits != 16:  # bitsandbytes: a CUDA GPU, one process
+    if run.lora_bits != 16 and not run.plan:  # bitsandbytes: a CUDA GPU, one process (--plan bills it anywhere)
         lora.check_bits(run, "cuda" if torch.cuda.is_available() else "cpu")
         if run.deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             fail(f"--lora-bits {run.lora_bits}: quantized frozen weights run in one process here, not under DeepSpeed "

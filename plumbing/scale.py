@@ -642,8 +642,9 @@ def _static_rows(src: dict, arch: dict, s: dict) -> tuple[list[Row], dict[str, s
             add("optimizer", 2 * beta * n + 4 * t, f"2·{beta}·n + 4·t   (Adam m, v; a 4-byte step for each of "
                                                    f"t = {t})")
         else:
-            gd = G if z >= 2 else 1
-            add("gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
+            gd = G if z >= 2 else 1  # ZeRO-Offload copies each reduced part of the gradients to the CPU
+            add("gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""),
+                "cpu" if s["offload_optimizer"] and z >= 1 else "gpu")
             opt_per_param = 12 if beta < 4 else 8  # fp32 master + m + v in mixed precision; m + v in pure fp32
             od = G if z >= 1 else 1
             where = "cpu" if s["offload_optimizer"] else "gpu"
@@ -763,8 +764,8 @@ def _phase_rows(arch: dict, s: dict) -> list[Row]:
     add("policy", "logprobs", 2 * u, "2·g·T·V·4   (π's and π_ref's fp32 logits of the responses, one micro-batch)",
         ("log-probs",))
     ws, _ = _nograd_set(pa, g, L, beta, flash)
-    add("policy", "temporaries", max(5 * u, u + g * (T + 1) * V * beta, ws), f"max(5·g·T·V·4, g·T·V·4 + "
-        f"g·(T+1)·V·{beta}, no-grad set)   (kl_full; a forward's response logits)", ("log-probs",))
+    add("policy", "temporaries", max(5 * u, u + g * L * V * beta, ws), f"max(5·g·T·V·4, g·T·V·4 + g·L·V·{beta}, "
+        f"no-grad set)   (kl_full; a forward's logits)", ("log-probs",))
     for role in ("policy", "critic") if critic else ("policy",):
         a = arch[role]
         n = b + (x if role == "policy" else 0)
@@ -919,12 +920,6 @@ def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
                     {"frozen_zero_stage": 3}, False))
     if not s.get("ref_reward_offload") and "frozen_zero_stage" in s:
         out.append(("frozen models' parameters on the CPU (--frozen-offload)", {"ref_reward_offload": True}, False))
-    B = s.get("rollout_batch_per_gpu", 1)
-    g = s.get("generate_batch") or B
-    if g > 1 and "generate_batch" in s:
-        smaller = max(d for d in range(1, g) if B % d == 0)
-        out.append((f"generate and score {smaller} prompts per GPU at a time instead of {g} (--generate-batch "
-                    f"{smaller}; the update still takes the whole batch)", {"generate_batch": smaller}, False))
     out.append(("LoRA adapters instead of full weights (--lora-r 16; changes what trains)", {"lora_r": 16}, True))
     if not s["offload_optimizer"]:
         out.append(("optimizer states on the CPU (ZeRO-Offload: zero_optimization.offload_optimizer in "
@@ -936,6 +931,12 @@ def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
 
 def _shape_candidates(s: dict) -> list[tuple[str, dict, bool]]:
     out = []
+    B = s.get("rollout_batch_per_gpu", 1)
+    g = s.get("generate_batch") or B
+    if g > 1 and "generate_batch" in s:  # the micro-batches of generation and scoring: the same experiment
+        smaller = max(d for d in range(1, g) if B % d == 0)
+        out.append((f"generate and score {smaller} prompts per GPU at a time instead of {g} (--generate-batch "
+                    f"{smaller}; the update still takes the whole batch)", {"generate_batch": smaller}, False))
     if not s["grad_ckpt"]:
         out.append(("turn on gradient checkpointing (--grad-ckpt)", {"grad_ckpt": True}, False))
     if s["micro_batch"] > 1:
@@ -979,8 +980,17 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
     greedy combinations (largest saving first, changes that keep the experiment before the others, none that saves
     less than 0.5 % of the total) until the plan fits."""
     out = []
+
+    def try_run(s: dict) -> int | None:  # a candidate these settings cannot take (e.g. --lora-targets naming no layer)
+        try:
+            return run(s)
+        except ValueError:
+            return None
+
     for change, over, _ in _candidates(settings):
-        t = run({**settings, **over})
+        t = try_run({**settings, **over})
+        if t is None:
+            continue
         if t < total:
             out.append(Suggestion(change, over, t, total - t, t <= capacity))
     keeps = {change: not changes for change, _, changes in _candidates(settings)}
@@ -994,8 +1004,8 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
             for change, over, changes_experiment in _candidates(s):
                 if changes_experiment and not allow_experiment:
                     continue
-                t = run({**s, **over})
-                if t < cur - total // 200 and (best is None or t < best[2]):  # a step that saves < 0.5 %: not worth it
+                t = try_run({**s, **over})
+                if t is not None and t < cur - total // 200 and (best is None or t < best[2]):  # a step that saves < 0.5 %: not worth it
                     best = (change, over, t)
             if best is None:
                 break
@@ -1311,24 +1321,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Worked example: `python -m plumbing.scale` = the paper preset for llama-7b as train.py runs it (8 × A100-80GB, ZeRO-2,
-    # bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows per GPU,
-    # L = 1024 + 1024). Printed (tests/test_scale.py checks 72.17, 92.29 and 73.47):
+    # Worked example: `python -m plumbing.scale` = the paper's set-up with this file's own shapes (8 × A100-80GB,
+    # ZeRO-2, bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows
+    # per GPU, L = 1024 + 1024, the frozen models replicated). Printed (tests/test_scale.py checks 79.94, 99.00, 70.76):
     #   policy     weights          12.55  always                     2·N   (N = 6,738,415,616)
     #   policy     gradients         1.57  always                     2·N/8
     #   policy     optimizer         9.41  always                     12·N/8
-    #   policy     kv_cache         16.00  generate                   2·ℓ·B·L·k·d·2   (B = 16 at once)
-    #   policy     prefill           2.12  generate                   34·B·P·h   (the first forward, over the B prompts)
-    #   policy     logprobs          3.91  log-probs, critic values   2·B·T·V·4   (π's and π_ref's fp32 logits)
-    #   policy     temporaries       9.77  log-probs                  max(5·B·T·V·4, ...)   (kl_full; ...)
-    #   ... (critic 12.55 + 1.57 + 9.41 with N + h + 1, its hidden states 12.50 while it scores; reference 12.55,
-    #   reward model 12.55)
-    #   held always                 72.17
-    #   + while generate            18.12  ← peak   (critic values 16.41, log-probs 13.67, reward score 12.50)
+    #   policy     grad_fp32         3.14  always                     4·N/8   (the step's fp32 gradients, ...)
+    #   policy     buckets           0.75  always                     2·(reduce + allgather bucket)
+    #   policy     kv_cache         16.00  generate                   2·ℓ·g·L·k·d·2   (B = 16 at once)
+    #   ... (the critic as the policy with N + h + 1; reference 12.55, reward model 12.55)
+    #   held always                 79.94
+    #   + while generate            17.06  ← peak
     #   + overhead                   2.00
-    #   peak per GPU                92.29  of 80.00 GiB → DOES NOT FIT
-    # Optimizer offload (zero_optimization.offload_optimizer in --deepspeed_config) brings it to 73.47 GiB: fits.
+    #   peak per GPU                99.00  of 80.00 GiB → DOES NOT FIT
+    # Each of --frozen-zero-stage 3 (77.03), --frozen-offload (73.90) and optimizer offload (70.76) makes it fit;
+    # `train.py --model llama-7b --plan` bills the alias's own run instead (1536 + 512, 4 prompts generated at a time,
+    # the frozen models ZeRO-3): 67.31 GiB with --data's judge (docs/real-scale.md).
     # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, the same
-    # phases, peak 45.48 GiB; `--lora-bits 4` 28.55 GiB; with 8 prompts per GPU as well 19.49 GiB, which fits
+    # phases, peak 44.42 GiB; `--lora-bits 4` 27.49 GiB; with 8 prompts generated at a time as well 18.96 GiB, which fits
     # (tests/test_scale.py; docs/one-gpu.md).
     main(sys.argv[1:])
