@@ -199,6 +199,25 @@ def test_deepspeed_resume_matches_uninterrupted(two_runs):
     assert samples(work / "ds-resumed") == samples(work / "ds")  # steps 2-3 replaced, not repeated
 
 
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", [["--frozen-zero-stage", "3"], ["--frozen-offload"]])
+def test_frozen_models_as_zero3_engines_score_as_the_replicated_ones(two_runs, frozen):
+    """The reference and the reward model as ZeRO-3 inference engines (each rank holds half of their parameters and
+    gathers a layer's for its forward; with --frozen-offload on the CPU) under 2 ranks, against the replicated run
+    (the `two_runs` DeepSpeed run, the same flags): the gathered parameters are the same numbers, so every metric
+    of steps 0 and 1 (scores, log-probs, KL, values, losses: the critic's pre-training and the update read them too)
+    and every score are equal to the last bit; then rank 0 evaluates with whole copies loaded again."""
+    work, _, _ = two_runs
+    out = "ds-" + frozen[0].strip("-")
+    proc = run_deepspeed(work, *WORLD, *PPO, "--steps", "2", *frozen, "--out", out)
+    assert "ZeRO-3 engines, their parameters partitioned over the 2 rank(s)" in proc.stdout
+    assert ("kept on the CPU" in proc.stdout) == ("--frozen-offload" in frozen)
+    assert metrics(work / out) == metrics(work / "ds")[:2]
+    assert [s["scores"] for s in samples(work / out)] == [s["scores"] for s in samples(work / "ds")][:2]
+    assert json.loads((work / out / "summary.json").read_text())["final"]
+
+
 def test_a_rank_reading_the_logs_while_rank_0_rewrites_them_never_sees_them_torn(tmp_path):
     """On --resume every rank reads metrics.jsonl while rank 0 rewrites it to the steps before the checkpoint. A
     plain write_text truncates first, so a slower rank now and then read an empty file and exited 2 ("file is
