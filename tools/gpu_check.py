@@ -296,7 +296,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     texts = [x + y for x, y in data.load_texts(HH, skip_bad=True)]
     size = dict(hidden=32, layers=2, heads=4, vocab_size=500) if a.tiny else dict(hidden=2048, layers=16, heads=16,
-                                                                                  vocab_size=32000)
+                                                                                  vocab_size=32000, max_positions=2048)
     model = out / "model"
     if not (model / "config.json").exists():
         tiny_model.build_model("llama", texts, model, **size)
