@@ -510,15 +510,18 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
         optimizer    12·N             fp32 master + m + v (8·N in pure fp32, β = 4); ÷G with ZeRO ≥ 1; on the CPU
                                       with offload_optimizer (ZeRO-Offload); every trainable parameter, used or not
       LoRA (lora_r = R > 0), see _lora_rows: the frozen backbones, shared where train.load_models shares them.
-    Held while one phase runs, with B = rollout_batch_per_gpu, b = micro_batch, x = ptx_batch_per_gpu,
-    L = P + T, u = B·T·V·4 (fp32 logits over the responses of the whole rollout batch):
-        generate       kv_cache       2·ℓ·B·L·k·d·β   K and V of every layer, the whole rollout batch at once
-                       prefill        one layer's working set for the B prompts' first forward (34·B·P·h)
-        reward score   hidden_states  (ℓ+1)·B·L·h·β + one layer's working set (no grad)
-        log-probs      logprobs       2·u             π's and π_ref's fp32 logits, kept to the end of make_experience
-                       temporaries    max(5·u, u + B·L·V·β, working set): kl_full's log-softmaxes, exp and product;
-                                      a forward's logits and their fp32 copy
-        critic values  hidden_states  as the reward score, beside the 2·u logits
+    Held while one phase runs, with B = rollout_batch_per_gpu, g = generate_batch (0: B) prompts generated and
+    scored at a time (--generate-batch), b = micro_batch, x = ptx_batch_per_gpu, L = P + T, u = g·T·V·4 (fp32
+    logits over the responses of one micro-batch), and a pass without grad holding one layer's temporaries,
+    _nograd_set = NOGRAD_COEF·g·L·h (17, measured 13-17 on the CPU; 34 with grad):
+        generate       kv_cache       2·ℓ·g·L·k·d·β   K and V of every layer, one micro-batch at a time
+                       prefill        the no-grad set of the g prompts' first forward (17·g·P·h)
+        reward score   hidden_states  g·L·h·β (the last hidden state, read by a hook: no output_hidden_states) +
+                                      the no-grad set
+        log-probs      logprobs       2·u             π's and π_ref's fp32 logits of one micro-batch
+                       temporaries    max(5·u, u + g·L·V·β, no-grad set): kl_full's log-softmaxes, exp and
+                                      product; a forward's logits and their fp32 copy
+        critic values  hidden_states  as the reward score
         policy train   activations    with checkpointing ℓ·(b+x)·L·h·β + one layer's working set (Korthikanti
                                       et al. 2022, _working_set); without, ℓ × the working set, for b and x
                        logits         max(4·b·T·V·4 + 2·x·L·V·β, 2·b·T·V·4 + x·L·V·(3β+4)): the PPO loss's fp32
@@ -532,7 +535,11 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
         gathered       with ZeRO-3 or offloaded weights, 2 blocks of full bf16 weights live at a time (current +
                        prefetched; a block = the larger of one layer and the V·h embedding), in every phase of that
                        model
-    Plus overhead_gb (CUDA context, NCCL and ZeRO bucket buffers, allocator fragmentation: a stated guess, 2 GiB).
+    Held always besides, under DeepSpeed: grad_fp32 4·N/G (÷1 at ZeRO-0) per trained model in mixed precision,
+    the step's fp32 copy of the gradients (DeepSpeed's estimate_zero2_model_states_mem_needs counts it), and at
+    ZeRO ≥ 1 buckets β·2·BUCKET_ELEMENTS (the reduce and all-gather buckets); frozen_zero_stage=3: the frozen models'
+    weights β·N/G and their gathered blocks. Plus overhead_gb (CUDA context, NCCL, allocator fragmentation: a stated
+    guess, 2 GiB).
     The experience buffer (ids, log-probs, values, advantages: ~36 bytes per token) is ignored.
     total = resident + max over phases + overhead; fits = total ≤ gpu_mem_gb GiB. The phases' coefficients come from
     the code's order of operations and are measured against the torch profiler in docs/real-scale.md.
@@ -904,8 +911,8 @@ def format_stage_plans(plans: list[dict]) -> str:
 def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
     """(change in words, overrides, changes the experiment?) for every single step that could save memory and that
     train.py can run. Under LoRA nothing is sharded or offloaded: the steps are the rank, the frozen weights' bits
-    and the batch shapes. ZeRO-3 and offloading the frozen models are plan_memory settings (what they would save)
-    but not suggestions: train.py refuses ZeRO-3 for the trained models and replicates the frozen ones."""
+    and the batch shapes. The frozen models' ZeRO-3 and offload (--frozen-zero-stage 3, --frozen-offload) and the
+    micro-batches (--generate-batch) are suggested; ZeRO-3 for the trained models is not (train.py refuses it)."""
     if s.get("lora_r"):
         return _lora_candidates(s) + _shape_candidates(s)
     out = []
