@@ -42,10 +42,10 @@ import critic_free
 from gae import adaptive_lam, compute_gae, compute_gae_decoupled
 from plumbing.config import PPOConfig
 from plumbing.data import position_ids_from_mask
-from plumbing.engine import all_mean, all_sum, backward_step, gather_batch, set_lr, world_size
+from plumbing.engine import all_mean, all_sum, backward_step, gather_batch, in_micro_batches, set_lr, world_size
 from plumbing.monitor import check_finite, experience_stats, minibatch_stats, update_stats
 from reward_model import last_token_index
-from ppo_loss import (aggregate, cispo_loss, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits,
+from ppo_loss import (aggregate, cispo_loss, entropy, entropy_bonus_loss, kl_full, kl_sampled, logprobs_from_logits,
                       masked_whiten, policy_loss, ptx_loss, rollout_correction, rollout_mismatch, value_loss)
 
 # ======================================================================================================
@@ -254,6 +254,17 @@ def policy_logits(model, query, query_mask, response, response_mask, temperature
     return out.logits[:, P - 1:-1].float() / temperature               # (B, T, V)  logits / T
 
 
+def response_logprobs(policy, ref, query, query_mask, response, response_mask, temperature: float = 1.0) -> tuple:
+    """Step (4)'s per-token numbers of the sampled responses, each (B, T): log π(y_t), log π_ref(y_t), the exact
+    KL(π ‖ π_ref) at each position and π's entropy there, from the two models' fp32 logits (B, T, V), which are
+    dropped on return: make_experience runs this --generate-batch rows at a time, so the full-vocabulary logits of
+    the whole rollout batch never exist at once."""
+    logits = policy_logits(policy, query, query_mask, response, response_mask, temperature)   # (B, T, V)
+    ref_logits = policy_logits(ref, query, query_mask, response, response_mask, temperature)  # (B, T, V)
+    return (logprobs_from_logits(logits, response), logprobs_from_logits(ref_logits, response),
+            kl_full(logits, ref_logits), entropy(logits))
+
+
 def critic_values(critic, query, query_mask, response, response_mask) -> torch.Tensor:
     """V(s_t) for every response token t, read at the position that predicts it (the state before the action)."""
     P = query.shape[1]
@@ -262,7 +273,8 @@ def critic_values(critic, query, query_mask, response, response_mask) -> torch.T
 
 
 def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
-            top_p: float = 1.0, repetition_penalty: float = 1.0, return_logprobs: bool = False):
+            top_p: float = 1.0, repetition_penalty: float = 1.0, return_logprobs: bool = False,
+            generate_batch: int = 0):
     """Step 1: sample responses with the KV cache, stopping at EOS, the policy in eval mode (it stays in it).
     Returns response (B, T), response_mask (B, T), finished (B,) — T ≤ max_new_tokens; the mask covers every token
     up to and including the first EOS. Sampling draws from softmax(logits / temperature) over the whole vocabulary
@@ -270,7 +282,18 @@ def rollout(policy, query, query_mask, max_new_tokens: int, eos_id: int, pad_id:
     settings (no_repeat_ngram_size, min_new_tokens, typical_p, forced_eos_token_id, ...) are set aside for the call,
     so the log-probs of steps (4) and (6) are those of the distribution that was sampled. With return_logprobs, a
     fourth tensor (B, T): the log-probability of each sampled token under the distribution it was drawn from, as the
-    sampler computed it (generate's processed scores: temperature, top_p; 0 at padding)."""
+    sampler computed it (generate's processed scores: temperature, top_p; 0 at padding). generate_batch = n > 0
+    (--generate-batch): the prompts n at a time, each micro-batch with its own KV cache, the responses right-padded
+    to the longest (a batched sampler's draws depend on the batch, so these are other samples of the same
+    distribution)."""
+    if 0 < generate_batch < len(query):
+        parts = [rollout(policy, q, m, max_new_tokens, eos_id, pad_id, temperature, top_p, repetition_penalty,
+                         return_logprobs) for q, m in zip(query.split(generate_batch), query_mask.split(generate_batch))]
+        T = max(p[0].shape[1] for p in parts)
+        pad = lambda x, fill: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=fill)  # noqa: E731  (n, T)
+        return (torch.cat([pad(p[0], pad_id) for p in parts]), torch.cat([pad(p[1], 0.0) for p in parts]),
+                torch.cat([p[2] for p in parts]), *([torch.cat([pad(p[3], 0.0) for p in parts])] if return_logprobs
+                                                    else []))
     from transformers import GenerationConfig
     policy.eval()
     hf = [mod for mod in policy.modules() if isinstance(vars(mod).get("generation_config"), GenerationConfig)]
@@ -324,7 +347,7 @@ class Sampler:
     def __call__(self, policy, query, query_mask):
         cfg = self.cfg
         kw = dict(max_new_tokens=cfg.max_new_tokens, eos_id=self.eos_id, pad_id=self.pad_id,
-                  temperature=cfg.temperature)
+                  temperature=cfg.temperature, generate_batch=cfg.generate_batch)
         if not self.keep_logprobs:  # the default: the policy samples, its log-probs are the trainer's (steps 4, 6)
             return (*rollout(policy, query, query_mask, **kw), {"logprobs": None, "stats": {}})
         sampler = self.sampler_model(policy)
@@ -369,7 +392,8 @@ class Sampler:
         for n in range(rounds + 1):
             p, q, qm, r, rm, f, lp = batch
             with torch.no_grad():
-                scores = reward_model.score(torch.cat([q, r], 1), torch.cat([qm, rm], 1)).float()  # (b,)
+                scores = in_micro_batches(self.cfg.generate_batch, reward_model.score, torch.cat([q, r], 1),
+                                          torch.cat([qm, rm], 1)).float()                           # (b,)
             spread = critic_free.dynamic_sampling(scores, G, tol=1e-6)                            # (b/G,)
             for g, ok in enumerate(spread.tolist()):
                 rows = slice(g * G, (g + 1) * G)
@@ -409,13 +433,16 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
     With W data-parallel ranks "all_scores" (W·B,) is every rank's scores, so Eq. 18's moments see them all.
     With a critic-free --advantage, `critic` is None and "values" too: step (5) is critic_free.advantages.
     `sampled` is what the Sampler saw: with its own log-probs (--rollout-mismatch, --rollout-correction) the batch
-    also holds the mismatch (mismatch/*) and the correction's "weights" and "policy_mask" (step 6's policy loss)."""
+    also holds the mismatch (mismatch/*) and the correction's "weights" and "policy_mask" (step 6's policy loss).
+    The models read the batch --generate-batch rows at a time (g = cfg.generate_batch; 0 = all at once):
+    in_micro_batches(g, f, ...) is f on the whole batch, computed g rows at a time."""
+    g = cfg.generate_batch
     with torch.no_grad():  # targets and baselines: nothing here is differentiated
         mask = response_mask                                                           # (B, T)
         full_ids = torch.cat([query, response], 1)                                     # (B, L)
         full_mask = torch.cat([query_mask, response_mask], 1)                          # (B, L)
         # (2) score: the reward model reads the last real token of prompt + response
-        scores = reward_model.score(full_ids, full_mask).float()                       # (B,)
+        scores = in_micro_batches(g, reward_model.score, full_ids, full_mask).float()  # (B,)
         all_scores = gather_batch(scores, cfg.group_size)  # (W·B,) every rank's scores (W = 1: scores itself)
         if bad := check_finite({"reward/score": all_scores}):  # before Eq. 18: one NaN would poison the moments
             return {"nonfinite": bad, "scores": scores, "all_scores": all_scores, "stats": {}}
@@ -434,18 +461,16 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
                                         cfg.overlong_penalty).to(rewards_seq)                   # (B,) ≤ 0
             rewards_seq = rewards_seq + overlong
         # (4) token-level KL penalty against the frozen SFT reference (Eq. 19); with --kl-in loss it acts in (6)
-        logits = policy_logits(policy, query, query_mask, response, response_mask, cfg.temperature)   # (B, T, V)
-        ref_logits = policy_logits(ref, query, query_mask, response, response_mask, cfg.temperature)  # (B, T, V)
-        logprobs = logprobs_from_logits(logits, response)                              # (B, T)
-        ref_logprobs = logprobs_from_logits(ref_logits, response)                      # (B, T)
-        kl_exact = kl_full(logits, ref_logits)                                         # (B, T)
+        #     log π(y_t), log π_ref(y_t), the exact KL(π ‖ π_ref) and π's entropy at each position: (B, T) each
+        logprobs, ref_logprobs, kl_exact, ent = in_micro_batches(
+            g, response_logprobs, policy, ref, query, query_mask, response, response_mask, cfg.temperature)
         kl_pen = kl_exact if cfg.kl_estimator == "full" else sampled_kl(logprobs, ref_logprobs, cfg)   # (B, T)
         eta = kl_coef if cfg.kl_in == "reward" else 0.0                                # η of Eq. 19
         rewards = shape_rewards(rewards_seq, logprobs, ref_logprobs, mask, eta, kl=kl_pen)  # (B, T)
         # (5) advantages: values and GAE (Eq. 9), returns = advantages + values the critic's targets (Eq. 16);
         #     or without a critic, from the group of G responses per prompt or the batch (critic_free.py)
         if cfg.advantage == "gae":
-            values = critic_values(critic, query, query_mask, response, response_mask) * mask  # (B, T)
+            values = in_micro_batches(g, critic_values, critic, query, query_mask, response, response_mask) * mask  # (B, T)
             # λ_policy: --lam, or VAPO's 1 − 1/(α·l) per response; λ_critic of the returns: the same, or --lam-critic
             lam = adaptive_lam(mask.sum(1), cfg.lam_adaptive) if cfg.lam_adaptive else cfg.lam       # scalar or (B,)
             if cfg.lam_critic is None:
@@ -474,7 +499,7 @@ def make_experience(policy, ref, reward_model, critic, query, query_mask, respon
         # the guard (every rank skips together) and the logged numbers; neither changes the batch
         if bad := check_finite({"logprobs": logprobs, "values": values, "advantages": advantages}):
             return {**exp, "nonfinite": bad, "stats": {}}
-        exp["stats"] = experience_stats(exp, logits, kl_exact, rewards_seq, rewards)
+        exp["stats"] = experience_stats(exp, ent, kl_exact, rewards_seq, rewards)
         if extra:  # the sampler's and the correction's numbers (the same keys on every rank)
             exp["stats"].update(all_mean(extra, mask.device))
         return exp
@@ -568,7 +593,7 @@ def pretrain_critic(policy, ref, reward_model, critic, critic_opt, moments, prom
     for it in progress(range(cfg.critic_pretrain_steps)):
         _, query, query_mask = prompt_batch()
         response, response_mask, _ = rollout(policy, query, query_mask, cfg.max_new_tokens, eos_id, pad_id,
-                                             cfg.temperature)
+                                             cfg.temperature, generate_batch=cfg.generate_batch)
         exp = make_experience(policy, ref, reward_model, critic, query, query_mask, response, response_mask,
                               moments, cfg, kl_coef)
         if exp["nonfinite"]:

@@ -1738,7 +1738,7 @@ R = _Selected()
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="notebooks/claims.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="notebooks/claims.py", description=__doc__.split("\n")[0])
     p.add_argument("--run", action="store_true", help="train (or reuse) the registry's runs and write their records")
     p.add_argument("--claims", default="", help="with --run or --show: comma-separated claim ids (default: all)")
     p.add_argument("--seeds", default="", help="with --run: only these seeds, as 6-9 or 6,7,8 (default: every planned "

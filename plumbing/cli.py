@@ -188,10 +188,11 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse whose own errors (a value that is not a number, an unknown flag, a missing one) are one line and
     exit 2, like every other user mistake here. A negative number after a flag is its value in any notation
     (argparse alone takes `-1e-5` for a flag and says the value is missing); the range check then says what is
-    wrong with it."""
+    wrong with it. Never a prefix of a flag for the flag (allow_abbrev=False): `--rollout-batch` must not be read as
+    `--rollout-batch-per-gpu` when only the longer one is a flag of the parser."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
         self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str) -> None:

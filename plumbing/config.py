@@ -146,6 +146,13 @@ class RunConfig:
     fp32: bool = arg(False, "fp32 where bf16 would be used (DeepSpeed on an accelerator with bf16; never the CPU)")
     bf16: bool = arg(False, "bf16 for every model even on the CPU (the accelerator's dtype path, testable here)")
     # one GPU (lora.py): low-rank adapters through peft instead of full weights
+    frozen_zero_stage: int = arg(0, "the frozen models (reference, the reward model when it only scores, the judge) "
+                                    "under DeepSpeed: 0 = a copy on every rank; 3 = ZeRO-3 inference engines, their "
+                                    "parameters partitioned over the ranks and gathered layer by layer (the llama "
+                                    "presets; needs the launcher or --deepspeed)", "0|3")
+    frozen_offload: bool = arg(False, "the frozen models' parameters on the CPU (ZeRO-3 offload_param, as the paper's "
+                                      "code runs them; implies --frozen-zero-stage 3; needs the launcher or "
+                                      "--deepspeed)")
     lora_r: int = arg(0, "LoRA rank r: train adapters (peft) instead of full weights, in SFT, the reward model, the "
                          "critic and the policy (the synthetic world: critic and policy); 0 = full fine-tuning", ">=0")
     lora_alpha: float = arg(16.0, "LoRA α: the update is (α/r)·B·A", ">0")
@@ -192,6 +199,9 @@ class PPOConfig:
     minibatch: int = arg(16, "sequences per gradient step (paper 32); divides --rollout-batch", ">=1")
     ppo_epochs: int = arg(2, "passes over each rollout batch ('small experience buffer', §5.4)", ">=1")
     max_new_tokens: int = arg(24, "response length cap T", ">=1")
+    generate_batch: int = arg(0, "prompts per GPU generated, scored and read for log-probs and values at once: the "
+                                 "rollout batch in micro-batches of this many (the update still takes the whole "
+                                 "batch); must divide the rollout batch per GPU; 0 = all at once", ">=0")
     temperature: float = arg(1.0, "rollout sampling temperature T: samples from π^(1/T), and the log-probs of the "
                                   "ratio and the KL are those of π^(1/T) too (1 = π itself)", ">0")
     # --- optimisation ---
@@ -339,9 +349,15 @@ DATA_PRESET = dict(sft_hidden=128, sft_epochs=2.0, sft_batch=32, rm_epochs=1.0, 
 # 1.06 epochs, β_rm = 1 (the paper's dynamic batches of 4-128 sequences: 64 pairs). The paper reports no SFT
 # settings; these are Alpaca's for LLaMA-7B (Taori et al. 2023): lr 2e-5, 3 epochs, batch 128. bf16 comes with
 # DeepSpeed on an accelerator that has it; the final evaluation always samples as the paper evaluates.
+# The lengths are those of the paper's released script (MOSS-RLHF train_ppo_en.sh: --maxlen_prompt 2048 --maxlen_res
+# 512, so a prompt is cut to 2048 − 512 = 1536 tokens, dropping its oldest turns first, as data.fit_prompt does here;
+# the paper itself says "max length 2048"); the frozen models are ZeRO-3 engines as that code builds them, 4 prompts
+# per GPU are generated and scored at a time (its code: 2), and the update takes the paper's batches
+# (docs/real-scale.md).
 PAPER_LLAMA = dict(policy_lr=5e-7, critic_lr=1.65e-6, warmup_frac=0.1, rollout_batch=128, minibatch=32, lam=0.9,
                    clip_eps=0.2, kl_coef=0.05, grad_ckpt=True, rm_lr=5e-6, rm_epochs=1.06, rm_batch=64, rm_lm_coef=1.0,
-                   sft_lr=2e-5, sft_epochs=3.0, sft_batch=128)
+                   sft_lr=2e-5, sft_epochs=3.0, sft_batch=128, max_prompt_tokens=1536, max_new_tokens=512,
+                   max_response_tokens=512, frozen_zero_stage=3, generate_batch=4)
 MODEL_PRESETS = {"llama-7b": PAPER_LLAMA, "llama-13b": PAPER_LLAMA}
 
 # any real --model: ptx (Eq. 17) on its SFT text, since only the synthetic world has a pretraining split, and the

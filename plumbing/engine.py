@@ -15,6 +15,9 @@ on 8 GPUs):
     alone()                                   → a block one rank runs while the others wait (the cached base)
     unwrap(model)                             → the Hugging Face model inside an engine (what save_pretrained needs)
     release(model)                            → the end of a stage: the engine destroyed, its hooks off the module
+    frozen(model, ds)                         → a frozen model as a ZeRO-3 inference engine (--frozen-zero-stage 3,
+                                                --frozen-offload): its parameters partitioned over the ranks
+    in_micro_batches(n, fn, *args)            → fn over the rows of a batch, n at a time (--generate-batch)
 
 Run: deepspeed --num_gpus 2 train.py ...      (on a CPU-only machine DeepSpeed picks its CPU accelerator and gloo)
 
@@ -164,6 +167,46 @@ def release(model) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+_FROZEN: list = []  # the frozen models' ZeRO-3 engines, alive as long as their modules are used (release_frozen)
+
+
+def frozen(model, ds: dict | None):
+    """A frozen model (the reference, the scoring reward model, the judge) as a DeepSpeed ZeRO-3 inference engine
+    when `ds` is one (scale.inference_deepspeed_config: stage 3, offload_param with --frozen-offload): its parameters
+    are partitioned over the ranks (or kept on the CPU) and each layer's are gathered for its forward by the hooks
+    ZeRO-3 puts on the module, so the module itself is returned and called as before; every rank must then run each
+    forward of it together. The model itself when `ds` is None (a copy on every rank)."""
+    if ds is None or model is None:
+        return model
+    import deepspeed
+    eng, *_ = deepspeed.initialize(model=model, config=ds)
+    _FROZEN.append(eng)
+    return eng.module.eval()
+
+
+def release_frozen() -> None:
+    """The frozen ZeRO-3 engines let go (rank 0's final evaluation loads full copies instead: plumbing/run.py)."""
+    for eng in _FROZEN:
+        eng.destroy()
+    _FROZEN.clear()
+    gc.collect()
+
+
+def in_micro_batches(n: int, fn, *args):
+    """fn(*args) computed n rows at a time and concatenated along dim 0 (a tuple of results: each one); the
+    arguments that are tensors with the batch's rows are split, the others passed as they are. n = 0 or n ≥ the
+    batch: one call, fn(*args) itself. Each row's numbers do not depend on the others (dropout off, the rows of one
+    padded batch), so the result is the whole batch's up to float rounding of the smaller matmuls."""
+    rows = next(a.shape[0] for a in args if isinstance(a, Tensor))
+    if not n or n >= rows:
+        return fn(*args)
+    parts = [fn(*(a[i:i + n] if isinstance(a, Tensor) and a.dim() and a.shape[0] == rows else a for a in args))
+             for i in range(0, rows, n)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(list(x)) for x in zip(*parts))
+    return torch.cat(parts)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -38,9 +38,10 @@ FILE_FLAGS = ("data", "sft_data", "prompts", "deepspeed_config")  # must be exis
 
 
 def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfig,
-             world_cfg: toy_world.WorldConfig, dpo_cfg: DPOConfig) -> None:
+             world_cfg: toy_world.WorldConfig, dpo_cfg: DPOConfig, world: int | None = None) -> None:
     """Every flag against its range or choices, the files it names, and the combinations the loop needs: one line
-    naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written."""
+    naming the flag, its value and what is allowed (exit 2), before anything is trained, loaded or written. `world`:
+    the number of processes (default: the launcher's WORLD_SIZE; --plan: its --num-gpus)."""
     for obj, prefix in ((run, ""), (sft_cfg, ""), (rm_cfg, ""), (cfg, ""), (world_cfg, "world-"), (dpo_cfg, "")):
         for name, spec in cli.allowed(type(obj)).items():
             value = getattr(obj, name)
@@ -66,6 +67,7 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfi
         if not run.deepspeed and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # one process: no engine reads it
             fail(f"--deepspeed_config {run.deepspeed_config}: DeepSpeed engines run under the `deepspeed` launcher "
                  f"with more than one process, or with --deepspeed")
+    validate_launch(run, cfg, launch_world() if world is None else world)
     if run.resume and not Path(run.resume).exists():
         fail(f"--resume {run.resume}: no such run or checkpoint directory")
     if cfg.minibatch > cfg.rollout_batch:
@@ -95,13 +97,53 @@ def validate(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, cfg: PPOConfi
             lora.target_modules("", run.lora_targets)
         except ValueError as e:
             fail(str(e))
-    if run.lora_bits != 16:  # bitsandbytes: a CUDA GPU, one process
+    if run.lora_bits != 16 and not run.plan:  # bitsandbytes: a CUDA GPU, one process (--plan bills it anywhere)
         lora.check_bits(run, "cuda" if torch.cuda.is_available() else "cpu")
         if run.deepspeed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             fail(f"--lora-bits {run.lora_bits}: quantized frozen weights run in one process here, not under DeepSpeed "
                  f"engines; drop --deepspeed / the launcher, or use --lora-bits 16")
     if Path(run.out).exists() and not Path(run.out).is_dir():
         fail(f"--out {run.out}: exists and is not a directory")
+
+
+def launch_world() -> int:
+    """The number of processes this run will have: the `deepspeed` launcher's WORLD_SIZE (1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fit_to_launch(run: RunConfig, cfg: PPOConfig, given: set[str], world: int) -> tuple[RunConfig, PPOConfig]:
+    """The launch settings of a preset (config.PAPER_LLAMA) where this launch cannot take them, for the flags not
+    given: ZeRO-3 frozen models need DeepSpeed (the launcher or --deepspeed) and LoRA's frozen models are the trained
+    ones with adapters off, so those runs keep a copy (--frozen-zero-stage 0); --generate-batch becomes the largest
+    divisor of the rollout batch per process that is not above it."""
+    if "frozen_zero_stage" not in given and not (run.deepspeed or world > 1) or run.lora_r and "frozen_zero_stage" \
+            not in given:
+        run = dataclasses.replace(run, frozen_zero_stage=0)
+    per = cfg.rollout_batch // world
+    if cfg.generate_batch and "generate_batch" not in given and per and cfg.rollout_batch % world == 0:
+        cfg = dataclasses.replace(cfg, generate_batch=max(d for d in range(1, min(cfg.generate_batch, per) + 1)
+                                                          if per % d == 0))
+    return run, cfg
+
+
+def validate_launch(run: RunConfig, cfg: PPOConfig, world: int) -> None:
+    """The frozen models' sharding and the micro-batches against the launch: one line, exit 2."""
+    frozen = ("--frozen-offload" if run.frozen_offload else "") or \
+        (f"--frozen-zero-stage {run.frozen_zero_stage}" if run.frozen_zero_stage else "")
+    if frozen and not (run.deepspeed or world > 1):
+        fail(f"{frozen}: ZeRO-3 inference engines for the frozen models run under the `deepspeed` launcher (or with "
+             f"--deepspeed); one process keeps a copy of each (--frozen-zero-stage 0)")
+    if frozen and run.lora_r:
+        fail(f"{frozen} with --lora-r {run.lora_r}: under LoRA the reference and the reward model are the policy's "
+             f"and the critic's own frozen weights with the adapters off; there is no copy to shard")
+    if frozen and cfg.dynamic_sampling:
+        fail(f"{frozen} with --dynamic-sampling: each rank refills its batch a different number of times, and a "
+             f"ZeRO-3 model's every forward needs all ranks; use --frozen-zero-stage 0")
+    per = cfg.rollout_batch // world
+    if cfg.generate_batch and cfg.rollout_batch % world == 0 and per % cfg.generate_batch:
+        fail(f"--generate-batch {cfg.generate_batch}: must divide the rollout batch per process, --rollout-batch "
+             f"{cfg.rollout_batch} / {world} = {per} (equal micro-batches), e.g. "
+             f"{max(d for d in range(1, min(cfg.generate_batch, per) + 1) if per % d == 0)}")
 
 
 def from_preset(run: RunConfig, name: str, value) -> str:
@@ -339,10 +381,12 @@ def given_flags(argv) -> set[str]:
     return set(vars(p.parse_args(argv)))
 
 
-def parse_configs(argv=None):
+def parse_configs(argv=None, world: int | None = None):
     """(RunConfig, SFTConfig, RMConfig, PPOConfig, WorldConfig, DPOConfig) of a command line: config.py's layers
     (field defaults, the preset, the presets of what the run trains on, the implied flags) under the flags given, and
-    --out defaulting to runs/<name>-seed<seed> (or the resumed run's directory); every value checked (validate)."""
+    --out defaulting to runs/<name>-seed<seed> (or the resumed run's directory); every value checked (validate).
+    `world`: the processes the run will have (default: the launcher's WORLD_SIZE; --plan: its --num-gpus)."""
+    world = launch_world() if world is None else world
     args = build_parser().parse_args(argv)
     given = given_flags(argv)
     pick = lambda cls: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})  # noqa: E731
@@ -358,7 +402,8 @@ def parse_configs(argv=None):
                                                                 k in {f.name for f in dataclasses.fields(c)}})
                                      for c in (run, sft_cfg, rm_cfg, ppo))
     ppo = implied(ppo, given | set(PRESETS[run.preset]))                                     # layer 4
-    world = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
+    run, ppo = fit_to_launch(run, ppo, given, world)
+    world_cfg = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
                                                      for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
@@ -368,9 +413,9 @@ def parse_configs(argv=None):
     if not run.out:  # runs of other estimators, data or LoRA never share a directory with the default run
         data_tag = f"-{Path(run.data).name.split('.')[0]}" if run.data and run.model == "tiny" else ""
         run.out = f"runs/{run_name(run, ppo)}{data_tag}{lora_tag(run)}-seed{run.seed}"
-    validate(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg)
-    validate_combinations(run, sft_cfg, rm_cfg, ppo, world, dpo_cfg, given)
-    return run, sft_cfg, rm_cfg, ppo, world, dpo_cfg
+    validate(run, sft_cfg, rm_cfg, ppo, world_cfg, dpo_cfg, world)
+    validate_combinations(run, sft_cfg, rm_cfg, ppo, world_cfg, dpo_cfg, given)
+    return run, sft_cfg, rm_cfg, ppo, world_cfg, dpo_cfg
 
 
 def startup_line(run: RunConfig, configs: tuple) -> str:
@@ -539,46 +584,71 @@ def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
 
 
 
-def print_plan(argv: list[str]) -> "scale.MemoryPlan":
-    """--plan: plumbing/scale.py's per-GPU memory plan of the run these flags describe, loading no weights: --model (for
-    `tiny`, its LlamaConfig) and its reward model, the critic's start (--critic-init, --critic-model), the judge (on
-    real data with --judge-frac > 0), LoRA and the sharing load_models does, DeepSpeed engines (more than one GPU, or
-    --deepspeed) or one process with torch AdamW, and the weights' dtype as the run loads them (--bf16 or DeepSpeed's
-    bf16; else as saved). The shapes are the plan's flags (--micro-batch, --rollout-batch-per-gpu, --prompt-len, ...,
-    the paper's set-up by default), or this run's own --minibatch, --rollout-batch, --ptx-batch, --max-prompt-tokens,
-    --max-new-tokens, --sft-batch and --rm-batch (over the GPUs) when those are on the command line. The plan comes
-    back with its stages 1-2 in plan.stages."""
-    plan_args, rest = scale.add_plan_args(argparse.ArgumentParser(add_help=False)).parse_known_args(argv)
-    run, sft_cfg, rm_cfg, cfg, *_ = parse_configs(rest)  # everything else is train.py's: a typo is still an error
+def plan_inputs(argv: list[str]) -> tuple[dict, dict, dict]:
+    """What --plan bills for these flags: (plan_memory's settings, the models {"model", "reward", "critic_model"},
+    stages 1-2's batches per GPU), read from the run's own parsed configuration (parse_configs, the run's parser, with
+    the world the plan's --num-gpus describes), so the plan bills the run that `deepspeed train.py ARGV` would start:
+    its lengths (--max-prompt-tokens P, --max-new-tokens T), its batches per GPU (--rollout-batch, --minibatch,
+    --ptx-batch, --sft-batch, --rm-batch over G), --generate-batch, gradient checkpointing, the ZeRO stage, the frozen
+    models' sharding and offload, LoRA, the judge (on real data with --judge-frac > 0), the critic's start. Only the
+    machine (--num-gpus, --gpu-mem, --overhead-gb, --engine, --no-flash-attention, --offload-optimizer) is the plan's
+    own; its shape flags (--micro-batch, --rollout-batch-per-gpu, --ptx-batch-per-gpu, --prompt-len, --response-len,
+    --no-grad-ckpt) override the run's when given."""
+    plan_parser = scale.add_plan_args(argparse.ArgumentParser(allow_abbrev=False, add_help=False), train=True)
+    plan_args, rest = plan_parser.parse_known_args(argv)
+    cli.check_flags(plan_args, {"num_gpus": ">=1", "gpu_mem": ">0", "micro_batch": ">=1",
+                                "rollout_batch_per_gpu": ">=1", "ptx_batch_per_gpu": ">=0", "prompt_len": ">=1",
+                                "response_len": ">=1", "overhead_gb": ">=0"})
+    G = plan_args.num_gpus
+    engines = plan_args.engine == "deepspeed" or plan_args.engine == "auto" and (G > 1 or "--deepspeed" in rest)
+    run, sft_cfg, rm_cfg, cfg, *_ = parse_configs(rest, world=G if engines else 1)  # a typo is still an error
     real = run.model != "tiny"
     if real:
         model, reward, critic_model = run.sft_model or run.model, run.reward_model or None, run.critic_model or None
     else:
         model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
         critic_model = None
-    G = plan_args.num_gpus
-    engines = run.deepspeed or G > 1 if plan_args.engine == "auto" else plan_args.engine == "deepspeed"
-    if plan_args.fp32:
+    if run.fp32:
         beta = 4
     elif run.bf16 or engines:  # DeepSpeed on an accelerator with bf16 (pipeline.use_bf16)
         beta = 2
     else:  # one process without --bf16: from_pretrained loads the weights as saved (the tiny world trains in fp32)
         beta = scale.saved_dtype_bytes(model) if real else 4
-    given, shapes = given_flags(rest), {}
-    for flag, key, per_gpu in (("minibatch", "micro_batch", True), ("rollout_batch", "rollout_batch_per_gpu", True),
-                               ("ptx_batch", "ptx_batch_per_gpu", True), ("max_prompt_tokens", "prompt_len", False),
-                               ("max_new_tokens", "response_len", False)):
-        if flag in given and f"--{key.replace('_', '-')}" not in argv:  # the plan's own flag wins
-            value = getattr(cfg if hasattr(cfg, flag) else run, flag)
-            shapes[key] = max(1, value // G) if per_gpu else value
-    stage_batch = {f"{k}_batch": max(1, getattr(c, f"{k}_batch") // G) if f"{k}_batch" in given else None
-                   for k, c in (("sft", sft_cfg), ("rm", rm_cfg))}  # stages 1-2: sequences / pairs per GPU per step
+    per_gpu = lambda n: max(1, n // G)  # noqa: E731
+    shapes = dict(micro_batch=per_gpu(cfg.minibatch), rollout_batch_per_gpu=per_gpu(cfg.rollout_batch),
+                  ptx_batch_per_gpu=per_gpu(cfg.ptx_batch) if cfg.ptx_coef else 0,
+                  prompt_len=run.max_prompt_tokens, response_len=cfg.max_new_tokens, grad_ckpt=run.grad_ckpt)
+    for key in ("micro_batch", "rollout_batch_per_gpu", "ptx_batch_per_gpu", "prompt_len", "response_len"):
+        if f"--{key.replace('_', '-')}" in argv:  # the plan's own shape flag, given: it wins
+            shapes[key] = getattr(plan_args, key)
+    if "--no-grad-ckpt" in argv:
+        shapes["grad_ckpt"] = False
+    offload_optimizer = plan_args.offload_optimizer
+    if run.deepspeed_config:  # the engines' own JSON: its ZeRO stage and optimizer offload are what the run uses
+        zero = json.loads(Path(run.deepspeed_config).read_text()).get("zero_optimization", {})
+        offload_optimizer = offload_optimizer or bool(zero.get("offload_optimizer"))
     judge = bool(run.data and run.judge_frac) and (not real or "rm" in run.stages.split(","))
-    settings = scale.plan_settings(plan_args, engine="deepspeed" if engines else "torch", dtype_bytes=beta,
-                                   critic_init="model" if critic_model else cfg.critic_init,
-                                   policy_init=cfg.policy_init, judge=judge, critic=cfg.advantage == "gae", **shapes)
-    if not cfg.ptx_coef:
-        settings["ptx_batch_per_gpu"] = 0
+    settings = dict(num_gpus=G, gpu_mem_gb=plan_args.gpu_mem, zero_stage=run.zero_stage,
+                    engine="deepspeed" if engines else "torch", dtype_bytes=beta,
+                    offload_optimizer=offload_optimizer, ref_reward_offload=run.frozen_offload,
+                    frozen_zero_stage=3 if run.frozen_offload else run.frozen_zero_stage,
+                    flash_attention=not plan_args.no_flash_attention, overhead_gb=plan_args.overhead_gb,
+                    lora_r=run.lora_r, lora_targets=run.lora_targets, lora_bits=run.lora_bits,
+                    generate_batch=cfg.generate_batch, critic_init="model" if critic_model else cfg.critic_init,
+                    policy_init=cfg.policy_init, judge=judge, critic=cfg.advantage == "gae", **shapes)
+    if settings["generate_batch"] and settings["rollout_batch_per_gpu"] % settings["generate_batch"]:
+        fail(f"--generate-batch {cfg.generate_batch}: must divide the rollout batch per GPU "
+             f"({settings['rollout_batch_per_gpu']})")
+    stage_batch = {f"{k}_batch": per_gpu(getattr(c, f"{k}_batch")) for k, c in (("sft", sft_cfg), ("rm", rm_cfg))}
+    return settings, dict(model=model, reward=reward, critic_model=critic_model, tiny=not real,
+                          advantage=cfg.advantage), stage_batch
+
+
+def print_plan(argv: list[str]) -> "scale.MemoryPlan":
+    """--plan: plumbing/scale.py's per-GPU memory plan of the run these flags describe (plan_inputs), loading no
+    weights. The plan comes back with its stages 1-2 in plan.stages."""
+    settings, models, stage_batch = plan_inputs(argv)
+    model, reward, critic_model, real = models["model"], models["reward"], models["critic_model"], not models["tiny"]
     try:
         plan = scale.plan_memory(model, reward_cfg=reward, critic_cfg=critic_model, **settings)
         # the tiny world and --data alone train stages 1-2 from scratch, in full (plumbing/lora.py)
@@ -586,7 +656,7 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
                                         **stage_batch)
     except (scale.ModelNotFound, ValueError) as e:
         fail(str(e))
-    if run.model == "tiny":
+    if not real:
         plan.name = "tiny (the synthetic world's LLaMA)"
     print(scale.format_stage_plans(plan.stages))
     print(scale.format_plan(plan))
@@ -597,7 +667,7 @@ def print_plan(argv: list[str]) -> "scale.MemoryPlan":
               f"{other.total_bytes / scale.GiB:.2f} GiB per GPU, {(plan.total_bytes - other.total_bytes) / scale.GiB:.2f} "
               f"GiB less")
     else:
-        print(f"--advantage {cfg.advantage} holds no critic: {(other.total_bytes - plan.total_bytes) / scale.GiB:.2f} GiB "
+        print(f"--advantage {models['advantage']} holds no critic: {(other.total_bytes - plan.total_bytes) / scale.GiB:.2f} GiB "
               f"per GPU less than PPO with GAE's critic ({other.total_bytes / scale.GiB:.2f} GiB)")
     return plan
 

@@ -60,7 +60,7 @@ from torch import Tensor
 from plumbing import engine
 from plumbing.checkpoint import find_latest
 from plumbing.engine import all_mean, any_rank
-from ppo_loss import entropy, masked_mean
+from ppo_loss import masked_mean
 
 
 KL_KEY, LENGTH_KEY, PPL_KEY = "kl/ref", "response/length", "policy/perplexity"
@@ -415,9 +415,9 @@ def check_finite(named: dict[str, Tensor | None]) -> str | None:
     return (bad or "on another rank") if any_rank(bad is not None, device) else None
 
 
-def experience_stats(exp: dict, logits: Tensor, kl_exact: Tensor, rewards_seq: Tensor, rewards: Tensor) -> dict:
+def experience_stats(exp: dict, ent: Tensor, kl_exact: Tensor, rewards_seq: Tensor, rewards: Tensor) -> dict:
     """metrics.jsonl's numbers of steps (2)-(5) (docs/metrics.md defines each), averaged over the ranks; called
-    inside make_experience's torch.no_grad()."""
+    inside make_experience's torch.no_grad(). ent (B, T): the policy's entropy at each response position."""
     mask, all_scores, advantages = exp["mask"], exp["all_scores"], exp["advantages"]
     stats = {
         "reward/score": all_scores.mean().item(),
@@ -428,7 +428,7 @@ def experience_stats(exp: dict, logits: Tensor, kl_exact: Tensor, rewards_seq: T
         "kl/ref_k1": masked_mean(exp["logprobs"] - exp["ref_logprobs"], mask).item(),
         "kl/ref_seq": (kl_exact * mask).sum(1).mean().item(),
         "policy/perplexity": math.exp(-masked_mean(exp["logprobs"], mask).item()),
-        "policy/entropy": masked_mean(entropy(logits), mask).item(),
+        "policy/entropy": masked_mean(ent, mask).item(),
         "response/length": mask.sum(1).mean().item(),
         "adv/mean": masked_mean(advantages, mask).item(),
         "adv/std": masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt().item(),

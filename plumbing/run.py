@@ -140,7 +140,8 @@ def ppo_setup(s: Setup, inp: Inputs) -> tuple["Models", data.RolloutBatches, "Lo
         s.ppo = dataclasses.replace(s.ppo, ptx_coef=0.0)
     checkpoint.seed_everything(s.run.seed + s.rank)  # rank r samples its own stream; rank 0's: the one-process one
     m = load_models(inp, s.run, s.ppo, s.device, deepspeed_config(s.run, s.ppo, s.world, s.device))
-    s.judge = make_judge(inp, not (s.run.data or s.dirs), m.bf16, s.device, lora.quantization(s.run))  # gold
+    s.judge = make_judge(inp, not (s.run.data or s.dirs), m.bf16, s.device, lora.quantization(s.run),  # gold
+                         m.frozen_ds)
     batches = data.RolloutBatches([r["prompt"] for r in inp.rows["ppo"]],
                                   [(r["prompt"], r["response"]) for r in inp.rows["ptx"]], inp.tokenizer,
                                   seed=s.run.seed, rank=s.rank, world=s.world, device=s.device)
@@ -377,6 +378,7 @@ class Models:
     policy_opt: object
     critic_opt: object
     bf16: bool = False
+    frozen_ds: dict | None = None  # the frozen models' ZeRO-3 inference config (--frozen-zero-stage 3), or None
 
 
 def load_models(inp: Inputs, run: RunConfig, cfg: PPOConfig, device: torch.device, ds: dict | None) -> Models:
@@ -421,13 +423,19 @@ def load_models(inp: Inputs, run: RunConfig, cfg: PPOConfig, device: torch.devic
     for model in (policy, ref, reward_model, critic):  # ρ = 1 on the first minibatch needs a deterministic network
         if model is not None and not isinstance(model, lora.AdaptersOff):  # (the policy's and critic's own weights)
             models.disable_dropout(model)
+    frozen_ds = frozen_config(run, ds, bf16)  # --frozen-zero-stage 3 / --frozen-offload: ZeRO-3 inference engines
+    ref = ref if isinstance(ref, lora.AdaptersOff) else engine.frozen(ref, frozen_ds)
+    reward_model = reward_model if lora.enabled(run) else engine.frozen(reward_model, frozen_ds)
     policy_opt = torch.optim.AdamW(engine.trainable(policy), lr=cfg.policy_lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(engine.trainable(critic), lr=cfg.critic_lr, weight_decay=0.0) if critic else None
     if ds is not None:
         print(f"[deepspeed] {engine.world_size()} process(es) on {device.type}, policy and critic engines: "
               f"{json.dumps(ds)}")
-        print("[deepspeed] reference and reward model: inference only, replicated on every rank (if they do not fit: "
-              "ZeRO-3 / CPU offload with scale.inference_deepspeed_config; see --plan)")
+        print("[deepspeed] reference, reward model and judge: inference only, " + (
+            f"ZeRO-3 engines, their parameters partitioned over the {engine.world_size()} rank(s)"
+            + (" and kept on the CPU (--frozen-offload)" if run.frozen_offload else "") + f": {json.dumps(frozen_ds)}"
+            if frozen_ds else "replicated on every rank (if they do not fit: --frozen-zero-stage 3, --frozen-offload; "
+                              "see --plan)"))
     if lora.enabled(run):
         critic_n = f" / critic {sum(p.numel() for p in engine.trainable(critic)):,}" if critic else ""
         print(f"[lora] r {run.lora_r}, α {run.lora_alpha:g}, targets {run.lora_targets}: policy "
@@ -440,7 +448,16 @@ def load_models(inp: Inputs, run: RunConfig, cfg: PPOConfig, device: torch.devic
     policy, policy_opt = engine.wrap(policy, policy_opt, ds, cfg.policy_lr)
     if critic is not None:
         critic, critic_opt = engine.wrap(critic, critic_opt, ds, cfg.critic_lr)
-    return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16)
+    return Models(policy, ref, reward_model, critic, policy_opt, critic_opt, bf16, frozen_ds)
+
+
+def frozen_config(run: RunConfig, ds: dict | None, bf16: bool) -> dict | None:
+    """The frozen models' DeepSpeed JSON under --frozen-zero-stage 3 or --frozen-offload (with engines, full
+    weights: flags.validate_launch refuses the rest), in the engines' dtype; None: a copy on every rank."""
+    if ds is None or lora.enabled(run) or not (run.frozen_zero_stage == 3 or run.frozen_offload):
+        return None
+    from plumbing import scale
+    return scale.inference_deepspeed_config(3, run.frozen_offload, bf16=bf16)
 
 
 @dataclass
@@ -453,10 +470,10 @@ class Judge:
     model: object | None = None                 # the judge's reward model, if it is one
 
 
-def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None
-               ) -> Judge | None:
+def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None,
+               frozen_ds: dict | None = None) -> Judge | None:
     """Gold in the synthetic world; on real data the held-out reward model, one more frozen model (quantized like
-    the others under --lora-bits)."""
+    the others under --lora-bits; a ZeRO-3 engine like them with frozen_ds)."""
     if synthetic:
         return Judge("gold", "reward/gold", toy_world.gold_judge)
     if not inp.judge:
@@ -464,7 +481,7 @@ def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, q
     rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
                                          quantization=quantization)
     rm = models.disable_dropout(rm).eval().requires_grad_(False)
-    rm = rm if quantization else rm.to(device)
+    rm = engine.frozen(rm if quantization else rm.to(device), frozen_ds)
     return Judge("held-out reward model", "reward/judge", evaluation.rm_judge(rm), rm)
 
 
@@ -557,10 +574,26 @@ def finish(s: Setup, loop: LoopPlumbing, m: "Models", ended: dict) -> dict | Non
     # to them (the models', the loop's, the checkpoints') dropped, their states are freed
     m.policy_opt = m.critic_opt = loop.policy_opt = None
     loop.ckpts.optimizers.clear()
+    if m.frozen_ds:  # ZeRO-3 frozen models need every rank at each forward, and rank 0 evaluates alone: full copies
+        engine.release_frozen()
+        if s.rank == 0:
+            unshard_frozen(s, m)
     engine.close_distributed()  # the last collective is behind us (under DeepSpeed)
     if s.rank != 0:  # rank 0 alone saves the final models, evaluates and writes the summary
         return None
     return write_summary(m, s.inp, s.run, s.ppo, loop.log, ended, s.timings, s.t_start, s.dirs, s.judge, s.device)
+
+
+def unshard_frozen(s: Setup, m: Models) -> None:
+    """Rank 0's final evaluation after a run with ZeRO-3 frozen models: the reference, the reward model and the judge
+    loaded again from their directories, whole, on this rank (frozen: the same weights the engines held in parts)."""
+    kw = {"torch_dtype": torch.bfloat16} if m.bf16 else {}
+    ref = models.causal_lm_class(s.inp.ref).from_pretrained(s.inp.ref, **lora.load_kwargs(s.run, m.bf16))
+    m.ref = models.disable_dropout(ref.to(s.device)).eval().requires_grad_(False)
+    rm = ScalarHeadModel.from_pretrained(s.inp.reward, require_head=True, **kw)
+    m.reward_model = models.disable_dropout(rm.to(s.device)).eval().requires_grad_(False)
+    if s.judge is not None and s.judge.model is not None:
+        s.judge = make_judge(s.inp, False, m.bf16, s.device)
 
 
 def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: list[dict],

@@ -376,6 +376,20 @@ def _working_set(a: Mapping[str, Any], n: int, s: int, beta: int, flash: bool, n
     return x * beta // 2, formula + ("" if beta == 2 else f" ×{beta}/2")
 
 
+NOGRAD_COEF = 17  # bytes per token per hidden unit at 16 bits that one decoder layer holds at its peak without grad:
+                  # 13-17 measured on the CPU (docs/real-scale.md), against Korthikanti et al.'s 34 with grad
+
+
+def _nograd_set(a: Mapping[str, Any], n: int, s: int, beta: int, flash: bool, name: str = "n") -> tuple[int, str]:
+    """One layer's working set in a pass without grad (generation's prefill, scoring, log-probs): nothing is kept
+    for a backward, so the layer's live temporaries only, NOGRAD_COEF·s·n·h at 16 bits (+ 5·a·s²·n without flash
+    attention), scaled by β/2 otherwise."""
+    h, heads = a["hidden_size"], a["num_attention_heads"]
+    x = NOGRAD_COEF * s * n * h + (0 if flash else 5 * heads * s * s * n)
+    formula = f"{NOGRAD_COEF}·{name}·L·h" + ("" if flash else f" + 5·a·L²·{name}")
+    return x * beta // 2, formula + ("" if beta == 2 else f" ×{beta}/2")
+
+
 def _hidden_states(a: Mapping[str, Any], n: int, s: int, beta: int) -> int:
     """(ℓ + 1)·n·s·h·β: every layer's output of a forward pass with output_hidden_states=True (reward_model.
     ScalarHeadModel reads the last one), all kept until the pass returns. Without grad this is what the pass holds;
@@ -471,8 +485,8 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
                 offload_optimizer: bool = False, ref_reward_offload: bool = False, flash_attention: bool = True,
                 overhead_gb: float = 2.0, engine: str = "deepspeed", lora_r: int = 0, lora_targets: str = "auto",
                 lora_bits: int = 16, critic: bool = True, critic_init: str = "rm", policy_init: str = "sft",
-                judge: bool = False, reward_cfg=None, critic_cfg=None, judge_cfg=None,
-                suggest: bool = True) -> MemoryPlan:
+                judge: bool = False, frozen_zero_stage: int = 0, generate_batch: int = 0, reward_cfg=None,
+                critic_cfg=None, judge_cfg=None, suggest: bool = True) -> MemoryPlan:
     """Per-GPU memory of PPO's models as train.py holds them: policy and critic (trained), reference, reward model
     and, on real data, the judge (frozen).
 
@@ -496,15 +510,18 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
         optimizer    12·N             fp32 master + m + v (8·N in pure fp32, β = 4); ÷G with ZeRO ≥ 1; on the CPU
                                       with offload_optimizer (ZeRO-Offload); every trainable parameter, used or not
       LoRA (lora_r = R > 0), see _lora_rows: the frozen backbones, shared where train.load_models shares them.
-    Held while one phase runs, with B = rollout_batch_per_gpu, b = micro_batch, x = ptx_batch_per_gpu,
-    L = P + T, u = B·T·V·4 (fp32 logits over the responses of the whole rollout batch):
-        generate       kv_cache       2·ℓ·B·L·k·d·β   K and V of every layer, the whole rollout batch at once
-                       prefill        one layer's working set for the B prompts' first forward (34·B·P·h)
-        reward score   hidden_states  (ℓ+1)·B·L·h·β + one layer's working set (no grad)
-        log-probs      logprobs       2·u             π's and π_ref's fp32 logits, kept to the end of make_experience
-                       temporaries    max(5·u, u + B·L·V·β, working set): kl_full's log-softmaxes, exp and product;
-                                      a forward's logits and their fp32 copy
-        critic values  hidden_states  as the reward score, beside the 2·u logits
+    Held while one phase runs, with B = rollout_batch_per_gpu, g = generate_batch (0: B) prompts generated and
+    scored at a time (--generate-batch), b = micro_batch, x = ptx_batch_per_gpu, L = P + T, u = g·T·V·4 (fp32
+    logits over the responses of one micro-batch), and a pass without grad holding one layer's temporaries,
+    _nograd_set = NOGRAD_COEF·g·L·h (17, measured 13-17 on the CPU; 34 with grad):
+        generate       kv_cache       2·ℓ·g·L·k·d·β   K and V of every layer, one micro-batch at a time
+                       prefill        the no-grad set of the g prompts' first forward (17·g·P·h)
+        reward score   hidden_states  g·L·h·β (the last hidden state, read by a hook: no output_hidden_states) +
+                                      the no-grad set
+        log-probs      logprobs       2·u             π's and π_ref's fp32 logits of one micro-batch
+                       temporaries    max(5·u, u + g·L·V·β, no-grad set): kl_full's log-softmaxes, exp and
+                                      product; a forward's logits and their fp32 copy
+        critic values  hidden_states  as the reward score
         policy train   activations    with checkpointing ℓ·(b+x)·L·h·β + one layer's working set (Korthikanti
                                       et al. 2022, _working_set); without, ℓ × the working set, for b and x
                        logits         max(4·b·T·V·4 + 2·x·L·V·β, 2·b·T·V·4 + x·L·V·(3β+4)): the PPO loss's fp32
@@ -518,7 +535,11 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
         gathered       with ZeRO-3 or offloaded weights, 2 blocks of full bf16 weights live at a time (current +
                        prefetched; a block = the larger of one layer and the V·h embedding), in every phase of that
                        model
-    Plus overhead_gb (CUDA context, NCCL and ZeRO bucket buffers, allocator fragmentation: a stated guess, 2 GiB).
+    Held always besides, under DeepSpeed: grad_fp32 4·N/G (÷1 at ZeRO-0) per trained model in mixed precision,
+    the step's fp32 copy of the gradients (DeepSpeed's estimate_zero2_model_states_mem_needs counts it), and at
+    ZeRO ≥ 1 buckets β·2·BUCKET_ELEMENTS (the reduce and all-gather buckets); frozen_zero_stage=3: the frozen models'
+    weights β·N/G and their gathered blocks. Plus overhead_gb (CUDA context, NCCL, allocator fragmentation: a stated
+    guess, 2 GiB).
     The experience buffer (ids, log-probs, values, advantages: ~36 bytes per token) is ignored.
     total = resident + max over phases + overhead; fits = total ≤ gpu_mem_gb GiB. The phases' coefficients come from
     the code's order of operations and are measured against the torch profiler in docs/real-scale.md.
@@ -529,7 +550,8 @@ def plan_memory(cfg: Mapping[str, Any] | str | Any, *, num_gpus: int = 8, gpu_me
                     grad_ckpt=grad_ckpt, offload_optimizer=offload_optimizer, ref_reward_offload=ref_reward_offload,
                     flash_attention=flash_attention, overhead_gb=overhead_gb, engine=engine, lora_r=lora_r,
                     lora_targets=lora_targets, lora_bits=lora_bits, critic=critic, critic_init=critic_init,
-                    policy_init=policy_init, judge=judge)
+                    policy_init=policy_init, judge=judge, frozen_zero_stage=frozen_zero_stage,
+                    generate_batch=generate_batch)
     _check_settings(settings, critic_cfg)
     src = {"policy": cfg, "reference": cfg, "reward": cfg if reward_cfg is None else reward_cfg}
     if critic:
@@ -574,6 +596,11 @@ def _check_settings(s: dict, critic_cfg=None) -> None:
     if s["ptx_batch_per_gpu"] < 0:
         raise ValueError(f"plan_memory: ptx_batch_per_gpu must be ≥ 0 (0 = no ptx term), got "
                          f"{s['ptx_batch_per_gpu']}")
+    g, B = s.get("generate_batch", 0), s["rollout_batch_per_gpu"]
+    if g < 0 or g and B % g:
+        raise ValueError(f"plan_memory: generate_batch {g} must divide rollout_batch_per_gpu {B} (0 = all at once)")
+    if s.get("frozen_zero_stage", 0) not in (0, 3):
+        raise ValueError(f"plan_memory: frozen_zero_stage must be 0 or 3, got {s['frozen_zero_stage']}")
     if s["engine"] not in ENGINES:
         raise ValueError(f"plan_memory: engine must be one of {ENGINES}, got {s['engine']!r}")
     if s["engine"] == "torch" and s["num_gpus"] > 1:
@@ -603,10 +630,12 @@ def _static_rows(src: dict, arch: dict, s: dict) -> tuple[list[Row], dict[str, s
         def add(comp: str, n: int, formula: str, device: str = "gpu"):
             rows.append(Row(role, comp, int(n), device, (), formula))
 
+        frozen_sharded = role not in ("policy", "critic") and s.get("frozen_zero_stage", 0) == 3 and not torch_engine
         if role not in ("policy", "critic") and s["ref_reward_offload"]:
             add("weights", beta * N // G, f"{beta}·N/{G} (ZeRO-3 offload)   ({n_formula})", "cpu")
-        elif z == 3 and not torch_engine:
-            add("weights", beta * N // G, f"{beta}·N/{G}   ({n_formula})")
+        elif z == 3 and not torch_engine or frozen_sharded:
+            add("weights", beta * N // G, f"{beta}·N/{G}" + ("   (a frozen ZeRO-3 engine)" if frozen_sharded else "")
+                + f"   ({n_formula})")
         else:
             add("weights", beta * N, f"{beta}·N   ({n_formula})")
         if role not in ("policy", "critic"):
@@ -620,12 +649,19 @@ def _static_rows(src: dict, arch: dict, s: dict) -> tuple[list[Row], dict[str, s
             add("optimizer", 2 * beta * n + 4 * t, f"2·{beta}·n + 4·t   (Adam m, v; a 4-byte step for each of "
                                                    f"t = {t})")
         else:
-            gd = G if z >= 2 else 1
-            add("gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""))
+            gd = G if z >= 2 else 1  # ZeRO-Offload copies each reduced part of the gradients to the CPU
+            add("gradients", beta * N // gd, f"{beta}·N" + (f"/{G}" if gd > 1 else ""),
+                "cpu" if s["offload_optimizer"] and z >= 1 else "gpu")
             opt_per_param = 12 if beta < 4 else 8  # fp32 master + m + v in mixed precision; m + v in pure fp32
             od = G if z >= 1 else 1
-            add("optimizer", opt_per_param * N // od, f"{opt_per_param}·N" + (f"/{od}" if od > 1 else ""),
-                "cpu" if s["offload_optimizer"] else "gpu")
+            where = "cpu" if s["offload_optimizer"] else "gpu"
+            add("optimizer", opt_per_param * N // od, f"{opt_per_param}·N" + (f"/{od}" if od > 1 else ""), where)
+            if beta < 4:  # mixed precision: the step reads the 16-bit gradients as an fp32 copy of this rank's part
+                add("grad_fp32", 4 * N // od, f"4·N" + (f"/{od}" if od > 1 else "") + "   (the step's fp32 gradients,"
+                    " as DeepSpeed's estimator counts them)", where)
+            if z >= 1:  # the engine's reduce (IPG) and all-gather buckets, in the weights' dtype
+                add("buckets", beta * 2 * BUCKET_ELEMENTS, f"{beta}·(reduce + allgather bucket)   "
+                    f"(2 × {BUCKET_ELEMENTS:,} elements, deepspeed_config)")
     return rows, {role: "its own weights" for role in arch}, None
 
 
@@ -710,9 +746,11 @@ def _phase_rows(arch: dict, s: dict) -> list[Row]:
     """The rows held while one phase runs (plan_memory's docstring)."""
     beta, flash = s["dtype_bytes"], s["flash_attention"]
     B, b, x = s["rollout_batch_per_gpu"], s["micro_batch"], s["ptx_batch_per_gpu"]
+    g = s.get("generate_batch") or B  # prompts generated and scored at once (--generate-batch; 0: all B)
     T, L = s["response_len"], s["prompt_len"] + s["response_len"]
     critic = "critic" in arch
     rows: list[Row] = []
+    at_once = f"g = {g} of B = {B} at once" if g < B else f"B = {B} at once"
 
     def add(model: str, comp: str, n: int, formula: str, phases: tuple[str, ...]):
         rows.append(Row(model, comp, int(n), "gpu", phases, formula))
@@ -720,21 +758,21 @@ def _phase_rows(arch: dict, s: dict) -> list[Row]:
     pa = arch["policy"]
     V, n_layers, h = pa["vocab_size"], pa["num_hidden_layers"], pa["hidden_size"]
     k, d = pa["num_key_value_heads"], pa["head_dim"]
-    add("policy", "kv_cache", 2 * n_layers * B * L * k * d * beta, f"2·ℓ·B·L·k·d·{beta}   (B = {B} at once)",
+    add("policy", "kv_cache", 2 * n_layers * g * L * k * d * beta, f"2·ℓ·g·L·k·d·{beta}   ({at_once})",
         ("generate",))
-    ws, wf = _working_set(pa, B, s["prompt_len"], beta, flash, "B")
-    add("policy", "prefill", ws, wf.replace("L", "P") + "   (the first forward, over the B prompts)", ("generate",))
+    ws, wf = _nograd_set(pa, g, s["prompt_len"], beta, flash, "g")
+    add("policy", "prefill", ws, wf.replace("L", "P") + "   (the first forward, over g prompts, no grad)", ("generate",))
     for role, phase in (("reward", "reward score"), ("critic", "critic values"), ("judge", "judge score")):
         if role in arch:
-            ws, wf = _working_set(arch[role], B, L, beta, flash, "B")
-            add(role, "hidden_states", _hidden_states(arch[role], B, L, beta) + ws,
-                f"(ℓ+1)·B·L·h·{beta} + {wf}   (no grad)", (phase,))
-    u = B * T * V * 4
-    add("policy", "logprobs", 2 * u, "2·B·T·V·4   (π's and π_ref's fp32 logits)",
-        ("log-probs", "critic values") if critic else ("log-probs",))
-    ws, _ = _working_set(pa, B, L, beta, flash)
-    add("policy", "temporaries", max(5 * u, u + B * L * V * beta, ws), f"max(5·B·T·V·4, B·T·V·4 + B·L·V·{beta}, "
-        "working set)   (kl_full; a forward's logits)", ("log-probs",))
+            ws, wf = _nograd_set(arch[role], g, L, beta, flash, "g")
+            add(role, "hidden_states", g * L * arch[role]["hidden_size"] * beta + ws,
+                f"g·L·h·{beta} + {wf}   (the last hidden state only; no grad)", (phase,))
+    u = g * T * V * 4
+    add("policy", "logprobs", 2 * u, "2·g·T·V·4   (π's and π_ref's fp32 logits of the responses, one micro-batch)",
+        ("log-probs",))
+    ws, _ = _nograd_set(pa, g, L, beta, flash)
+    add("policy", "temporaries", max(5 * u, u + g * L * V * beta, ws), f"max(5·g·T·V·4, g·T·V·4 + g·L·V·{beta}, "
+        f"no-grad set)   (kl_full; a forward's logits)", ("log-probs",))
     for role in ("policy", "critic") if critic else ("policy",):
         a = arch[role]
         n = b + (x if role == "policy" else 0)
@@ -756,11 +794,13 @@ def _phase_rows(arch: dict, s: dict) -> list[Row]:
     else:
         add("policy", "logits", pg, f"max(4·b·T·V·4, b·L·V·{beta} + 2·b·T·V·4)   (the PPO loss)",
             ("policy train",))
-    if s["zero_stage"] == 3 and s["engine"] == "deepspeed" or s["ref_reward_offload"]:
+    frozen3 = s.get("frozen_zero_stage", 0) == 3 and s["engine"] == "deepspeed"
+    if s["zero_stage"] == 3 and s["engine"] == "deepspeed" or s["ref_reward_offload"] or frozen3:
         phases_of = {"policy": ("generate", "log-probs", "policy train"), "critic": ("critic values", "critic train"),
                      "reference": ("log-probs",), "reward": ("reward score",), "judge": ("judge score",)}
         for role, a in arch.items():
-            sharded = (s["zero_stage"] == 3 and s["engine"] == "deepspeed") or role not in ("policy", "critic")
+            sharded = (s["zero_stage"] == 3 and s["engine"] == "deepspeed") or role not in ("policy", "critic") and \
+                (s["ref_reward_offload"] or frozen3)
             if sharded and not s["lora_r"]:
                 block = max(a["layer_params"], a["vocab_size"] * a["hidden_size"])
                 add(role, "gathered", 2 * block * beta, f"2·{beta}·max(layer, V·h)", phases_of[role])
@@ -816,10 +856,13 @@ def plan_stage_memory(cfg, stage: str, *, num_gpus: int = 8, gpu_mem_gb: float =
         if torch_engine:
             rows = {"weights": beta * N, "gradients": beta * N, "optimizer": 2 * beta * N + 4 * t}
         else:
+            od = G if zero_stage >= 1 else 1
             rows = {"weights": beta * N // (G if zero_stage == 3 else 1),
                     "gradients": beta * N // (G if zero_stage >= 2 else 1),
-                    "optimizer": 0 if offload_optimizer else
-                    (12 if beta < 4 else 8) * N // (G if zero_stage >= 1 else 1)}
+                    "optimizer": 0 if offload_optimizer else (12 if beta < 4 else 8) * N // od,
+                    "grad_fp32": 0 if offload_optimizer or beta == 4 else 4 * N // od,  # the step's fp32 gradients
+                    "buckets": beta * 2 * BUCKET_ELEMENTS if zero_stage >= 1 else 0}    # reduce + all-gather
+            rows = {k: v for k, v in rows.items() if v or k in ("weights", "gradients", "optimizer")}
         rows.update(activations=activations, logits=logits, overhead=int(overhead_gb * GiB))
         total = sum(rows.values())
         plan = {"stage": stage, "n_params": N, "sequences_per_step": s, "rows": rows, "total_bytes": total,
@@ -868,8 +911,8 @@ def format_stage_plans(plans: list[dict]) -> str:
 def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
     """(change in words, overrides, changes the experiment?) for every single step that could save memory and that
     train.py can run. Under LoRA nothing is sharded or offloaded: the steps are the rank, the frozen weights' bits
-    and the batch shapes. ZeRO-3 and offloading the frozen models are plan_memory settings (what they would save)
-    but not suggestions: train.py refuses ZeRO-3 for the trained models and replicates the frozen ones."""
+    and the batch shapes. The frozen models' ZeRO-3 and offload (--frozen-zero-stage 3, --frozen-offload) and the
+    micro-batches (--generate-batch) are suggested; ZeRO-3 for the trained models is not (train.py refuses it)."""
     if s.get("lora_r"):
         return _lora_candidates(s) + _shape_candidates(s)
     out = []
@@ -879,6 +922,11 @@ def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
                     {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": True}, False))
         out.append(("LoRA adapters instead of full weights (--lora-r 16; changes what trains)", {"lora_r": 16}, True))
         return out + _shape_candidates(s)
+    if s.get("frozen_zero_stage", 0) != 3 and s["num_gpus"] > 1 and "frozen_zero_stage" in s:
+        out.append(("frozen models sharded over the GPUs (--frozen-zero-stage 3: ZeRO-3 inference engines)",
+                    {"frozen_zero_stage": 3}, False))
+    if not s.get("ref_reward_offload") and "frozen_zero_stage" in s:
+        out.append(("frozen models' parameters on the CPU (--frozen-offload)", {"ref_reward_offload": True}, False))
     out.append(("LoRA adapters instead of full weights (--lora-r 16; changes what trains)", {"lora_r": 16}, True))
     if not s["offload_optimizer"]:
         out.append(("optimizer states on the CPU (ZeRO-Offload: zero_optimization.offload_optimizer in "
@@ -890,6 +938,12 @@ def _candidates(s: dict) -> list[tuple[str, dict, bool]]:
 
 def _shape_candidates(s: dict) -> list[tuple[str, dict, bool]]:
     out = []
+    B = s.get("rollout_batch_per_gpu", 1)
+    g = s.get("generate_batch") or B
+    if g > 1 and "generate_batch" in s:  # the micro-batches of generation and scoring: the same experiment
+        smaller = max(d for d in range(1, g) if B % d == 0)
+        out.append((f"generate and score {smaller} prompts per GPU at a time instead of {g} (--generate-batch "
+                    f"{smaller}; the update still takes the whole batch)", {"generate_batch": smaller}, False))
     if not s["grad_ckpt"]:
         out.append(("turn on gradient checkpointing (--grad-ckpt)", {"grad_ckpt": True}, False))
     if s["micro_batch"] > 1:
@@ -898,8 +952,12 @@ def _shape_candidates(s: dict) -> list[tuple[str, dict, bool]]:
                     {"micro_batch": m // 2}, False))
     if s.get("rollout_batch_per_gpu", 1) > 1:
         B = s["rollout_batch_per_gpu"]
+        import math
+        over = {"rollout_batch_per_gpu": B // 2}
+        if s.get("generate_batch"):
+            over["generate_batch"] = math.gcd(s["generate_batch"], B // 2)
         out.append((f"{B} → {B // 2} prompts per GPU per iteration (twice the GPUs; or a smaller --rollout-batch, "
-                    f"which changes the experiment)", {"rollout_batch_per_gpu": B // 2}, True))
+                    f"which changes the experiment)", over, True))
     if s.get("ptx_batch_per_gpu", 0) > 1:
         x = s["ptx_batch_per_gpu"]
         out.append((f"ptx rows per GPU {x} → {x // 2} (--ptx-batch; changes the experiment)",
@@ -929,11 +987,21 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
     greedy combinations (largest saving first, changes that keep the experiment before the others, none that saves
     less than 0.5 % of the total) until the plan fits."""
     out = []
+
+    def try_run(s: dict) -> int | None:  # a candidate these settings cannot take (e.g. --lora-targets naming no layer)
+        try:
+            return run(s)
+        except ValueError:
+            return None
+
     for change, over, _ in _candidates(settings):
-        t = run({**settings, **over})
+        t = try_run({**settings, **over})
+        if t is None:
+            continue
         if t < total:
             out.append(Suggestion(change, over, t, total - t, t <= capacity))
-    out.sort(key=lambda x: -x.saves_bytes)
+    keeps = {change: not changes for change, _, changes in _candidates(settings)}
+    out.sort(key=lambda x: (not keeps[x.change], -x.saves_bytes))  # what keeps the experiment first (LoRA does not)
     if any(x.fits for x in out):
         return out
     s, steps, cur = dict(settings), [], total
@@ -943,8 +1011,8 @@ def _suggestions(run: Callable[[dict], int], settings: dict, total: int, capacit
             for change, over, changes_experiment in _candidates(s):
                 if changes_experiment and not allow_experiment:
                     continue
-                t = run({**s, **over})
-                if t < cur - total // 200 and (best is None or t < best[2]):  # a step that saves < 0.5 %: not worth it
+                t = try_run({**s, **over})
+                if t is not None and t < cur - total // 200 and (best is None or t < best[2]):  # a step that saves < 0.5 %: not worth it
                     best = (change, over, t)
             if best is None:
                 break
@@ -972,8 +1040,9 @@ def _shape_words(s: dict) -> str:
     x = s["ptx_batch_per_gpu"]
     on = lambda flag: "on" if s[flag] else "off"  # noqa: E731
     return (f"grad ckpt {on('grad_ckpt')}, flash attention {on('flash_attention')}, "
-            f"micro batch b={s['micro_batch']}, B={s['rollout_batch_per_gpu']} prompts/GPU generated and scored at "
-            f"once, {f'ptx x={x}' if x else 'no ptx'}, L = {s['prompt_len']} + {s['response_len']}")
+            f"micro batch b={s['micro_batch']}, B={s['rollout_batch_per_gpu']} prompts/GPU per iteration, "
+            f"g={s.get('generate_batch') or s['rollout_batch_per_gpu']} generated and scored at a time, "
+            f"{f'ptx x={x}' if x else 'no ptx'}, L = {s['prompt_len']} + {s['response_len']}")
 
 
 def _models_words(plan: MemoryPlan) -> str:
@@ -1014,8 +1083,9 @@ def format_plan(plan: MemoryPlan) -> str:
     else:
         lines = [f"Memory plan per GPU: {plan.name} ({c['model_type']}: {arch})",
                  f"  {s['gpu_mem_gb']} GiB per GPU, {_engine_words(s)}, {dtype}, {_shape_words(s)}, optimizer offload "
-                 f"{'on' if s['offload_optimizer'] else 'off'}, frozen-model offload "
-                 f"{'on' if s['ref_reward_offload'] else 'off'}"]
+                 f"{'on' if s['offload_optimizer'] else 'off'}, frozen models "
+                 + ("on the CPU (ZeRO-3 offload)" if s['ref_reward_offload'] else "ZeRO-3, sharded" if
+                    s.get('frozen_zero_stage') == 3 and s['engine'] == 'deepspeed' else "a copy per GPU")]
     lines.append(_models_words(plan))
     lines.append(f"  {'model':10s} {'component':13s} {'GiB':>8s}  {'held':26s} formula")
     for r in plan.rows:
@@ -1104,6 +1174,7 @@ def format_one_gpu_table(cells: list[dict], settings: Mapping[str, Any], modules
 # the file works at any world size) and no "optimizer" (train.py builds AdamW per engine: the policy and the
 # critic have different learning rates; pass lr= to put an AdamW block in, which DeepSpeed needs to pick its
 # CPU Adam when the optimizer is offloaded).
+BUCKET_ELEMENTS = 200_000_000  # deepspeed_config's reduce_bucket_size and allgather_bucket_size (elements each)
 PAPER_DS_KWARGS: dict[str, Any] = dict(zero_stage=2, bf16=True, train_micro_batch_size_per_gpu=4,
                                        gradient_accumulation_steps=1, gradient_clipping=1.0)
 
@@ -1114,7 +1185,7 @@ def deepspeed_config(*, zero_stage: int = 2, bf16: bool = True, train_micro_batc
     """DeepSpeed JSON for a trained engine (policy or critic): ZeRO stage, bf16 (fp32 when bf16=False, e.g. on
     the CPU), global gradient-norm clipping (paper section 5.4), optional optimizer offload to the CPU."""
     zero: dict[str, Any] = {"stage": zero_stage, "overlap_comm": True, "contiguous_gradients": True,
-                            "reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}
+                            "reduce_bucket_size": BUCKET_ELEMENTS, "allgather_bucket_size": BUCKET_ELEMENTS}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if zero_stage == 3:
@@ -1153,10 +1224,21 @@ def inference_deepspeed_config(zero_stage: int = 0, offload: bool = False, *, bf
 # ---------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------
-def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The plan's flags (defaults = PAPER_PRESET), shared with `train.py --plan`."""
+TRAIN_HAS = ("zero_stage", "fp32", "ref_reward_offload", "frozen_zero_stage", "lora_r", "lora_targets", "lora_bits",
+             "generate_batch")
+
+
+def add_plan_args(parser: argparse.ArgumentParser, train: bool = False) -> argparse.ArgumentParser:
+    """The plan's flags (defaults = PAPER_PRESET). train=True: `train.py --plan`'s, without TRAIN_HAS, the settings
+    train.py's own flags give (--zero-stage, --fp32, --frozen-offload, --lora-*, --generate-batch): the plan reads
+    those from the run's parsed configuration, as the run does."""
     p = PAPER_PRESET
-    a = parser.add_argument
+    keep = (lambda name: name not in TRAIN_HAS) if train else (lambda name: True)
+
+    def a(flag, **kw):
+        if keep(flag[2:].replace("-", "_")):
+            parser.add_argument(flag, **kw)
+
     a("--num-gpus", type=int, default=p["num_gpus"], help="GPUs in the whole job (G)")
     a("--gpu-mem", type=float, default=p["gpu_mem_gb"], help="memory of one GPU in GiB (A100-80GB = 80)")
     a("--zero-stage", type=int, default=p["zero_stage"], choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage (3: what "
@@ -1173,8 +1255,11 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--response-len", type=int, default=p["response_len"], help="response tokens (T)")
     a("--no-grad-ckpt", action="store_true", help="plan without gradient checkpointing")
     a("--offload-optimizer", action="store_true", help="optimizer states on the CPU (ZeRO-Offload)")
-    a("--ref-reward-offload", action="store_true", help="frozen models' weights on the CPU (what it would save; "
-      "train.py replicates them)")
+    a("--ref-reward-offload", action="store_true", help="frozen models' weights on the CPU (train.py "
+      "--frozen-offload)")
+    a("--frozen-zero-stage", type=int, default=0, choices=(0, 3), help="frozen models as ZeRO-3 inference engines, "
+      "sharded over the GPUs (train.py --frozen-zero-stage)")
+    a("--generate-batch", type=int, default=0, help="prompts per GPU generated and scored at a time (g; 0 = all B)")
     a("--no-flash-attention", action="store_true", help="count the a·L² attention scores")
     a("--overhead-gb", type=float, default=2.0, help="CUDA context, buffers, fragmentation (GiB)")
     a("--lora-r", type=int, default=0, help="LoRA rank r: plan frozen weights + adapters (0 = full fine-tuning)")
@@ -1199,7 +1284,8 @@ def plan_settings(args: argparse.Namespace, **run) -> dict:
              prompt_len=args.prompt_len, response_len=args.response_len, grad_ckpt=not args.no_grad_ckpt,
              offload_optimizer=args.offload_optimizer, ref_reward_offload=args.ref_reward_offload,
              flash_attention=not args.no_flash_attention, overhead_gb=args.overhead_gb, lora_r=args.lora_r,
-             lora_targets=args.lora_targets, lora_bits=args.lora_bits)
+             lora_targets=args.lora_targets, lora_bits=args.lora_bits, frozen_zero_stage=args.frozen_zero_stage,
+             generate_batch=args.generate_batch)
     return {**s, **run}
 
 
@@ -1217,7 +1303,7 @@ def stage_plans(model, settings: dict, sft_batch: int | None = None, rm_batch: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-7b", help="alias, hub id (local cache) or model directory")
     parser.add_argument("--reward-model", default=None, help="reward model (= critic) if it differs from --model")
     parser.add_argument("--judge", action="store_true", help="one more frozen reward model during PPO: the held-out "
@@ -1242,24 +1328,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Worked example: `python -m plumbing.scale` = the paper preset for llama-7b as train.py runs it (8 × A100-80GB, ZeRO-2,
-    # bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows per GPU,
-    # L = 1024 + 1024). Printed (tests/test_scale.py checks 72.17, 92.29 and 73.47):
+    # Worked example: `python -m plumbing.scale` = the paper's set-up with this file's own shapes (8 × A100-80GB,
+    # ZeRO-2, bf16, gradient checkpointing, micro batch 4, 16 prompts per GPU generated and scored at once, 2 ptx rows
+    # per GPU, L = 1024 + 1024, the frozen models replicated). Printed (tests/test_scale.py checks 79.94, 99.00, 70.76):
     #   policy     weights          12.55  always                     2·N   (N = 6,738,415,616)
     #   policy     gradients         1.57  always                     2·N/8
     #   policy     optimizer         9.41  always                     12·N/8
-    #   policy     kv_cache         16.00  generate                   2·ℓ·B·L·k·d·2   (B = 16 at once)
-    #   policy     prefill           2.12  generate                   34·B·P·h   (the first forward, over the B prompts)
-    #   policy     logprobs          3.91  log-probs, critic values   2·B·T·V·4   (π's and π_ref's fp32 logits)
-    #   policy     temporaries       9.77  log-probs                  max(5·B·T·V·4, ...)   (kl_full; ...)
-    #   ... (critic 12.55 + 1.57 + 9.41 with N + h + 1, its hidden states 12.50 while it scores; reference 12.55,
-    #   reward model 12.55)
-    #   held always                 72.17
-    #   + while generate            18.12  ← peak   (critic values 16.41, log-probs 13.67, reward score 12.50)
+    #   policy     grad_fp32         3.14  always                     4·N/8   (the step's fp32 gradients, ...)
+    #   policy     buckets           0.75  always                     2·(reduce + allgather bucket)
+    #   policy     kv_cache         16.00  generate                   2·ℓ·g·L·k·d·2   (B = 16 at once)
+    #   ... (the critic as the policy with N + h + 1; reference 12.55, reward model 12.55)
+    #   held always                 79.94
+    #   + while generate            17.06  ← peak
     #   + overhead                   2.00
-    #   peak per GPU                92.29  of 80.00 GiB → DOES NOT FIT
-    # Optimizer offload (zero_optimization.offload_optimizer in --deepspeed_config) brings it to 73.47 GiB: fits.
+    #   peak per GPU                99.00  of 80.00 GiB → DOES NOT FIT
+    # Each of --frozen-zero-stage 3 (77.03), --frozen-offload (73.90) and optimizer offload (70.76) makes it fit;
+    # `train.py --model llama-7b --plan` bills the alias's own run instead (1536 + 512, 4 prompts generated at a time,
+    # the frozen models ZeRO-3): 67.31 GiB with --data's judge (docs/real-scale.md).
     # With LoRA on one GPU (`--num-gpus 1 --gpu-mem 24 --lora-r 16`): two frozen bf16 backbones of 12.55 GiB, the same
-    # phases, peak 45.48 GiB; `--lora-bits 4` 28.55 GiB; with 8 prompts per GPU as well 19.49 GiB, which fits
+    # phases, peak 44.42 GiB; `--lora-bits 4` 27.49 GiB; with 8 prompts generated at a time as well 18.96 GiB, which fits
     # (tests/test_scale.py; docs/one-gpu.md).
     main(sys.argv[1:])

@@ -57,15 +57,21 @@ def test_gpu_check_dry_run_on_the_cpu(background):
     model, so the script a lent GPU runs has run before: the whole script as a user runs it, in a folder of its own."""
     work, returncode, output = background
     assert returncode == 0, output[-3000:]
-    results = printed_json(output, "params")["stages"]
-    assert [(r["variant"], r["stage"]) for r in results] == [(v, s) for v in ("full", "lora")
-                                                             for s in ("sft", "rm", "critic+ppo")]
+    report = printed_json(output, "params")
+    results = report["stages"]
+    assert [(r["variant"], r["stage"]) for r in results] == [("full", s) for s in ("sft", "rm", "critic+ppo")]
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results)
     assert all(r["plan_gib"] > 0 for r in results)  # the plan's prediction beside each stage's measurement
-    assert (work / "check" / "run-lora" / "policy" / "adapter" / "adapter_config.json").is_file()
     # each stage released its DeepSpeed engines (engine.release): no stage's optimizer states outlive it, which on
     # the GPU added every earlier stage's memory to the next one's peak
-    assert [r["engines_left"] for r in results] == [0] * 6, results
+    assert [r["engines_left"] for r in results] == [0] * 3, results
+    steady = report["steady"]  # check 2: iterations after the warm-up, the decoding bound, the update's FLOPs
+    assert steady["iterations_timed"] >= 2 and steady["iteration_s"] > 0 and steady["generate_batch"] == 2
+    assert steady["rollout_tok_s"] > 0 and steady["decode_bound_tok_s"] > 0 and steady["update_tflop"] > 0
+    lora = report["lora_7b"]  # check 3 (a tiny model in the dry run): LoRA, two PPO iterations, the plan beside it
+    assert lora["steps"] == 2 and lora["plan_gib"] > 0
+    assert (work / "check" / "run-lora-7b" / "policy" / "adapter" / "adapter_config.json").is_file()
+    assert not list((work / "check").glob("run-*/checkpoints")), "each check's checkpoints are deleted"
 
 
 @pytest.mark.slow

@@ -199,6 +199,25 @@ def test_deepspeed_resume_matches_uninterrupted(two_runs):
     assert samples(work / "ds-resumed") == samples(work / "ds")  # steps 2-3 replaced, not repeated
 
 
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", [["--frozen-zero-stage", "3"], ["--frozen-offload"]])
+def test_frozen_models_as_zero3_engines_score_as_the_replicated_ones(two_runs, frozen):
+    """The reference and the reward model as ZeRO-3 inference engines (each rank holds half of their parameters and
+    gathers a layer's for its forward; with --frozen-offload on the CPU) under 2 ranks, against the replicated run
+    (the `two_runs` DeepSpeed run, the same flags): the gathered parameters are the same numbers, so every metric
+    of steps 0 and 1 (scores, log-probs, KL, values, losses: the critic's pre-training and the update read them too)
+    and every score are equal to the last bit; then rank 0 evaluates with whole copies loaded again."""
+    work, _, _ = two_runs
+    out = "ds-" + frozen[0].strip("-")
+    proc = run_deepspeed(work, *WORLD, *PPO, "--steps", "2", *frozen, "--out", out)
+    assert "ZeRO-3 engines, their parameters partitioned over the 2 rank(s)" in proc.stdout
+    assert ("kept on the CPU" in proc.stdout) == ("--frozen-offload" in frozen)
+    assert metrics(work / out) == metrics(work / "ds")[:2]
+    assert [s["scores"] for s in samples(work / out)] == [s["scores"] for s in samples(work / "ds")][:2]
+    assert json.loads((work / out / "summary.json").read_text())["final"]
+
+
 def test_a_rank_reading_the_logs_while_rank_0_rewrites_them_never_sees_them_torn(tmp_path):
     """On --resume every rank reads metrics.jsonl while rank 0 rewrites it to the steps before the checkpoint. A
     plain write_text truncates first, so a slower rank now and then read an empty file and exited 2 ("file is
@@ -287,15 +306,105 @@ def test_deepspeed_critic_free_groups_stay_whole_and_resume(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ --plan
+HH = ROOT / "data" / "hh-rlhf" / "harmless-base-test.dev.jsonl.gz"
+
+
 def test_plan_llama7b_prints_the_paper_plan():
+    """`train.py --model llama-7b --plan` bills the alias's run on 8 × 80 GiB: the released script's lengths, the
+    paper's batches, 4 prompts generated at a time, the frozen models as ZeRO-3 engines; it fits, and with --data's
+    judge (one more frozen model) still with at least 5 GiB to spare."""
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", "llama-7b", "--plan", "--num-gpus", "8",
                            "--gpu-mem", "80"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "Memory plan per GPU: llama-7b" in proc.stdout
-    # tests/test_scale.py: 92.29 GiB, as train.py runs it (16 prompts per GPU generated and scored at once); offload fits
-    assert "peak per GPU" in proc.stdout and "92.29" in proc.stdout and "DOES NOT FIT" in proc.stdout
-    assert "offload_optimizer" in proc.stdout and "73.47 GiB (fits)" in proc.stdout
+    assert "Memory plan per GPU: llama-7b" in proc.stdout and "L = 1536 + 512" in proc.stdout
+    assert "B=16 prompts/GPU per iteration, g=4 generated and scored at a time" in proc.stdout
+    assert "frozen models ZeRO-3, sharded" in proc.stdout and "→ fits" in proc.stdout
     assert "Loading weights" not in proc.stdout + proc.stderr
+    plan = plumbing.flags.print_plan(["--model", "llama-7b", "--plan", "--data", str(HH), "--skip-bad"])
+    assert "judge" in plan.n_params and plan.fits
+    assert plan.capacity_bytes - plan.total_bytes >= 5 * 2 ** 30, plan.total_bytes / 2 ** 30
+
+
+def test_plan_bills_the_runs_parsed_configuration(monkeypatch):
+    """The plan's inputs are the run's: what `deepspeed --num_gpus 8 train.py ARGV` parses (WORLD_SIZE 8) gives the
+    lengths, the batches per GPU, the micro-batches, the ZeRO stages, the frozen models' sharding and the judge that
+    `train.py ARGV --plan` bills."""
+    argv = ["--model", "llama-7b", "--data", str(HH), "--skip-bad"]
+    settings, models, stages = plumbing.flags.plan_inputs(argv + ["--plan", "--num-gpus", "8"])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run, sft_cfg, rm_cfg, cfg, *_ = plumbing.flags.parse_configs(argv)
+    W = 8
+    assert (settings["prompt_len"], settings["response_len"]) == (run.max_prompt_tokens, cfg.max_new_tokens) \
+        == (1536, 512)
+    assert settings["rollout_batch_per_gpu"] == cfg.rollout_batch // W == 16
+    assert settings["micro_batch"] == cfg.minibatch // W == 4
+    assert settings["ptx_batch_per_gpu"] == cfg.ptx_batch // W and cfg.ptx_coef > 0
+    assert settings["generate_batch"] == cfg.generate_batch == 4
+    assert settings["frozen_zero_stage"] == run.frozen_zero_stage == 3 and not run.frozen_offload
+    assert settings["zero_stage"] == run.zero_stage == 2 and settings["grad_ckpt"] == run.grad_ckpt is True
+    assert settings["judge"] is True and run.judge_frac > 0 and settings["critic"] == (cfg.advantage == "gae")
+    assert stages == {"sft_batch": sft_cfg.sft_batch // W, "rm_batch": rm_cfg.rm_batch // W}
+    assert models["model"] == run.model == "llama-7b"
+
+
+def test_plan_never_reads_a_prefix_of_a_flag(capsys):
+    """--rollout-batch 64 over 8 GPUs is 8 prompts per GPU: the plan's own --rollout-batch-per-gpu is not read for
+    it (allow_abbrev=False on every parser), nor --ptx-batch for --ptx-batch-per-gpu."""
+    plan = plumbing.flags.print_plan(["--model", "llama-7b", "--plan", "--rollout-batch", "64", "--num-gpus", "8",
+                                      "--ptx-batch", "8"])
+    assert plan.settings["rollout_batch_per_gpu"] == 8 and plan.settings["ptx_batch_per_gpu"] == 1
+    assert "B=8 prompts/GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a prefix of a flag is an unknown flag, not the flag
+        plumbing.flags.parse_configs(["--rollout-b", "64"])
+
+
+def test_every_argument_parser_refuses_abbreviations():
+    """allow_abbrev=False on every argparse parser of the project (tools/ and notebooks/ included): OneLineParser
+    forces it, and every plain argparse.ArgumentParser( call passes it."""
+    import ast
+    from plumbing.cli import OneLineParser
+    assert OneLineParser(prog="x").allow_abbrev is False
+    calls = []
+    for path in ROOT.rglob("*.py"):
+        if {".git", "runs"} & set(path.relative_to(ROOT).parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == \
+                    "ArgumentParser":
+                calls.append((path.name, any(k.arg == "allow_abbrev" and getattr(k.value, "value", True) is False
+                                             for k in node.keywords)))
+    assert calls and all(ok for _, ok in calls), [name for name, ok in calls if not ok]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--frozen-zero-stage", "3"], "--frozen-zero-stage 3: ZeRO-3 inference engines"),
+    (["--frozen-offload"], "--frozen-offload: ZeRO-3 inference engines"),
+    (["--rollout-batch", "16", "--minibatch", "8", "--generate-batch", "5"], "--generate-batch 5: must divide"),
+])
+def test_bad_launch_combinations_are_one_line_before_any_work(argv, words, tmp_path):
+    """Outside the launcher (one process, no --deepspeed) the frozen models cannot be ZeRO-3 engines; micro-batches
+    must divide the rollout batch per process. One line, exit 2, nothing written."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() and "Traceback" not in proc.stderr
+
+
+def test_llama_alias_takes_the_released_scripts_lengths(monkeypatch):
+    """--model llama-7b: prompts of up to 1536 tokens, responses of up to 512 (MOSS-RLHF's --maxlen_prompt 2048
+    --maxlen_res 512), the paper's batches, the frozen models sharded and 4 prompts generated at a time under the
+    launcher; a one-process run keeps a copy of the frozen models; the start-up line prints them all."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one = plumbing.flags.parse_configs(["--model", "llama-7b"])
+    assert (one[0].max_prompt_tokens, one[3].max_new_tokens, one[0].max_response_tokens) == (1536, 512, 512)
+    assert (one[3].rollout_batch, one[3].minibatch, one[3].generate_batch) == (128, 32, 4)
+    assert one[0].frozen_zero_stage == 0  # one process: no engines to shard them
+    line = plumbing.flags.startup_line(one[0], one)
+    assert '"max-new-tokens": 512' in line and '"max-prompt-tokens": 1536' in line and '"generate-batch": 4' in line
+    launched = plumbing.flags.parse_configs(["--model", "llama-7b"], world=8)
+    assert launched[0].frozen_zero_stage == 3 and launched[3].generate_batch == 4
+    small = ["--model", "llama-7b", "--rollout-batch", "16", "--minibatch", "8"]  # 2 prompts per GPU: 2 at a time
+    assert plumbing.flags.parse_configs(small, world=8)[3].generate_batch == 2
 
 
 def test_plan_tiny_counts_the_tiny_model(capsys):

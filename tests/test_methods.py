@@ -91,14 +91,14 @@ def test_combinations_that_cannot_work_are_one_line(flags, message, capsys):
 
 def test_plan_prints_what_a_critic_free_run_saves(capsys):
     """LLaMA-7B on 8 × 80 GiB, ZeRO-2: without the critic (plan_memory(critic=False)) the peak drops by exactly the
-    critic's resident rows (weights, gradients, optimizer states: its training activations never set the peak, the
+    critic's resident rows (weights, gradients, optimizer states, fp32 gradients, buckets: its training activations never set the peak, the
     policy's phase does), and --plan prints that difference."""
     from plumbing import scale
     plan = plumbing.flags.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80"])
     out = capsys.readouterr().out
     free = plumbing.flags.print_plan(["--model", "llama-7b", "--plan", "--num-gpus", "8", "--gpu-mem", "80",
                              "--advantage", "grpo", "--group-size", "4"])
-    resident = sum(plan.get("critic", c) for c in ("weights", "gradients", "optimizer"))
+    resident = sum(plan.get("critic", c) for c in ("weights", "gradients", "optimizer", "grad_fp32", "buckets"))
     assert "critic" not in free.n_params and free.total_bytes == plan.total_bytes - resident > 0
     saved = f"{resident / scale.GiB:.2f} GiB"
     assert f"holds no critic: {free.total_bytes / scale.GiB:.2f} GiB per GPU, {saved} less" in out

@@ -923,9 +923,9 @@ def test_pretrain_critic_rolls_out_with_the_prompts_mask_and_skips_a_non_finite_
     masks, calls = [], {"n": 0}
     rollout, make_experience = ppo_max.rollout, ppo_max.make_experience
 
-    def recorded_rollout(policy, query, query_mask, *args):
+    def recorded_rollout(policy, query, query_mask, *args, **kwargs):
         masks.append(query_mask)
-        return rollout(policy, query, query_mask, *args)
+        return rollout(policy, query, query_mask, *args, **kwargs)
 
     def first_round_nonfinite(*args):
         exp = make_experience(*args)

@@ -7,6 +7,7 @@ ops (Eq. 15, 16, 17 and the entropy bonus), autograd gradients on deep copies, t
 torch.optim.AdamW step on those copies, python loops over tokens and prefixes, and the paper's numbers written here.
 """
 import copy
+import json
 import math
 
 import pytest
@@ -711,3 +712,72 @@ def test_check_shaping_inputs_names_what_is_wrong(case):
     ppo_max.check_shaping_inputs(**{**args, "kl": torch.zeros(3, 4)})
     with pytest.raises(ValueError, match=r"^ppo_max\.py: " + message):
         ppo_max.check_shaping_inputs(**{**args, **change})
+
+
+@pytest.mark.parametrize("g", [1, 2, 3])
+def test_make_experience_in_micro_batches_equals_the_whole_batch(g):
+    """--generate-batch g: make_experience reads the batch g rows at a time (scores, log-probs, KL, entropy, values),
+    never the full-vocabulary logits of the whole batch at once, and returns the whole batch's tensors and stats:
+    every row's numbers come from its own rows of the same padded tensors, so the micro-batches change only the
+    matmuls' batch size, which on this CPU gives the same bits (measured: equal to the last bit for g = 1, 2, 3)."""
+    import dataclasses
+    policy, ref, critic = tiny_models()
+    rm = ScalarHeadModel(tiny_lm(4), seed=5).eval()
+    query, query_mask, response, mask = batch(2)
+    cfg = ppo_max.PPOConfig(temperature=0.9)
+    whole, parts = (ppo_max.make_experience(policy, ref, rm, critic, query, query_mask, response, mask,
+                                            ppo_max.RunningMoments(), c, 0.1)
+                    for c in (cfg, dataclasses.replace(cfg, generate_batch=g)))
+    for key in ("scores", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        assert torch.equal(parts[key], whole[key]), key
+    assert parts["stats"] == whole["stats"]
+
+
+def test_rollout_in_micro_batches_pads_like_one_batch():
+    """rollout(generate_batch=g): the prompts g at a time, each micro-batch its own generate call, stacked with the
+    responses right-padded to the longest (pad id, mask 0, log-prob 0), one row per prompt in order; each row is a
+    response of its own prompt (the mask covers it up to its first EOS, as one batch's does)."""
+    policy = tiny_lm(0)
+    query, query_mask, _, _ = batch(3)
+    torch.manual_seed(0)
+    response, rmask, finished, logp = ppo_max.rollout(policy, query, query_mask, 7, eos_id=2, pad_id=0,
+                                                      return_logprobs=True, generate_batch=4)
+    assert response.shape[0] == rmask.shape[0] == finished.shape[0] == logp.shape[0] == B
+    assert response.shape[1] <= 7 and rmask.shape == response.shape == logp.shape
+    assert torch.equal(response[rmask == 0], torch.zeros_like(response[rmask == 0]))
+    assert torch.equal(logp[rmask == 0], torch.zeros_like(logp[rmask == 0]))
+    # the mask is a prefix of ones, ending at the first EOS for the finished rows
+    for row, m, f in zip(response, rmask, finished):
+        n = int(m.sum())
+        assert torch.equal(m[:n], torch.ones(n)) and (bool(f) == (n > 0 and row[n - 1].item() == 2))
+
+
+def row_multinomial(probs, num_samples=1, **_):
+    """A draw from each row of `probs` that depends on that row alone (inverse CDF at a u read off the row's own
+    numbers), where torch.multinomial draws the rows in order from one stream, so that its draws depend on the batch."""
+    w = torch.linspace(1.0, 2.0, probs.shape[-1], dtype=torch.float64)
+    u = torch.frac((probs.double() * w).sum(-1, keepdim=True) * 9973.0)           # (n, 1) in [0, 1)
+    idx = torch.searchsorted(probs.double().cumsum(-1), u).clamp(max=probs.shape[-1] - 1)
+    return idx.expand(*idx.shape[:-1], num_samples)
+
+
+@pytest.mark.slow
+def test_a_run_with_generate_batch_gives_the_same_metrics(tmp_path, monkeypatch):
+    """The synthetic world with --generate-batch 4 (micro-batches of 4 of the 16 prompts: generation, scores,
+    log-probs, values, in critic pre-training and PPO) against the same run without it: every metric of every step
+    equal to the last bit. Sampling is the one part whose numbers depend on the batch (torch.multinomial draws the
+    rows of a batch in order from one stream), so both runs sample with row_multinomial, a draw that depends on its
+    row alone; everything else runs as in a real run."""
+    import train
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "multinomial", row_multinomial)
+    args = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pairs-heldout", "100", "--sft-epochs", "1",
+            "--rm-epochs", "1", "--eval-samples", "1", "--threads", "1", "--rollout-batch", "16", "--minibatch", "8",
+            "--critic-pretrain-steps", "1", "--steps", "2", "--heldout-every", "0"]
+    runs = {}
+    for name, extra in (("whole", []), ("micro", ["--generate-batch", "4"])):
+        train.main(args + extra + ["--out", name])
+        runs[name] = [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+                      for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(runs["whole"]) == 2 and runs["micro"] == runs["whole"]
+    assert runs["whole"][1]["kl/ref"] > 0  # the policy moved: step 1 compares two updated runs

@@ -435,7 +435,7 @@ def run_one(model_type: str, work: Path, timeout: float, probe_only: bool = Fals
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="tools/architectures.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="tools/architectures.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--only", default="", help="comma-separated model types (default: every one in the mapping)")
     p.add_argument("--jobs", type=int, default=1, help="architectures run at once (each in its own process)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one architecture may take")

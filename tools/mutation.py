@@ -102,7 +102,7 @@ def score(counts: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("modules", nargs="*", default=list(TESTS), help=f"any of {', '.join(TESTS)} (default: all)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "mutation", help="where the workspaces go")
     ap.add_argument("--max-children", type=int, default=2, help="mutants checked at once (one per free core)")

@@ -80,7 +80,7 @@ def model_config(arch: str, tokenizer, hidden: int = 64, layers: int = 2, heads:
 
 
 def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4,
-                vocab_size: int = 512, seed: int = 0) -> Path:
+                vocab_size: int = 512, seed: int = 0, max_positions: int = 512) -> Path:
     """`arch`'s tokenizer trained on `texts` and a random-init model of it, saved together in out_dir."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -88,7 +88,7 @@ def build_model(arch: str, texts: list[str], out_dir: str | Path, hidden: int = 
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(arch, texts, out_dir, vocab_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(arch, tokenizer, hidden, layers, heads))
+    model = AutoModelForCausalLM.from_config(model_config(arch, tokenizer, hidden, layers, heads, max_positions))
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -217,7 +217,7 @@ def count(repo: Path, argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="tools/trace_iteration.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="tools/trace_iteration.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--repo", default=str(ROOT), help="the checkout to trace (default: this one)")
     p.add_argument("--out", default="runs/trace-iteration", help="the traced run's --out")
     p.add_argument("--json", default=None, help="also write the counts here")
