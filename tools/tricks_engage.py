@@ -41,7 +41,7 @@ def engagement(out: Path, key: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--only", default="", help="comma-separated tricks (default: every example)")
     p.add_argument("--threads", type=int, default=0, help="train.py --threads (0: torch's default)")
