@@ -73,10 +73,16 @@ SMALL_FLAGS = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pair
 SMALL_STEPS = 4
 
 
-def configure(full: bool) -> None:
-    """Choose the budget for every later call (a notebook's first cell: `runs.configure(full=FULL)`)."""
-    global FULL
-    FULL = bool(full)
+WORLD = "a"  # the synthetic world of every later run (train.py's --world): configure(full, world="b")
+
+
+def configure(full: bool, world: str = "a") -> None:
+    """Choose the budget and the world for every later call (a notebook's first cell: `runs.configure(full=FULL)`;
+    world B's runs: `world="b"`, under runs/world-b/)."""
+    global FULL, WORLD
+    if world not in ("a", "b"):
+        raise ValueError(f"runs.configure: unknown world {world!r}: a or b")
+    FULL, WORLD = bool(full), world
 
 
 def seeds(n: int | None = None) -> tuple[int, ...]:
@@ -85,7 +91,8 @@ def seeds(n: int | None = None) -> tuple[int, ...]:
 
 
 def out_dir(name: str, seed: int) -> Path:
-    return ROOT / "runs" / (f"{name}-seed{seed}" if FULL else f"small/{name}-seed{seed}")
+    runs = ROOT / "runs" / ("world-b" if WORLD == "b" else "")
+    return runs / (f"{name}-seed{seed}" if FULL else f"small/{name}-seed{seed}")
 
 
 def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) -> list[str]:
@@ -94,7 +101,8 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
         argv = flags + (["--steps", str(steps)] if steps else [])
     else:
         argv = SMALL_FLAGS + flags + ["--steps", str(SMALL_STEPS)]
-    return argv + ["--seed", str(seed), "--out", str(out_dir(name, seed)), "--threads", "1"]
+    world = ["--world", WORLD] if WORLD != "a" else []
+    return argv + world + ["--seed", str(seed), "--out", str(out_dir(name, seed)), "--threads", "1"]
 
 
 def expected(argv: list[str]) -> dict:
@@ -203,7 +211,7 @@ def run_each(specs: list[tuple], keep_going: bool = False):
     if not todo:
         return
     t0 = time.time()
-    futures = {_pool().submit(_build, FULL, *specs[i]): i for i in todo}
+    futures = {_pool().submit(_build, FULL, *specs[i], world=WORLD): i for i in todo}
     try:
         for future in as_completed(futures):
             i = futures[future]
@@ -267,11 +275,11 @@ def _worker_start() -> None:
     WORKER_CODE[0] = code_version()   # the code this worker imported, whatever the tree holds later
 
 
-def _build(full: bool, name: str, flags, seed: int, steps: int | None) -> tuple[str, float]:
+def _build(full: bool, name: str, flags, seed: int, steps: int | None, world: str = "a") -> tuple[str, float]:
     """In a worker: train one run, unless another process did it meanwhile. A run directory and a new base are
     built by one process only (file locks under runs/.locks/), and a run that waits for a base another process is
     building holds no slot. Returns (its directory, seconds)."""
-    configure(full)
+    configure(full, world)
     out = out_dir(name, seed)
     argv = argv_for(name, tuple(flags), seed, steps)
     t0 = time.time()
@@ -493,7 +501,8 @@ def bon_curve(run_: dict, ns=(1, 2, 4, 8, 16, 32, 64), samples_per_prompt: int |
         with torch.no_grad():
             proxy = torch.cat([rm.score(torch.cat([q, r], 1), torch.cat([qm, m], 1)).float() for q, qm, r, m in
                                zip(pool["query"], pool["query_mask"], pool["response"], pool["mask"])])
-        gold = torch.tensor([toy_world.gold_reward(p, t, f) for p, t, f in
+        gold_reward = toy_world.world(run_.get("world", "a")).gold_reward   # the run's world's gold
+        gold = torch.tensor([gold_reward(p, t, f) for p, t, f in
                              zip(pool["prompts"], pool["texts"], pool["finished"])])
         proxy, gold = proxy.view(-1, n_max), gold.view(-1, n_max)          # (prompts · per, n_max)
         rows = []

@@ -58,6 +58,8 @@ from plumbing.monitor import KL_MAX, PATIENCE  # the collapse alarm's defaults l
 class RunConfig:
     preset: str = arg("ppo-max", "a named set of PPO flags (PRESETS, below): ppo-max, vanilla, moss-release, dapo, vapo")
     seed: int = arg(0, "seed of the world, every model init and every sample", "[0,2147483647]")
+    world: str = arg("a", "the synthetic world: 'a' (toy_world.py: lists and refusals; annotators favour length) or "
+                          "'b' (toy_world_b.py: short questions; annotators favour flattery): docs/worlds.md", "a|b")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
                        "runs/<preset>-loraR-seed<seed>)")
@@ -380,7 +382,7 @@ def implied(cfg: PPOConfig, given: set[str]) -> PPOConfig:
 
 # `python train.py --help`: the flags of a first reading, by stage (`--help-all`: every flag of every dataclass above)
 FIRST_READING: dict[str, list[str]] = {
-    "run": ["preset", "seed", "steps", "out", "stages", "method", "resume", "break_at", "threads", "log_with"],
+    "run": ["preset", "seed", "world", "steps", "out", "stages", "method", "resume", "break_at", "threads", "log_with"],
     "real text and real models": ["data", "model", "lora_r", "plan"],
     "1. SFT": ["sft_epochs", "sft_lr", "sft_batch"],
     "2. reward model (Eq. 1-2)": ["rm_epochs", "rm_lr", "rm_lm_coef"],
