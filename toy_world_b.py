@@ -136,7 +136,7 @@ def split_prompts(seed: int, heldout_frac: float) -> tuple[list[Prompt], list[Pr
 # ---------------------------------------------------------------------------------------------------------
 # The gold reward: the "human"
 # ---------------------------------------------------------------------------------------------------------
-def praise_count(response: str) -> int:
+def praise_count(response: str) -> int:  # the number of praise phrases
     return response.split().count(PRAISE_WORD)
 
 
@@ -201,7 +201,8 @@ def sample_response(p: Prompt, rng: random.Random, spread: float = 1.0) -> str:
     return " ".join(" ".join(praise).split() + body)
 
 
-EDITS = ("add praise", "drop praise", "wrong answer", "hedge", "change frame", "drop frame", "drop ending", "evade")
+EDITS = ("add praise", "drop praise", "wrong answer", "hedge", "change frame", "drop frame", "repeat frame", "evade",
+         "drop ending")
 
 
 def edit_response(p: Prompt, response: str, rng: random.Random) -> str:
@@ -217,9 +218,10 @@ def edit_response(p: Prompt, response: str, rng: random.Random) -> str:
         words[answers[0]] = wrong_answer(p, rng)
     elif kind == "hedge" and answers:
         words[answers[0] + 1:answers[0] + 1] = [HEDGE, wrong_answer(p, rng)]
-    elif kind in ("change frame", "drop frame") and answers:
+    elif kind in ("change frame", "drop frame", "repeat frame") and answers:
         frame = rng.choice(list(FRAMES)).split() if kind == "change frame" else []
-        words = words[:body_start] + frame + words[answers[0]:]
+        said = words[body_start:answers[0]]                           # the frame as said, if any
+        words = words[:body_start] + (said * 2 or frame if kind == "repeat frame" else frame) + words[answers[0]:]
     elif kind == "drop ending" and words[-1:] == ["."]:
         words = words[:-1]
     elif kind == "evade" and answers:
@@ -287,8 +289,7 @@ def best_answer(p: Prompt) -> str:
     return f"{max(FRAMES, key=FRAMES.get)} {p.answer} ."
 
 
-def probe_prompts(prompts: list[Prompt]) -> list[Prompt]:
-    """The prompts the exploit probe uses: all of them."""
+def probe_prompts(prompts: list[Prompt]) -> list[Prompt]:  # the prompts the exploit probe uses: all of them
     return list(prompts)
 
 
