@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -150,8 +151,10 @@ if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in steps:
         raise SystemExit(f"usage: python tools/world_b_pilot.py {' | '.join(steps)}")
     result = steps[sys.argv[1]]()
-    result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                      text=True).stdout.strip()
+    # the code that ran: this tree's commit, or (a copy made with `git archive`, so that editing the worktree cannot
+    # change a pilot under way) the commit named by PILOT_COMMIT
+    result["commit"] = os.environ.get("PILOT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{sys.argv[1]}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
