@@ -143,8 +143,7 @@ def praise_count(response: str) -> int:  # the number of praise phrases
 def gold_reward(prompt: str, response: str, finished: bool = True) -> float:
     """Exact quality of `response` for `prompt` (rules in the module docstring). The best answer (best_answer)
     scores 2.95."""
-    p = parse_prompt(prompt)
-    words = response.split()
+    p, words = parse_prompt(prompt), response.split()
     answers = [w for w in words if w in ANSWERS]
     g = 0.0
     if not answers:

@@ -151,27 +151,58 @@ def test_world_a_base_key_is_unchanged_by_world_b():
     assert set(tw.config_key(CFG)) - set(key) == {"name", "flattery_bias", "flattery_cap"}
 
 
-SMALL_B = ["--world", "b", "--world-n-sft", "1500", "--world-n-pairs", "1500", "--world-n-pairs-heldout", "100",
+SMALL_B = ["--world", "b", "--world-n-sft", "3000", "--world-n-pairs", "1500", "--world-n-pairs-heldout", "100",
            "--world-n-pretrain", "200", "--sft-epochs", "2", "--rm-epochs", "2", "--eval-samples", "1",
            "--threads", "1"]
+
+
+def blind_spots(response: str) -> int:
+    """The parts of a response world B's reward model over-pays for: praise phrases (the annotators' bias) and a full
+    stop said again (no comparison shows one: a blind spot of its own making)."""
+    words = response.split()
+    return tb.praise_count(response) + sum(a == b == "." for a, b in zip(words, words[1:]))
 
 
 @pytest.mark.slow
 def test_world_b_reward_model_learns_the_exploit_and_a_collapsing_run_shows_it(tmp_path):
     """End to end on a small world B: the reward model pays for praise (its score rises per praise phrase added to a
-    correct answer, while gold falls), and vanilla PPO with a high learning rate (no KL, no normalisation) piles
-    praise up: its last samples hold more praise phrases than the SFT policy's and score lower under gold."""
-    root = Path(tw.__file__).parent
+    correct answer while gold falls), and vanilla PPO (no KL, no normalisation) at a high learning rate collapses
+    into the reward model's blind spots: its proxy score rises, held-out gold falls far below SFT's, and its last
+    samples are full of praise or repeated full stops, which SFT's first samples are not."""
     out = tmp_path / "vanilla"
-    argv = [*SMALL_B, "--preset", "vanilla", "--steps", "@STEPS@", "--rollout-batch", "32", "--minibatch", "16",
-            "--policy-lr", "@LR@", "--heldout-every", "0", "--out", str(out)]
-    proc = subprocess.run([sys.executable, str(root / "train.py"), *argv], capture_output=True, text=True,
-                          cwd=tmp_path)
+    argv = [*SMALL_B, "--preset", "vanilla", "--steps", "30", "--rollout-batch", "32", "--minibatch", "16",
+            "--policy-lr", "3e-4", "--heldout-every", "0", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(Path(tw.__file__).parent / "train.py"), *argv], capture_output=True,
+                          text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world"] == "b"
-    assert summary["rm"]["length_slope"] > 0.05 and summary["rm"]["gold_length_slope"] < -0.5, summary["rm"]
+    assert summary["rm"]["length_slope"] > 0.05 and summary["rm"]["gold_length_slope"] < -1.0, summary["rm"]
+    assert summary["final"]["reward"] > summary["sft"]["reward"] + 0.5, (summary["final"], summary["sft"])
+    assert summary["final"]["gold_reward"] < summary["sft"]["gold_reward"] - 1.5, (summary["final"], summary["sft"])
     steps = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    first, last = steps[0], steps[-1]
-    praise = lambda s: sum(tb.praise_count(e["response"]) for e in s["examples"]) / len(s["examples"])  # noqa: E731
-    assert praise(last) > praise(first) + 0.5, (praise(first), praise(last))
+    spots = lambda rows: sum(blind_spots(e[1]) for s in rows for e in s["examples"]) / sum(  # noqa: E731
+        len(s["examples"]) for s in rows)
+    assert spots(steps[-5:]) > spots(steps[:3]) + 2, (spots(steps[:3]), spots(steps[-5:]))
+
+
+def test_world_b_pilot_rule_by_hand():
+    """tools/world_b_pilot.py's stability rules on made-up curves: a loss that learns smoothly is stable; one that does
+    not learn, spikes or goes non-finite is not; an accuracy that ends far below its best is not; the largest value
+    stable on every seed wins."""
+    sys.path.insert(0, str(Path(tw.__file__).parent / "tools"))
+    import world_b_pilot as pilot
+    smooth = [4.0 * 0.99 ** i + 0.5 for i in range(300)]
+    assert pilot.sft_stable(smooth)
+    assert not pilot.sft_stable([4.0] * 300)                                       # learned nothing
+    assert not pilot.sft_stable(smooth[:200] + [3.0] * 30 + smooth[230:])          # a spike, then learning again
+    assert not pilot.sft_stable(smooth[:-1] + [float("nan")])
+    row = lambda acc: {"heldout_accuracy": acc, "train": [{"bt": 0.6}]}            # noqa: E731
+    assert pilot.rm_stable([row(0.5), row(0.66), row(0.64)])
+    assert not pilot.rm_stable([row(0.5), row(0.70), row(0.62)])                   # a late collapse
+    assert not pilot.rm_stable([row(0.5), row(0.53)])                              # near chance
+    ok = {(1e-3, 500): True, (1e-3, 501): True, (3e-3, 500): True, (3e-3, 501): False, (1e-2, 500): False,
+          (1e-2, 501): False}
+    assert pilot.largest_stable((1e-3, 3e-3, 1e-2), ok) == 1e-3
+    assert pilot.largest_stable((3e-3, 1e-2), {k: v for k, v in ok.items() if k[0] != 1e-3}) is None
+    assert not set(pilot.LR_SEEDS + pilot.OP_SEEDS) & (set(range(20)) | {100, 101, 102, 300, 301, 302})
