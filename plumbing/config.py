@@ -13,7 +13,8 @@ wins), in this order:
      pretraining text); real text keeps the paper's η 0.05 and λ_ptx 0.5;
   4. implied(): an estimator's own conventions (Dr. GRPO's loss divisor, GRPO's k3 when the KL sits in the loss).
 So `python train.py` runs these defaults with nothing on top (PRESETS["ppo-max"] is empty). The synthetic world's own
-knobs (`--world-*`) are toy_world.WorldConfig; the flags of `--plan` are plumbing/scale.py's.
+knobs (`--world-*`) are toy_world.WorldConfig (`--world b`: world B, toy_world_b.py, on the same defaults until its
+pilot sets its own: docs/worlds.md); the flags of `--plan` are plumbing/scale.py's.
 
 Flags a run ignores. A flag given on the command line that the run would not read is refused before any work
 (one line `error: …` naming it, exit 2), since a run that quietly ignores it is not the run asked for:
