@@ -135,10 +135,12 @@ def step_operating_point() -> dict:
             for i, (name, flags) in enumerate(registry_v2.OPERATING_POINT["candidates"]) for s in OP_SEEDS}
     with ThreadPoolExecutor(JOBS) as pool:
         list(pool.map(train, jobs.values()))
-    rows = {}
+    rows, flags_of = {}, dict(registry_v2.OPERATING_POINT["candidates"])
     for (name, s), argv in jobs.items():
         r = json.loads((ROOT / argv[argv.index("--out") + 1] / "summary.json").read_text())
-        row = rows.setdefault(name, {"win_lose": [], "kl_tok": [], "gold_vs_sft": []})
+        row = rows.setdefault(name, {"flags": list(flags_of[name]), "win_lose": [], "kl_tok": [], "gold_vs_sft": [],
+                                     "score_vs_sft": []})
+        row["score_vs_sft"].append(r["final"]["reward"] - r["sft"]["reward"])
         row["win_lose"].append(r["win_rate_vs_sft"]["win"] - r["win_rate_vs_sft"]["lose"])
         row["kl_tok"].append(r["final"]["kl"])
         row["gold_vs_sft"].append(r["final"]["gold_reward"] - r["sft"]["gold_reward"])
