@@ -17,7 +17,7 @@ Implements: no equation of the paper.
   plan()                  each claim's seeds (80 % power from v2's spreads, registry_v2.power_n) and the run units,
                           within BUDGET (300); PLAN is it as committed (a test checks plan() still gives it)
 Seeds: world A from 2000, world B from 3000: none of v1's (0-19, pilot 100-102), v2's (300-302, 1000-1039) or world
-B's pilot's (500-502, 510-512). The campaign trains from one tagged commit, as v2's did; its records go under
+B's pilot's (500-502, 510-512, 520-522). The campaign trains from one tagged commit, as v2's did; its records go under
 notebooks/results/v3/, each naming its world, code, commit and machine.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def margins_for(op: dict, bases: list[dict], sft_length: float, sft_entropy: flo
 def world_b_flags() -> tuple[str, ...]:
     """World B's defaults from its pilot's records (docs/worlds.md's rule, steps 1-5): every world B variant's flags
     start with these. An error until the pilot has run: no world B record may exist before them."""
-    need = [PILOT_B / f"{s}.json" for s in ("lr", "policy-lr", "operating-point")]
+    need = [PILOT_B / f"{s}.json" for s in ("lr2", "policy-lr", "operating-point")]   # lr2: the amended rule
     missing = [str(p) for p in need if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"world B's pilot has not run (missing {', '.join(missing)}): python "

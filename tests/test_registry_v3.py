@@ -39,7 +39,7 @@ def test_the_plan_is_plan_and_fits_the_budget(v2_verdicts):
 
 
 def test_v3_seeds_are_none_of_v1_v2_or_any_pilot():
-    used = set(range(20)) | {100, 101, 102, 300, 301, 302} | set(registry_v2.SEEDS) | {500, 501, 502, 510, 511, 512}
+    used = set(range(20)) | {100, 101, 102, 300, 301, 302} | set(registry_v2.SEEDS) | {500, 501, 502, 510, 511, 512, 520, 521, 522}
     assert not used & (set(registry_v3.SEEDS_A) | set(registry_v3.SEEDS_B))
     assert not set(registry_v3.SEEDS_A) & set(registry_v3.SEEDS_B)
     assert max(registry_v3.PLAN["n"].values()) <= len(registry_v3.SEEDS_A)
@@ -54,7 +54,7 @@ def test_margin_principle_gives_world_a_numbers_near_v2s():
 
 
 def test_world_b_variants_need_world_bs_pilot_first():
-    if all((registry_v3.PILOT_B / f"{s}.json").is_file() for s in ("lr", "policy-lr", "operating-point")):
+    if all((registry_v3.PILOT_B / f"{s}.json").is_file() for s in ("lr2", "policy-lr", "operating-point")):
         assert registry_v3.world_b_flags()[:2] == ("--world", "b")
     else:
         with pytest.raises(FileNotFoundError, match="world B's pilot has not run"):

@@ -205,4 +205,13 @@ def test_world_b_pilot_rule_by_hand():
           (1e-2, 501): False}
     assert pilot.largest_stable((1e-3, 3e-3, 1e-2), ok) == 1e-3
     assert pilot.largest_stable((3e-3, 1e-2), {k: v for k, v in ok.items() if k[0] != 1e-3}) is None
-    assert not set(pilot.LR_SEEDS + pilot.OP_SEEDS) & (set(range(20)) | {100, 101, 102, 300, 301, 302})
+    pilots = set(pilot.LR_SEEDS + pilot.OP_SEEDS + pilot.LR_SEEDS_2)
+    assert len(pilots) == 9 and not pilots & (set(range(20)) | {100, 101, 102, 300, 301, 302})
+    # the amended rule: of the stable rates, the largest within the tolerance of the best mean
+    loss = {(1e-3, 500): 0.71, (3e-3, 500): 0.62, (1e-2, 500): 0.79, (3e-2, 500): 1.08}
+    stable = {k: True for k in loss}
+    assert pilot.largest_near_best((1e-3, 3e-3, 1e-2, 3e-2), stable, loss, "5%", lower_is_better=True) == 3e-3
+    assert pilot.largest_near_best((1e-3, 3e-3, 1e-2, 3e-2), stable, loss, "40%", lower_is_better=True) == 1e-2
+    acc = {(3e-3, 500): 0.66, (1e-2, 500): 0.64}
+    assert pilot.largest_near_best((3e-3, 1e-2), {k: True for k in acc}, acc, 0.03) == 1e-2
+    assert pilot.largest_near_best((3e-3, 1e-2), {(3e-3, 500): True, (1e-2, 500): False}, acc, 0.03) == 3e-3

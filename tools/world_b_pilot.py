@@ -12,10 +12,13 @@ Implements: no equation; a stated rule on pilot seeds no registry uses.
   policy_stable(summary, m)   no update skipped by the non-finite guard, no collapse alarm, final held-out gold at
                               least SFT's − 0.25 (registry v2's gold margin) — PPO-max at world A's operating point
   largest_stable(grid, ok)    the largest grid value stable on every seed (None: none is; the rule then says so)
+  largest_near_best(...)      the amended rule: of those, the largest whose mean result is near the best mean
   the budget                  world A's in every count (80 PPO steps, batches, epochs, world sizes): not tuned
   the operating point         registry_v2.OPERATING_POINT's candidates and choose_operating_point, unchanged, on
                               OP_SEEDS in world B, at the learning rates above
-Run: python tools/world_b_pilot.py lr | policy-lr | operating-point   (each writes notebooks/results/world-b/<step>.json;
+Amended after `lr` ran (docs/worlds.md, 2026-12-06): `lr2`, on fresh seeds 520-522, takes of the stable rates the
+largest whose mean result is within a tolerance of the best (largest_near_best); policy-lr and operating-point read it.
+Run: python tools/world_b_pilot.py lr2 | policy-lr | operating-point   (each writes notebooks/results/world-b/<step>.json;
      lr: 24 stage 1-2 builds, about 25 min on 2 free cores; policy-lr: 12 runs, about 1 h; operating-point: 36 runs)
 """
 from __future__ import annotations
@@ -78,6 +81,20 @@ def largest_stable(grid, ok: dict) -> float | None:
     return max(good) if good else None
 
 
+def largest_near_best(grid, ok: dict, result: dict, tol, lower_is_better: bool = False) -> float | None:
+    """The amended rule (docs/worlds.md, 2026-12-06): of the rates stable on every seed, the largest whose mean result
+    over the seeds is within `tol` of the best stable mean; tol a float (absolute) or "5%" (relative).
+    ok, result: {(value, seed): stable / its number}."""
+    stable = [v for v in grid if all(ok[(v, s)] for (w, s) in ok if w == v)]
+    if not stable:
+        return None
+    means = {v: mean([result[(v, s)] for (w, s) in result if w == v]) for v in stable}
+    best = (min if lower_is_better else max)(means.values())
+    slack = abs(best) * float(tol[:-1]) / 100 if isinstance(tol, str) else tol
+    near = [v for v in stable if (means[v] <= best + slack if lower_is_better else means[v] >= best - slack)]
+    return max(near)
+
+
 def train(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--world", "b", "--threads", "1", *argv],
                           cwd=ROOT, capture_output=True, text=True)
@@ -110,25 +127,55 @@ def step_lr() -> dict:
     return {"seeds": list(LR_SEEDS), "sft_lr": sft_lr, "sft_stable": sft_ok, "rm_lr": rm_lr, "rm_stable": rm_ok}
 
 
+LR_SEEDS_2 = (520, 521, 522)   # the amended rule's fresh pilot seeds
+
+
+def step_lr2() -> dict:
+    """The amended learning-rate rule on LR_SEEDS_2: SFT's last-tenth loss within 5 % of the lowest, the reward
+    model's final held-out accuracy within 0.03 of the highest, among the rates stable on every seed."""
+    def grid2(name, grid, flag, extra):
+        jobs = {(v, s): [*extra, flag, str(v), "--seed", str(s), "--stages", "sft,rm",
+                         "--out", f"runs/world-b-pilot/{name}-{v}-seed{s}"] for v in grid for s in LR_SEEDS_2}
+        with ThreadPoolExecutor(JOBS) as pool:
+            list(pool.map(train, jobs.values()))
+        return {k: base_of(argv) for k, argv in jobs.items()}
+    bases = grid2("sft2", SFT_LR_GRID, "--sft-lr", [])
+    loss = {k: json.loads((b / "sft_log.json").read_text())["loss"] for k, b in bases.items()}
+    tail = {k: mean(x[-max(1, len(x) // 10):]) for k, x in loss.items()}
+    sft_lr = largest_near_best(SFT_LR_GRID, {k: sft_stable(x) for k, x in loss.items()}, tail, "5%", True)
+    out = {"seeds": list(LR_SEEDS_2), "rule": "amended (docs/worlds.md, 2026-12-06)", "sft_lr": sft_lr,
+           "sft_last_tenth_loss": {f"{v} seed {s}": x for (v, s), x in tail.items()}}
+    if sft_lr is None:
+        return {**out, "note": "no SFT learning rate of the grid is stable"}
+    bases = grid2("rm2", RM_LR_GRID, "--rm-lr", ["--sft-lr", str(sft_lr)])
+    logs = {k: json.loads((b / "rm_log.json").read_text()) for k, b in bases.items()}
+    acc = {k: log[-1]["heldout_accuracy"] for k, log in logs.items()}
+    out["rm_lr"] = largest_near_best(RM_LR_GRID, {k: rm_stable(x) for k, x in logs.items()}, acc, 0.03)
+    out["rm_final_acc"] = {f"{v} seed {s}": x for (v, s), x in acc.items()}
+    return out
+
+
 def step_policy_lr() -> dict:
-    lr = json.loads((OUT / "lr.json").read_text())
+    lr = json.loads((OUT / "lr2.json").read_text())   # the amended rule's rates (lr.json's are not adopted)
     jobs = {(v, s): ["--sft-lr", str(lr["sft_lr"]), "--rm-lr", str(lr["rm_lr"]), "--policy-lr", str(v),
                      "--critic-lr", f"{v * CRITIC_RATIO:.3g}", "--seed", str(s),
-                     "--out", f"runs/world-b-pilot/policy-{v}-seed{s}"] for v in POLICY_LR_GRID for s in LR_SEEDS}
+                     "--out", f"runs/world-b-pilot/policy-{v}-seed{s}"] for v in POLICY_LR_GRID for s in LR_SEEDS_2}
     with ThreadPoolExecutor(JOBS) as pool:
         list(pool.map(train, jobs.values()))
-    ok = {}
+    ok, gold = {}, {}
     for k, argv in jobs.items():
         out = ROOT / argv[argv.index("--out") + 1]
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        ok[k] = policy_stable(json.loads((out / "summary.json").read_text()), metrics)
-    return {"seeds": list(LR_SEEDS), "policy_lr": largest_stable(POLICY_LR_GRID, ok),
-            "stable": {f"{v} seed {s}": good for (v, s), good in ok.items()}}
+        summary = json.loads((out / "summary.json").read_text())
+        ok[k], gold[k] = policy_stable(summary, metrics), summary["final"]["gold_reward"]
+    return {"seeds": list(LR_SEEDS_2), "policy_lr": largest_near_best(POLICY_LR_GRID, ok, gold, GOLD_MARGIN),
+            "stable": {f"{v} seed {s}": good for (v, s), good in ok.items()},
+            "final_gold": {f"{v} seed {s}": g for (v, s), g in gold.items()}}
 
 
 def step_operating_point() -> dict:
     import registry_v2
-    lr = {**json.loads((OUT / "lr.json").read_text()), **json.loads((OUT / "policy-lr.json").read_text())}
+    lr = {**json.loads((OUT / "lr2.json").read_text()), **json.loads((OUT / "policy-lr.json").read_text())}
     lrs = ["--sft-lr", str(lr["sft_lr"]), "--rm-lr", str(lr["rm_lr"]), "--policy-lr", str(lr["policy_lr"]),
            "--critic-lr", f"{lr['policy_lr'] * CRITIC_RATIO:.3g}"]
     jobs = {(name, s): [*lrs, *flags, "--seed", str(s), "--out", f"runs/world-b-pilot/op-{i}-seed{s}"]
@@ -149,7 +196,7 @@ def step_operating_point() -> dict:
 
 
 if __name__ == "__main__":
-    steps = {"lr": step_lr, "policy-lr": step_policy_lr, "operating-point": step_operating_point}
+    steps = {"lr": step_lr, "lr2": step_lr2, "policy-lr": step_policy_lr, "operating-point": step_operating_point}
     if len(sys.argv) != 2 or sys.argv[1] not in steps:
         raise SystemExit(f"usage: python tools/world_b_pilot.py {' | '.join(steps)}")
     result = steps[sys.argv[1]]()
