@@ -94,7 +94,7 @@ def world_b_flags() -> tuple[str, ...]:
     chosen = dict(zip(op["candidates"][op["choice"]]["flags"][::2], op["candidates"][op["choice"]]["flags"][1::2])) \
         if "flags" in op["candidates"][op["choice"]] else {}
     flags = ["--world", "b", "--sft-lr", str(lr["sft_lr"]), "--rm-lr", str(lr["rm_lr"]),
-             "--policy-lr", str(plr["policy_lr"])]
+             "--policy-lr", str(plr["policy_lr"]), "--critic-lr", f"{plr['policy_lr'] * 5e-4 / 7e-5:.3g}"]
     return tuple(flags + [x for k, v in chosen.items() for x in (k, v)])
 
 
