@@ -185,22 +185,23 @@ def text_perplexity(model, tokenizer, texts: list[str], batch: int = 256) -> flo
 
 
 @torch.no_grad()
-def length_bias(rm, tokenizer, prompt_rows: list[dict], seed: int) -> dict:
-    """RM score vs gold as filler words are added to a correct answer (same content, longer): the RM's
-    length bias beyond gold's (synthetic world). Slopes are per added token, averaged over held-out helpful prompts."""
+def length_bias(rm, tokenizer, prompt_rows: list[dict], seed: int, world: str = "a") -> dict:
+    """RM score vs gold as the world's exploit is added to a correct answer, 0 … 6 units: the RM's bias beyond
+    gold's (synthetic world). World A adds filler words (same content, longer: slopes per added token, over held-out
+    helpful prompts), world B praise phrases (same answer, more flattery: slopes per phrase, every held-out prompt)."""
     import random
 
     import numpy as np
     rng = random.Random(seed)
-    prompts = [toy_world.parse_prompt(r["prompt"]) for r in prompt_rows]
-    prompts = [p for p in prompts if not p.harmful]
+    w = toy_world.world(world)
+    prompts = w.probe_prompts([w.parse_prompt(r["prompt"]) for r in prompt_rows])
     out = {"extra_tokens": [], "rm": [], "gold": []}
     for extra in range(0, 7):
         rows, golds = [], []
         for p in prompts:
-            base, padded = toy_world.length_probe_responses(p, rng, extra)
+            base, padded = w.probe_responses(p, rng, extra)
             rows.append((p.text, padded))
-            golds.append(toy_world.gold_reward(p.text, padded))
+            golds.append(w.gold_reward(p.text, padded))
         ids, attn, _ = data.lm_batch(rows, tokenizer)
         out["extra_tokens"].append(extra)
         out["rm"].append(rm.score(ids, attn).mean().item())
@@ -556,6 +557,8 @@ def eval_args(argv):
     p.add_argument("--prompts", help="JSONL of {'prompt'} lines or pairs; default the run's held-out prompts")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world", choices=["a", "b"], help="the synthetic world whose gold judges (toy_world.py, "
+                   "toy_world_b.py); default: the --run's, else a")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--random-head", action="store_true",
                    help="score with a fresh (seeded) random head where --reward-model or the run's judge has no "
@@ -573,6 +576,9 @@ def paths_from_run(a) -> tuple[str, str | None]:
     if not (Path(a.run) / "summary.json").is_file():
         cli.fail(f"--run {a.run}: no summary.json (not a finished train.py run directory)")
     summ = read_json(Path(a.run) / "summary.json")
+    if a.world and summ.get("world", "a") != a.world:
+        cli.fail(f"--world {a.world}: the run {a.run} was trained in world {summ.get('world', 'a')}; drop --world")
+    a.world = a.world or summ.get("world", "a")
     base, models = (Path(summ["base"]) if summ.get("base") else None), summ.get("models") or {}
     a.policy = a.policy or str(Path(a.run) / "policy")
     a.sft = a.sft or (str(base / "sft") if base else models.get("sft"))
@@ -585,11 +591,11 @@ def paths_from_run(a) -> tuple[str, str | None]:
     return summ.get("judge", "gold"), summ.get("judge_model")
 
 
-def world_prompts(prompts: list[str]) -> bool:
-    """Whether every prompt is one of the synthetic world's (toy_world.parse_prompt reads it), so gold can judge."""
+def world_prompts(prompts: list[str], world: str = "a") -> bool:
+    """Whether every prompt is one of the synthetic world's (its parse_prompt reads it), so gold can judge."""
     try:
         for p in prompts:
-            toy_world.parse_prompt(p)
+            toy_world.world(world).parse_prompt(p)
     except (ValueError, StopIteration):  # no topic word, or a helpful request without its number
         return False
     return True
@@ -624,9 +630,10 @@ def evaluate(argv) -> None:
     P, _, a.max_new_tokens = data.context_limits(limits["max_prompt_tokens"], limits["max_response_tokens"],
                                                  a.max_new_tokens, policy.config.max_position_embeddings)
     prompts = [r["prompt"] for r in data.prompt_records(prompt_items, tok, P, False, data.DataReport())]
-    if not a.run and not world_prompts(prompts):  # real data has no gold: the reward model judges, as in train.py
+    a.world = a.world or "a"
+    if not a.run and not world_prompts(prompts, a.world):  # real data has no gold: the reward model judges
         judge_name = "reward model"
-    judge = toy_world.gold_judge if judge_name == "gold" else rm_judge(
+    judge = toy_world.world(a.world).gold_judge if judge_name == "gold" else rm_judge(
         ScalarHeadModel.from_pretrained(judge_dir, require_head=not a.random_head).eval() if judge_dir else rm)
     extra = {"reward model (proxy)": rm_judge(rm)} if judge_dir else None
     rep = compare(policy, sft, sft, rm, tok, prompts, a.samples, a.seed, a.max_new_tokens, judge=judge,

@@ -43,12 +43,15 @@ demonstrations; the capped bias makes the annotators' error known and bounded; e
 
 Implements: no equation; the stand-in for human preferences used by every stage of train.py.
 Run: python toy_world.py   (prompts, responses, gold; the exploit step by step: what annotators prefer, gold's view)
+     python toy_world.py --world b   (world B, toy_world_b.py: questions, and annotators who like flattery)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +121,33 @@ class WorldConfig:
     length_cap: int = arg(8, "c: length differences beyond this many tokens add no more bias", ">=0")
     edit_frac: float = arg(0.5, "share of pairs whose second response is the first with one small edit (EDITS)",
                            "[0,1]")
+    # world B's annotators (toy_world_b.py): flattery instead of length
+    flattery_bias: float = arg(2.0, "world b: annotators' extra log-odds per praise phrase more, b of "
+                                    "b·clip(Δpraise, −c, c)", ">-1e300")
+    flattery_cap: int = arg(2, "world b: c, praise differences beyond this many phrases add no more bias", ">=0")
+    name: str = "a"  # which world: "a" this file, "b" toy_world_b.py; train.py's --world (RunConfig.world) sets it
+
+
+A_ONLY, B_ONLY = ("length_bias", "length_cap"), ("flattery_bias", "flattery_cap")  # the knobs one world reads
+
+
+def world(name: str = "a"):
+    """The module of world `name`: "a" is this file, "b" toy_world_b.py (a different task, vocabulary and exploit).
+    Both have the same interface: VOCAB, make_dataset, parse_prompt, gold_reward, gold_judge, heldout_pretraining_text,
+    probe_prompts, probe_responses, EXPLOIT (write_dataset and build_tokenizer below serve both)."""
+    if name == "a":
+        return sys.modules[__name__]
+    if name == "b":
+        import toy_world_b
+        return toy_world_b
+    raise ValueError(f"unknown world {name!r}: a or b")
+
+
+def config_key(cfg: WorldConfig) -> dict:
+    """What a world's data depends on (the cached base's key): the fields it reads. World A's key is what it was
+    before world B existed, so its cached bases stay valid."""
+    skip = B_ONLY + ("name",) if cfg.name == "a" else A_ONLY
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -376,11 +406,12 @@ def write_dataset(data: dict, out_dir: str | Path) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------------
 # Tokenizer: a word-level Hugging Face tokenizer directory, loaded back with AutoTokenizer like a real one
 # ---------------------------------------------------------------------------------------------------------
-def build_tokenizer(out_dir: str | Path):
+def build_tokenizer(out_dir: str | Path, words: list[str] | None = None):
+    """The tokenizer of `words` (default: this world's VOCAB), saved to out_dir."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(VOCAB)}
+    vocab = {w: i for i, w in enumerate(words or VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
@@ -410,6 +441,17 @@ def length_probe_responses(p: Prompt, rng: random.Random, extra: int) -> tuple[s
     return " ".join(base), " ".join(padded)
 
 
+EXPLOIT = "filler words"  # what the reward-model probe (eval.length_bias) adds to a correct answer
+
+
+def probe_prompts(prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts the exploit probe uses: the helpful ones (a harmful prompt has no correct answer to pad)."""
+    return [p for p in prompts if not p.harmful]
+
+
+probe_responses = length_probe_responses  # the probe's (correct answer, the same with `extra` units of the exploit)
+
+
 def hacked_response(kind: str, p: Prompt, rng: random.Random, max_tokens: int = 24) -> tuple[str, bool]:
     """(response, finished) of a degenerate policy, for the tests and the demo: "refuse" (a refusal for every
     prompt), "repeat" (one refusal said again until the token budget runs out), "pad" (a demonstration with filler
@@ -428,6 +470,13 @@ def hacked_response(kind: str, p: Prompt, rng: random.Random, max_tokens: int = 
 
 
 if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="the synthetic world: prompts, responses, gold, the exploit",
+                                     allow_abbrev=False)
+    parser.add_argument("--world", default="a", choices=["a", "b"], help="a: this file; b: toy_world_b.py")
+    if parser.parse_args().world == "b":
+        world("b").demo(WorldConfig(name="b"))
+        raise SystemExit(0)
     cfg = WorldConfig()
     rng = random.Random(0)
     data = make_dataset(cfg)

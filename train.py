@@ -3,6 +3,7 @@
 Run:
   python train.py                       # the synthetic world on the CPU, every stage, a few minutes
   python train.py --preset vanilla      # the same world with vanilla PPO: watch it collapse (Fig. 4)
+  python train.py --world b             # world B (toy_world_b.py): other questions, another exploit (docs/worlds.md)
   python train.py --rebuild-base        # stages 1-2 again, even when runs/_base holds them (step into SFT, Eq. 2)
   python train.py --help                # the flags of a first reading, by stage (--help-all: every flag)
   python train.py --model DIR --data PAIRS [--stages sft,rm]       # a real Hugging Face model through every stage

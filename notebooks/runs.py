@@ -105,11 +105,17 @@ SMALL_FLAGS = ["--world-n-sft", "400", "--world-n-pairs", "300", "--world-n-pair
 SMALL_STEPS = 4
 
 
-def configure(full: bool | None = None, mode: str | None = None) -> str:
+WORLD = "a"  # the synthetic world of every later run (train.py's --world): configure(..., world="b")
+
+
+def configure(full: bool | None = None, mode: str | None = None, world: str = "a") -> str:
     """Choose the mode (and with it the budget) for every later call; a notebook's first cell calls it with no
     argument (the environment's PPO_MAX_MODE, see Modes). `full` alone, as before: full (True) or small (False).
-    Returns the mode."""
-    global FULL, MODE
+    world: the synthetic world of every later run (world B's runs: "b", under runs/world-b/). Returns the mode."""
+    global FULL, MODE, WORLD
+    if world not in ("a", "b"):
+        raise ValueError(f"runs.configure: unknown world {world!r}: a or b")
+    WORLD = world
     MODE = mode or ({True: "full", False: "small"}[bool(full)] if full is not None else mode_from())
     if MODE not in MODES:
         raise ValueError(f"mode {MODE!r}: choose one of {', '.join(MODES)}")
@@ -168,7 +174,8 @@ def seeds(n: int | None = None) -> tuple[int, ...]:
 
 
 def out_dir(name: str, seed: int) -> Path:
-    return ROOT / "runs" / (f"{name}-seed{seed}" if FULL else f"small/{name}-seed{seed}")
+    runs = ROOT / "runs" / ("world-b" if WORLD == "b" else "")
+    return runs / (f"{name}-seed{seed}" if FULL else f"small/{name}-seed{seed}")
 
 
 def small_flags(flags: list[str]) -> list[str]:
@@ -187,7 +194,8 @@ def argv_for(name: str, flags: tuple[str, ...], seed: int, steps: int | None) ->
         argv = flags + (["--steps", str(steps)] if steps else [])
     else:
         argv = small_flags(flags) + flags + ["--steps", str(SMALL_STEPS)]
-    return argv + ["--seed", str(seed), "--out", str(out_dir(name, seed)), "--threads", "1"]
+    world = ["--world", WORLD] if WORLD != "a" else []
+    return argv + world + ["--seed", str(seed), "--out", str(out_dir(name, seed)), "--threads", "1"]
 
 
 def expected(argv: list[str]) -> dict:
@@ -296,7 +304,7 @@ def run_each(specs: list[tuple], keep_going: bool = False):
     if not todo:
         return
     t0 = time.time()
-    futures = {_pool().submit(_build, FULL, *specs[i]): i for i in todo}
+    futures = {_pool().submit(_build, FULL, *specs[i], world=WORLD): i for i in todo}
     try:
         for future in as_completed(futures):
             i = futures[future]
@@ -362,11 +370,11 @@ def _worker_start() -> None:
     WORKER_CODE[0] = code_version()   # the code this worker imported, whatever the tree holds later
 
 
-def _build(full: bool, name: str, flags, seed: int, steps: int | None) -> tuple[str, float]:
+def _build(full: bool, name: str, flags, seed: int, steps: int | None, world: str = "a") -> tuple[str, float]:
     """In a worker: train one run, unless another process did it meanwhile. A run directory and a new base are
     built by one process only (file locks under runs/.locks/), and a run that waits for a base another process is
     building holds no slot. Returns (its directory, seconds)."""
-    configure(full)
+    configure(full, world)
     out = out_dir(name, seed)
     argv = argv_for(name, tuple(flags), seed, steps)
     t0 = time.time()
@@ -595,7 +603,8 @@ def bon_curve(run_: dict, ns=(1, 2, 4, 8, 16, 32, 64), samples_per_prompt: int |
         with torch.no_grad():
             proxy = torch.cat([rm.score(torch.cat([q, r], 1), torch.cat([qm, m], 1)).float() for q, qm, r, m in
                                zip(pool["query"], pool["query_mask"], pool["response"], pool["mask"])])
-        gold = torch.tensor([toy_world.gold_reward(p, t, f) for p, t, f in
+        gold_reward = toy_world.world(run_.get("world", "a")).gold_reward   # the run's world's gold
+        gold = torch.tensor([gold_reward(p, t, f) for p, t, f in
                              zip(pool["prompts"], pool["texts"], pool["finished"])])
         proxy, gold = proxy.view(-1, n_max), gold.view(-1, n_max)          # (prompts · per, n_max)
         rows = []

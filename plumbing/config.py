@@ -13,7 +13,8 @@ wins), in this order:
      pretraining text); real text keeps the paper's η 0.05 and λ_ptx 0.5;
   4. implied(): an estimator's own conventions (Dr. GRPO's loss divisor, GRPO's k3 when the KL sits in the loss).
 So `python train.py` runs these defaults with nothing on top (PRESETS["ppo-max"] is empty). The synthetic world's own
-knobs (`--world-*`) are toy_world.WorldConfig; the flags of `--plan` are plumbing/scale.py's.
+knobs (`--world-*`) are toy_world.WorldConfig (`--world b`: world B, toy_world_b.py, on the same defaults until its
+pilot sets its own: docs/worlds.md); the flags of `--plan` are plumbing/scale.py's.
 
 Flags a run ignores. A flag given on the command line that the run would not read is refused before any work
 (one line `error: …` naming it, exit 2), since a run that quietly ignores it is not the run asked for:
@@ -61,6 +62,8 @@ from plumbing.monitor import KL_MAX, PATIENCE  # the collapse alarm's defaults l
 class RunConfig:
     preset: str = arg("ppo-max", "a named set of PPO flags (PRESETS, below): ppo-max, vanilla, moss-release, dapo, vapo")
     seed: int = arg(0, "seed of the world, every model init and every sample", "[0,2147483647]")
+    world: str = arg("a", "the synthetic world: 'a' (toy_world.py: lists and refusals; annotators favour length) or "
+                          "'b' (toy_world_b.py: short questions; annotators favour flattery): docs/worlds.md", "a|b")
     steps: int = arg(80, "PPO iterations (each: one rollout batch, then PPO epochs over it)", ">=1")
     out: str = arg("", "output directory (default runs/<preset>-seed<seed>; with --lora-r R: "
                        "runs/<preset>-loraR-seed<seed>; a default that holds a run: the next free -2, -3, ...)")
@@ -401,7 +404,8 @@ def implied(cfg: PPOConfig, given: set[str]) -> PPOConfig:
 
 # `python train.py --help`: the flags of a first reading, by stage (`--help-all`: every flag of every dataclass above)
 FIRST_READING: dict[str, list[str]] = {
-    "run": ["preset", "seed", "steps", "out", "overwrite", "stages", "method", "resume", "break_at", "threads", "log_with"],
+    "run": ["preset", "seed", "world", "steps", "out", "overwrite", "stages", "method", "resume", "break_at", "threads",
+            "log_with"],
     "real text and real models": ["data", "model", "lora_r", "plan"],
     "1. SFT": ["sft_epochs", "sft_lr", "sft_batch"],
     "2. reward model (Eq. 1-2)": ["rm_epochs", "rm_lr", "rm_lm_coef"],

@@ -265,10 +265,14 @@ def validate_combinations(run: RunConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig, 
         fail(f"--rebuild-base with --resume {run.resume}: a resumed run continues on the SFT and reward model it "
              f"trained with; rebuilding them would change what it continues")
     real = bool(run.data) or run.model != "tiny"
-    world = sorted(n for n in given if n.startswith("world_"))
+    world = sorted(n for n in given if n.startswith("world_") or n == "world")
     if world and real:
         fail(f"{flag(world[0])}: the synthetic world's flag, and this run trains on "
              f"{'--data ' + run.data if run.data else '--model ' + run.model}; drop it")
+    other_world = [n for n in (toy_world.B_ONLY if run.world == "a" else toy_world.A_ONLY) if "world_" + n in given]
+    if other_world:
+        fail(f"{flag('world_' + other_world[0])}: a knob of world {'b' if run.world == 'a' else 'a'}, and this run's "
+             f"is world {run.world} (--world); drop it")
     data_only = [n for n in DATA_ONLY if n in given]
     if data_only and not (real or run.prompts or run.sft_data):
         fail(f"{flag(data_only[0])}: reads --data, --prompts or --sft-data (real text), and this run is the "
@@ -364,7 +368,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
                 target.add_argument(*flags, type=typ, **kw)
     g = p.add_argument_group("synthetic world (toy_world.WorldConfig)") if full else p
     for f in dataclasses.fields(toy_world.WorldConfig):
-        if f.name != "seed":
+        if f.name not in ("seed", "name"):  # set by --seed and --world
             spec = f.metadata.get("allowed")
             g.add_argument("--world-" + f.name.replace("_", "-"), dest="world_" + f.name, type=type(f.default),
                            default=f.default, help=(f.metadata.get("help", "") + (
@@ -403,8 +407,9 @@ def parse_configs(argv=None, world: int | None = None):
                                      for c in (run, sft_cfg, rm_cfg, ppo))
     ppo = implied(ppo, given | set(PRESETS[run.preset]))                                     # layer 4
     run, ppo = fit_to_launch(run, ppo, given, world)
-    world_cfg = toy_world.WorldConfig(seed=run.seed, **{f.name: getattr(args, "world_" + f.name)
-                                                     for f in dataclasses.fields(toy_world.WorldConfig) if f.name != "seed"})
+    world_cfg = toy_world.WorldConfig(seed=run.seed, name=run.world, **{
+        f.name: getattr(args, "world_" + f.name) for f in dataclasses.fields(toy_world.WorldConfig)
+        if f.name not in ("seed", "name")})
     if run.resume and not run.out:  # --resume alone continues in the run's own directory
         p = Path(run.resume)
         if p.exists() and not p.is_dir():
@@ -421,7 +426,8 @@ def parse_configs(argv=None, world: int | None = None):
 def startup_line(run: RunConfig, configs: tuple) -> str:
     """What a run prints first: its preset, the presets of what it trains on, and every flag whose value differs
     from the preset's (config.py), not every field."""
-    base = (RunConfig(), SFTConfig(), RMConfig(), apply_preset(run.preset), toy_world.WorldConfig(seed=run.seed),
+    base = (RunConfig(), SFTConfig(), RMConfig(), apply_preset(run.preset),
+            toy_world.WorldConfig(seed=run.seed, name=run.world),
             DPOConfig())
     changed = {}
     for prefix, old, new in zip(("", "", "", "", "world-", ""), base, configs):
@@ -576,7 +582,7 @@ def check_lora(run: RunConfig, sft_cfg: SFTConfig, dirs: dict | None) -> None:
     if dirs is None:
         print("[lora] stages 1-2 train the tiny model from scratch, in full (adapters on random weights learn nothing "
               "useful); the critic and the policy train adapters")
-        config = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+        config = tiny_llama_config(run.vocab_size if run.data else len(toy_world.world(run.world).VOCAB), sft_cfg)
     else:
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(dirs["sft"] or dirs["model"], trust_remote_code=False)
@@ -606,7 +612,8 @@ def plan_inputs(argv: list[str]) -> tuple[dict, dict, dict]:
     if real:
         model, reward, critic_model = run.sft_model or run.model, run.reward_model or None, run.critic_model or None
     else:
-        model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.VOCAB), sft_cfg)
+        model = reward = tiny_llama_config(run.vocab_size if run.data else len(toy_world.world(run.world).VOCAB),
+                                           sft_cfg)
         critic_model = None
     if run.fp32:
         beta = 4

@@ -65,7 +65,7 @@ def base_key(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.Wor
     """(directory name under runs/_base, what it depends on): everything stages 1-2 read, and nothing else."""
     rm = {k: v for k, v in dataclasses.asdict(rm_cfg).items() if k not in RM_SIZE_FLAGS or v}  # the defaults (0)
     if not run.data:  # leave the key, and the cached bases of runs from before these flags existed, unchanged
-        key = [dataclasses.asdict(world_cfg), dataclasses.asdict(sft_cfg), rm]
+        key = [toy_world.config_key(world_cfg), dataclasses.asdict(sft_cfg), rm]
         return f"seed{run.seed}-{checkpoint.config_hash(key)}", key
     limits = {"max_prompt_tokens": run.max_prompt_tokens, "max_response_tokens": run.max_response_tokens,
               "note": "ids = query_ids(prompt) ([BOS] + prompt, latest turns kept) ≤ P + response + [EOS] ≤ T"}
@@ -119,7 +119,7 @@ def build_base(run, sft_cfg: SFTConfig, rm_cfg: RMConfig, world_cfg: toy_world.W
                   f"on {len(records['pairs_heldout'])} pairs")
         else:
             write_json(tmp / "rm_length_bias.json",
-                       evaluation.length_bias(rm, tokenizer, records["prompts_heldout"], run.seed))
+                       evaluation.length_bias(rm, tokenizer, records["prompts_heldout"], run.seed, world_cfg.name))
         write_json(tmp / "timings.json", timings)
         write_json(tmp / "config.json", key if run.data else {"world": key[0], "sft": key[1], "rm": key[2],
                                                               "seed": run.seed})
@@ -149,9 +149,10 @@ def base_records(base: Path) -> dict[str, list[dict]]:
 def world_data(tmp: Path, world_cfg: toy_world.WorldConfig):
     """The synthetic world's records (written to tmp/data) and its word-level tokenizer (tmp/tokenizer)."""
     from transformers import AutoTokenizer
-    records = toy_world.make_dataset(world_cfg)
+    world = toy_world.world(world_cfg.name)  # toy_world.py or toy_world_b.py (--world)
+    records = world.make_dataset(world_cfg)
     toy_world.write_dataset(records, tmp / "data")
-    toy_world.build_tokenizer(tmp / "tokenizer")
+    toy_world.build_tokenizer(tmp / "tokenizer", world.VOCAB)
     return AutoTokenizer.from_pretrained(tmp / "tokenizer"), records, None
 
 
@@ -796,8 +797,10 @@ def ppo_inputs(run, cfg: PPOConfig, sft_cfg: SFTConfig, rm_cfg: RMConfig,
         engine.barrier()
     if not run.data:
         bias = json.loads((base / "rm_length_bias.json").read_text())
-        print(f"[base] reward model length bias: RM {bias['rm_slope']:+.3f}/token vs gold {bias['gold_slope']:+.3f}/token "
-              f"(filler tokens added to a correct answer)")
+        unit = "token" if world_cfg.name == "a" else "phrase"
+        print(f"[base] reward model {'length' if unit == 'token' else 'flattery'} bias: RM {bias['rm_slope']:+.3f}/"
+              f"{unit} vs gold {bias['gold_slope']:+.3f}/{unit} ({toy_world.world(world_cfg.name).EXPLOIT} added to "
+              f"a correct answer)")
     records = base_records(base)  # ptx on the world's pretraining text (prompt-less responses): stage_records
     critic = base / ("reward_model" if cfg.critic_init == "rm" else "sft")
     return Inputs(policy, base / "sft", base / "reward_model", critic, AutoTokenizer.from_pretrained(base / "tokenizer"),

@@ -141,7 +141,7 @@ def ppo_setup(s: Setup, inp: Inputs) -> tuple["Models", data.RolloutBatches, "Lo
     checkpoint.seed_everything(s.run.seed + s.rank)  # rank r samples its own stream; rank 0's: the one-process one
     m = load_models(inp, s.run, s.ppo, s.device, deepspeed_config(s.run, s.ppo, s.world, s.device))
     s.judge = make_judge(inp, not (s.run.data or s.dirs), m.bf16, s.device, lora.quantization(s.run),  # gold
-                         m.frozen_ds)
+                         m.frozen_ds, world=s.run.world)
     batches = data.RolloutBatches([r["prompt"] for r in inp.rows["ppo"]],
                                   [(r["prompt"], r["response"]) for r in inp.rows["ptx"]], inp.tokenizer,
                                   seed=s.run.seed, rank=s.rank, world=s.world, device=s.device)
@@ -471,11 +471,11 @@ class Judge:
 
 
 def make_judge(inp: Inputs, synthetic: bool, bf16: bool, device: torch.device, quantization: dict | None = None,
-               frozen_ds: dict | None = None) -> Judge | None:
+               frozen_ds: dict | None = None, world: str = "a") -> Judge | None:
     """Gold in the synthetic world; on real data the held-out reward model, one more frozen model (quantized like
     the others under --lora-bits; a ZeRO-3 engine like them with frozen_ds)."""
     if synthetic:
-        return Judge("gold", "reward/gold", toy_world.gold_judge)
+        return Judge("gold", "reward/gold", toy_world.world(world).gold_judge)  # --world's gold
     if not inp.judge:
         return None
     rm = ScalarHeadModel.from_pretrained(inp.judge, require_head=True, **({"torch_dtype": torch.bfloat16} if bf16 else {}),
@@ -625,7 +625,7 @@ def evaluate(m: Models, inp: Inputs, run: RunConfig, cfg: PPOConfig, history: li
                                                 inp.tokenizer, heldout, run.eval_samples, run.seed + 1,
                                                 cfg.max_new_tokens, judge.score if judge else proxy)
     if judge and judge.name == "gold":  # the alignment tax: pre-training text none of the stages trained on
-        texts = toy_world.heldout_pretraining_text(heldout, run.seed)
+        texts = toy_world.world(run.world).heldout_pretraining_text(heldout, run.seed)
         out["pretrain_text"] = {"policy_ppl": evaluation.text_perplexity(engine.unwrap(m.policy), inp.tokenizer, texts),
                                 "sft_ppl": evaluation.text_perplexity(sft_model, inp.tokenizer, texts),
                                 "texts": len(texts)}
@@ -662,9 +662,10 @@ def base_summary(inp: Inputs, run: RunConfig, dirs: dict | None) -> dict:
         rm["check"] = check
     if not inp.base:
         return {"models": dirs, "rm": rm}
-    if not run.data:
+    if not run.data:  # world B: the slopes per praise phrase (eval.length_bias), under the same keys
         bias = json.loads((inp.base / "rm_length_bias.json").read_text())
         rm.update(length_slope=bias["rm_slope"], gold_length_slope=bias["gold_slope"])
+        return {"rm": rm, "world": run.world}
     return {"rm": rm}
 
 
@@ -753,7 +754,7 @@ def other_method(s: Setup, inp: Inputs) -> dict | None:
     reward_model = reward_model.eval().requires_grad_(False).to(device)
     sft = models.disable_dropout(models.causal_lm_class(inp.ref).from_pretrained(inp.ref, **lora.load_kwargs(None, bf16)))
     sft = sft.to(device).eval().requires_grad_(False)
-    judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run))
+    judge = make_judge(inp, not (run.data or dirs), bf16, device, lora.quantization(run), world=run.world)
     heldout = [r["prompt"] for r in inp.rows["eval"]]
     t0 = time.time()
     if run.method == "dpo":

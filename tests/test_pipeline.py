@@ -211,7 +211,7 @@ def test_every_numeric_or_choice_flag_has_a_check():
     for cls in (plumbing.config.RunConfig, plumbing.config.SFTConfig, plumbing.config.RMConfig, ppo_max.PPOConfig, toy_world.WorldConfig,
                 dpo.DPOConfig):
         for f in dataclasses.fields(cls):
-            if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name == "seed"):
+            if f.type in ("bool", bool) or (cls is toy_world.WorldConfig and f.name in ("seed", "name")):  # --seed, --world
                 continue
             assert f.name in checked or f.name in free, f"{cls.__name__}.{f.name} has no check"
 

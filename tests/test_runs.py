@@ -92,7 +92,7 @@ def test_the_worker_pool_trains_what_train_py_alone_trains(tmp_path, monkeypatch
             shutil.rmtree(runs.out_dir(name, 0), ignore_errors=True)
 
 
-def never_ends(full, name, flags, seed, steps):
+def never_ends(full, name, flags, seed, steps, world="a"):
     """A worker's run that only a signal ends."""
     import time
     time.sleep(120)
@@ -129,7 +129,7 @@ def test_run_each_yields_cached_runs_first_then_each_run_as_its_worker_finishes(
     gates = {name: threading.Event() for name in ("slow", "fast", "bad")}
     built: set[str] = set()
 
-    def build(full, name, flags, seed, steps):
+    def build(full, name, flags, seed, steps, world="a"):
         gates[name].wait(timeout=10)
         if name == "bad":
             raise ValueError("bad run")
