@@ -246,15 +246,12 @@ def format_table(summary: dict) -> str:
     elif peak:
         lines.append(f"training gold (temperature 1, {peak['smoothing']}): peak {peak['gold_reward']:.2f} at step "
                      f"{peak['step']}")
+    on = lambda c: f" on {c['pairs']} pairs (95 % interval [{c['interval'][0]:.3f}, {c['interval'][1]:.3f}])"  # noqa
     if "rm" in summary:
         check = summary["rm"].get("check")
-        lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}" + (
-            f" on {check['pairs']} pairs (95 % interval [{check['interval'][0]:.3f}, {check['interval'][1]:.3f}])"
-            if check else ""))
-    if summary.get("judge_check"):
-        check = summary["judge_check"]
-        lines.append(f"judge held-out accuracy {check['accuracy']:.3f} on {check['pairs']} pairs (95 % interval "
-                     f"[{check['interval'][0]:.3f}, {check['interval'][1]:.3f}])")
+        lines.append(f"reward model held-out accuracy {summary['rm']['accuracy']:.3f}" + (on(check) if check else ""))
+    if check := summary.get("judge_check"):
+        lines.append(f"judge held-out accuracy {check['accuracy']:.3f}{on(check)}")
     return "\n".join(lines)
 
 
@@ -439,9 +436,8 @@ MISMATCH_PANEL = (("mismatch/mean_abs_logp_diff",), "rollout/training mismatch: 
 
 
 def plot_run(run: str) -> tuple[list[dict], list[dict], dict]:
-    """One run's curves for plot(): the rows of its metrics.jsonl, its win rates against SFT by step (the
-    notebooks' checkpoint_eval.json, then the final evaluation of summary.json), and its summary.json ({} before
-    the run ends). A missing or damaged log is one line naming it."""
+    """One run's curves for plot(): its metrics.jsonl rows, its win rates against SFT by step (checkpoint_eval.json,
+    then summary.json's) and its summary.json ({} before the run ends). A missing or damaged log is one line."""
     f = Path(run) / "metrics.jsonl"
     if not f.is_file():
         cli.fail(f"{run}: no metrics.jsonl (not a train.py run directory)")
@@ -471,11 +467,11 @@ def plot_gold(ax, rows: list[dict], summary: dict, key: str, label: str, at_chan
             if r.get(f"heldout/{key.split('/')[1]}") is not None]
     if held:
         ax.plot(*zip(*held), marker="o", markersize=4, color=colour, label=f"{label}: held-out, eval sampling")
-    sft = (summary.get("sft") or {}).get("gold_reward")
-    sft = sft if sft is not None else (held[0][1] if held and held[0][0] == 0 else None)
+    sft, where = (summary.get("sft") or {}).get("gold_reward"), "final table"
+    if sft is None and held and held[0][0] == 0:
+        sft, where = held[0][1], "step 0"
     if sft is not None:
-        ax.axhline(sft, color=colour, linestyle=":", linewidth=1.2, label=f"{label}: SFT, held-out (final table)"
-                   if (summary.get("sft") or {}).get("gold_reward") is not None else f"{label}: SFT, held-out (step 0)")
+        ax.axhline(sft, color=colour, linestyle=":", linewidth=1.2, label=f"{label}: SFT, held-out ({where})")
     final = (summary.get("final") or {}).get("gold_reward")
     if final is not None:
         ax.plot([summary["steps"]], [final], marker="*", markersize=11, color=colour, linestyle="none",

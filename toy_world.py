@@ -138,8 +138,7 @@ def world(name: str = "a"):
     if name == "a":
         return sys.modules[__name__]
     if name == "b":
-        import toy_world_b
-        return toy_world_b
+        return __import__("toy_world_b")
     raise ValueError(f"unknown world {name!r}: a or b")
 
 
@@ -475,8 +474,7 @@ if __name__ == "__main__":
                                      allow_abbrev=False)
     parser.add_argument("--world", default="a", choices=["a", "b"], help="a: this file; b: toy_world_b.py")
     if parser.parse_args().world == "b":
-        world("b").demo(WorldConfig(name="b"))
-        raise SystemExit(0)
+        raise SystemExit(world("b").demo(WorldConfig(name="b")))
     cfg = WorldConfig()
     rng = random.Random(0)
     data = make_dataset(cfg)
