@@ -374,7 +374,7 @@ def _build(full: bool, name: str, flags, seed: int, steps: int | None, world: st
     """In a worker: train one run, unless another process did it meanwhile. A run directory and a new base are
     built by one process only (file locks under runs/.locks/), and a run that waits for a base another process is
     building holds no slot. Returns (its directory, seconds)."""
-    configure(full, world)
+    configure(full, world=world)
     out = out_dir(name, seed)
     argv = argv_for(name, tuple(flags), seed, steps)
     t0 = time.time()
