@@ -176,7 +176,7 @@ def part_text(p: dict) -> str:
         else:
             text += f" (worse for any margin below {-p['hi90']:.3g})"
     elif p["stat"] == "alike":
-        text += f" (alike for any margin above {p['alike_above']:.3g})"
+        text += f" (no difference that matters for any margin above {p['alike_above']:.3g})"
     elif p["stat"] in ("higher", "lower"):
         text += f" ({p['stat']} for any margin below {p['beyond_below']:.3g})"
     else:

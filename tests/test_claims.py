@@ -291,7 +291,7 @@ def test_v2_alike_and_beyond_hold_exactly_for_the_margins_it_prints():
 def test_v2_part_text_says_the_margins_for_which_it_holds():
     part = claims.P("d", "x", "a", "b", "higher", "win-lose")
     alike = registry_v2.judge(SMALL, 0.05, "higher")
-    assert f"(alike for any margin above {alike['alike_above']:.3g})" in registry_v2.part_text({"part": part, **alike})
+    assert f"(no difference that matters for any margin above {alike['alike_above']:.3g})" in registry_v2.part_text({"part": part, **alike})
     up = registry_v2.judge(UP, 0.1, "higher")
     assert f"(higher for any margin below {up['beyond_below']:.3g})" in registry_v2.part_text({"part": part, **up})
     on_margin = registry_v2.judge([0.1 + x for x in (0.05, -0.05, 0.1, -0.1, 0.0)], 0.1, "higher")
