@@ -132,9 +132,8 @@ A_ONLY, B_ONLY = ("length_bias", "length_cap"), ("flattery_bias", "flattery_cap"
 
 
 def world(name: str = "a"):
-    """The module of world `name`: "a" is this file, "b" toy_world_b.py (a different task, vocabulary and exploit).
-    Both have the same interface: VOCAB, make_dataset, parse_prompt, gold_reward, gold_judge, heldout_pretraining_text,
-    probe_prompts, probe_responses, EXPLOIT (write_dataset and build_tokenizer below serve both)."""
+    """The module of world `name`: "a" this file, "b" toy_world_b.py (another task, vocabulary and exploit), with one
+    interface (VOCAB, make_dataset, gold_reward, gold_judge, probe_prompts, …; write_dataset, build_tokenizer: both)."""
     if name == "a":
         return sys.modules[__name__]
     if name == "b":
@@ -351,24 +350,25 @@ def label_pair(prompt: str, a: str, b: str, cfg: WorldConfig, rng: random.Random
     return (a, b) if rng.random() < p_a else (b, a)
 
 
-def make_dataset(cfg: WorldConfig) -> dict:
-    """Everything the pipeline reads, as plain records (written to JSONL by `write_dataset`)."""
+def make_dataset(cfg: WorldConfig, w=None) -> dict:
+    """Everything the pipeline reads, as plain records (`write_dataset`), from world w's (default: this world's)."""
+    w = w or sys.modules[__name__]
     rng = random.Random(cfg.seed)
-    train, heldout = split_prompts(cfg.seed, cfg.heldout_frac)
+    train, heldout = w.split_prompts(cfg.seed, cfg.heldout_frac)
     sft = []
     for _ in range(cfg.n_sft):
         p = rng.choice(train)
-        sft.append({"prompt": p.text, "response": sample_response(p, rng)})
+        sft.append({"prompt": p.text, "response": w.sample_response(p, rng)})
 
     def pairs(n: int, prompts: list[Prompt]) -> list[dict]:
         out = []
         while len(out) < n:
             p = rng.choice(prompts)
-            a = sample_response(p, rng, spread=2.0)
-            b = edit_response(p, a, rng) if rng.random() < cfg.edit_frac else sample_response(p, rng, spread=2.0)
+            a = w.sample_response(p, rng, spread=2.0)
+            b = w.edit_response(p, a, rng) if rng.random() < cfg.edit_frac else w.sample_response(p, rng, spread=2.0)
             if a == b:
                 continue
-            c, r = label_pair(p.text, a, b, cfg, rng)
+            c, r = w.label_pair(p.text, a, b, cfg, rng)
             out.append({"prompt": p.text, "chosen": c, "rejected": r})
         return out
 
@@ -379,7 +379,7 @@ def make_dataset(cfg: WorldConfig) -> dict:
         "pairs_train": pairs(cfg.n_pairs, train),
         "pairs_heldout": pairs(cfg.n_pairs_heldout, heldout),
         # responses to random prompts, the prompt dropped: the language without the instruction format
-        "pretrain": [{"text": sample_response(rng.choice(train), rng)} for _ in range(cfg.n_pretrain)],
+        "pretrain": [{"text": w.sample_response(rng.choice(train), rng)} for _ in range(cfg.n_pretrain)],
     }
 
 

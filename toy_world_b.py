@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from dataclasses import dataclass
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]  # world A's special tokens (toy_world.SPECIALS), in the same order
@@ -243,35 +244,11 @@ def label_pair(prompt: str, a: str, b: str, cfg: "toy_world.WorldConfig", rng: r
 
 
 def make_dataset(cfg: "toy_world.WorldConfig") -> dict:
-    """Everything the pipeline reads, as plain records: the same record names as toy_world.make_dataset (written by
-    toy_world.write_dataset; the tokenizer is toy_world.build_tokenizer over VOCAB)."""
-    rng = random.Random(cfg.seed)
-    train, heldout = split_prompts(cfg.seed, cfg.heldout_frac)
-    sft = []
-    for _ in range(cfg.n_sft):
-        p = rng.choice(train)
-        sft.append({"prompt": p.text, "response": sample_response(p, rng)})
-
-    def pairs(n: int, prompts: list[Prompt]) -> list[dict]:
-        out = []
-        while len(out) < n:
-            p = rng.choice(prompts)
-            a = sample_response(p, rng, spread=2.0)
-            b = edit_response(p, a, rng) if rng.random() < cfg.edit_frac else sample_response(p, rng, spread=2.0)
-            if a == b:
-                continue
-            c, r = label_pair(p.text, a, b, cfg, rng)
-            out.append({"prompt": p.text, "chosen": c, "rejected": r})
-        return out
-
-    return {
-        "prompts_train": [{"prompt": p.text} for p in train],
-        "prompts_heldout": [{"prompt": p.text} for p in heldout],
-        "sft": sft,
-        "pairs_train": pairs(cfg.n_pairs, train),
-        "pairs_heldout": pairs(cfg.n_pairs_heldout, heldout),
-        "pretrain": [{"text": sample_response(rng.choice(train), rng)} for _ in range(cfg.n_pretrain)],
-    }
+    """Everything the pipeline reads, as plain records: toy_world.make_dataset's recipe (the same record names,
+    written by toy_world.write_dataset; the tokenizer is toy_world.build_tokenizer over VOCAB) over this world's
+    prompts, responses and annotators."""
+    import toy_world
+    return toy_world.make_dataset(cfg, sys.modules[__name__])
 
 
 def heldout_pretraining_text(prompts: list[str], seed: int, n: int = 2) -> list[str]:
