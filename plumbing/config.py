@@ -10,11 +10,12 @@ wins), in this order:
   3. what the run trains on, for the fields neither given nor set by the preset: DATA_PRESET with --data and the
      tiny model (a budget for real text on a CPU); MODEL_PRESETS[--model] for llama-7b / llama-13b (the paper's
      hyperparameters); REAL_MODEL_PRESET for any real --model (ptx on its SFT text: it has no synthetic
-     pretraining text); real text keeps the paper's η 0.05 and λ_ptx 0.5;
+     pretraining text); real text keeps the paper's η 0.05 and λ_ptx 0.5; WORLD_B_PRESET with --world b (world B's
+     pilot rule's answer: docs/worlds.md);
   4. implied(): an estimator's own conventions (Dr. GRPO's loss divisor, GRPO's k3 when the KL sits in the loss).
 So `python train.py` runs these defaults with nothing on top (PRESETS["ppo-max"] is empty). The synthetic world's own
-knobs (`--world-*`) are toy_world.WorldConfig (`--world b`: world B, toy_world_b.py, on the same defaults until its
-pilot sets its own: docs/worlds.md); the flags of `--plan` are plumbing/scale.py's.
+knobs (`--world-*`) are toy_world.WorldConfig (`--world b`: world B, toy_world_b.py, with the defaults its pilot
+rule set: WORLD_B_PRESET, docs/worlds.md); the flags of `--plan` are plumbing/scale.py's.
 
 Flags a run ignores. A flag given on the command line that the run would not read is refused before any work
 (one line `error: …` naming it, exit 2), since a run that quietly ignores it is not the run asked for:
@@ -368,9 +369,18 @@ MODEL_PRESETS = {"llama-7b": PAPER_LLAMA, "llama-13b": PAPER_LLAMA}
 REAL_MODEL_PRESET = dict(ptx_data="sft", kl_coef=0.05, ptx_coef=0.5)
 
 
-def context_presets(data: str, model: str) -> list[tuple[str, dict]]:
+# --world b: world B's defaults, set by its pilot rule (docs/worlds.md), not tuned to any claim: the rule chose world
+# A's SFT rate (3e-3), policy rate (7e-5, the critic's at A's ratio) and operating point (η 0.2, ptx on the
+# demonstrations at 0.25), and a reward-model rate of 1e-2 (A's: 1e-3). Only what differs is written here; the pilot's
+# record, notebooks/results/world-b/, is what a test holds this preset to.
+WORLD_B_PRESET = dict(rm_lr=1e-2)
+
+
+def context_presets(data: str, model: str, world: str = "a") -> list[tuple[str, dict]]:
     """Layer 3: the presets of what the run trains on, in order, as (name, overrides)."""
     layers = []
+    if world == "b" and not data and model == "tiny":
+        layers.append(("world b", WORLD_B_PRESET))
     if data and model == "tiny":
         layers.append(("real-data", DATA_PRESET))
     if model in MODEL_PRESETS:

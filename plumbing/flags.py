@@ -401,7 +401,7 @@ def parse_configs(argv=None, world: int | None = None):
     except ValueError as e:
         fail(f"--preset: {e}")
     named = given | set(PRESETS[run.preset])   # what a context preset leaves alone: the flags and the named preset's
-    for _, preset in context_presets(run.data, run.model):                                   # layer 3
+    for _, preset in context_presets(run.data, run.model, run.world):                        # layer 3
         run, sft_cfg, rm_cfg, ppo = (dataclasses.replace(c, **{k: v for k, v in preset.items() if k not in named and
                                                                 k in {f.name for f in dataclasses.fields(c)}})
                                      for c in (run, sft_cfg, rm_cfg, ppo))
@@ -417,7 +417,8 @@ def parse_configs(argv=None, world: int | None = None):
         run.out = str(p.parent.parent if p.name.startswith("step-") else p.parent if p.name == "checkpoints" else p)
     if not run.out:  # runs of other estimators, data or LoRA never share a directory with the default run
         data_tag = f"-{Path(run.data).name.split('.')[0]}" if run.data and run.model == "tiny" else ""
-        run.out = f"runs/{run_name(run, ppo)}{data_tag}{lora_tag(run)}-seed{run.seed}"
+        world_tag = "-world-b" if run.world == "b" else ""
+        run.out = f"runs/{run_name(run, ppo)}{data_tag}{lora_tag(run)}{world_tag}-seed{run.seed}"
     validate(run, sft_cfg, rm_cfg, ppo, world_cfg, dpo_cfg, world)
     validate_combinations(run, sft_cfg, rm_cfg, ppo, world_cfg, dpo_cfg, given)
     return run, sft_cfg, rm_cfg, ppo, world_cfg, dpo_cfg
@@ -434,7 +435,7 @@ def startup_line(run: RunConfig, configs: tuple) -> str:
         for name, value in dataclasses.asdict(new).items():
             if value != getattr(old, name) and name not in ("preset", "out", "seed"):
                 changed[prefix + name.replace("_", "-")] = value
-    layers = [name for name, _ in context_presets(run.data, run.model)]
+    layers = [name for name, _ in context_presets(run.data, run.model, run.world)]
     return (f"preset {run.preset!r}" + "".join(f" + {name!r}" for name in layers) + f", seed {run.seed}, out "
             f"{run.out} (plumbing/config.py); changed: " + (json.dumps(changed, ensure_ascii=False) if changed else
                                                             "nothing"))

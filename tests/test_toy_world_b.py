@@ -143,6 +143,28 @@ def test_world_flag_selects_world_b_and_refuses_world_a_knobs():
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_world_b_defaults_are_its_pilot_rules_answer():
+    """`--world b` resolves to the rates and operating point world B's pilot records chose (notebooks/results/world-b/),
+    read from the records, not from the preset; a flag given, or a named preset's own field, still wins; world A's
+    defaults are untouched, and world B's runs default to their own folder."""
+    from plumbing import flags
+    results = Path(tw.__file__).parent / "notebooks" / "results" / "world-b"
+    lr, plr, op = (json.loads((results / f"{n}.json").read_text()) for n in ("lr2", "policy-lr", "operating-point"))
+    chosen = op["candidates"][op["choice"]]["flags"]
+    pilot = dict(zip(chosen[::2], chosen[1::2]))
+    run, sft, rm, ppo, *_ = flags.parse_configs(["--world", "b"])
+    assert (sft.sft_lr, rm.rm_lr, ppo.policy_lr) == (lr["sft_lr"], lr["rm_lr"], plr["policy_lr"])
+    assert ppo.critic_lr == pytest.approx(plr["policy_lr"] * 5e-4 / 7e-5)   # world A's critic/policy ratio
+    assert (ppo.kl_coef, ppo.ptx_data, ppo.ptx_coef) == (float(pilot["--kl-coef"]), pilot["--ptx-data"],
+                                                          float(pilot["--ptx-coef"]))
+    assert run.out == "runs/ppo-max-world-b-seed0"
+    _, _, rm, ppo, *_ = flags.parse_configs(["--world", "b", "--preset", "vanilla"])
+    assert rm.rm_lr == lr["rm_lr"] and ppo.kl_coef == 0 and ppo.ptx_coef == 0   # the preset's own fields stay its own
+    assert flags.parse_configs(["--world", "b", "--rm-lr", "0.001"])[2].rm_lr == 0.001
+    run, _, rm, *_ = flags.parse_configs([])
+    assert rm.rm_lr == 1e-3 and run.out == "runs/ppo-max-seed0"
+
+
 def test_world_a_base_key_is_unchanged_by_world_b():
     """World A's cached bases keep their names: its key holds exactly the fields it had before world B."""
     key = tw.config_key(tw.WorldConfig())

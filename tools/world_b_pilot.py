@@ -18,8 +18,9 @@ Implements: no equation; a stated rule on pilot seeds no registry uses.
                               OP_SEEDS in world B, at the learning rates above
 Amended after `lr` ran (docs/worlds.md, 2026-12-06): `lr2`, on fresh seeds 520-522, takes of the stable rates the
 largest whose mean result is within a tolerance of the best (largest_near_best); policy-lr and operating-point read it.
-Run: python tools/world_b_pilot.py lr2 | policy-lr | operating-point   (each writes notebooks/results/world-b/<step>.json;
-     lr: 24 stage 1-2 builds, about 25 min on 2 free cores; policy-lr: 12 runs, about 1 h; operating-point: 36 runs)
+Run: python tools/world_b_pilot.py lr2 | policy-lr | operating-point | margins   (each writes
+     notebooks/results/world-b/<step>.json; lr: 24 stage 1-2 builds, about 25 min on 2 free cores; policy-lr: 12 runs,
+     about 1 h; operating-point: 36 runs; margins: 3 runs, registry v3's world B margins, step_margins)
 """
 from __future__ import annotations
 
@@ -195,8 +196,36 @@ def step_operating_point() -> dict:
             "choice": registry_v2.choose_operating_point(rows)}
 
 
+def step_margins() -> dict:
+    """Registry v3's world B margins (registry_v3.MARGIN_PRINCIPLE) from the pilot: the operating point's record for the
+    outcome margins, and for the rest PPO-max at world B's defaults (`--world b`, WORLD_B_PRESET) on OP_SEEDS: the SFT
+    policy's held-out response length and its per-token entropy at step 0, and the base's gold slope per praise
+    phrase. These runs are the operating point's chosen candidate again (the same flags once the defaults apply), so
+    their win − lose is printed beside the record's as a check that the preset is the pilot's answer."""
+    import registry_v3
+    op = json.loads((OUT / "operating-point.json").read_text())
+    jobs = {s: ["--seed", str(s), "--out", f"runs/world-b-pilot/margins-seed{s}"] for s in OP_SEEDS}
+    with ThreadPoolExecutor(JOBS) as pool:
+        list(pool.map(train, jobs.values()))
+    rows = {}
+    for s, argv in jobs.items():
+        out = ROOT / argv[argv.index("--out") + 1]
+        r = json.loads((out / "summary.json").read_text())
+        step0 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        bias = json.loads((ROOT / r["base"] / "rm_length_bias.json").read_text())
+        rows[s] = {"sft_length": r["sft"]["response_length"], "sft_entropy": step0["policy/entropy"],
+                   "gold_slope": bias["gold_slope"], "rm_slope": bias["rm_slope"],
+                   "win_lose": r["win_rate_vs_sft"]["win"] - r["win_rate_vs_sft"]["lose"]}
+    margins = registry_v3.margins_for(op, [{"gold_slope": r["gold_slope"]} for r in rows.values()],
+                                      mean([r["sft_length"] for r in rows.values()]),
+                                      mean([r["sft_entropy"] for r in rows.values()]))
+    return {"seeds": list(OP_SEEDS), "principle": registry_v3.MARGIN_PRINCIPLE, "runs": rows,
+            "operating_point_win_lose": op["candidates"][op["choice"]]["win_lose"], "margins": margins}
+
+
 if __name__ == "__main__":
-    steps = {"lr": step_lr, "lr2": step_lr2, "policy-lr": step_policy_lr, "operating-point": step_operating_point}
+    steps = {"lr": step_lr, "lr2": step_lr2, "policy-lr": step_policy_lr, "operating-point": step_operating_point,
+             "margins": step_margins}
     if len(sys.argv) != 2 or sys.argv[1] not in steps:
         raise SystemExit(f"usage: python tools/world_b_pilot.py {' | '.join(steps)}")
     result = steps[sys.argv[1]]()
