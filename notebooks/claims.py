@@ -664,7 +664,9 @@ def combine(answers: list[str]) -> str:
 # answer's: COMBINE already says "against" before "undecided" before "alike" before "as the paper".
 # ---------------------------------------------------------------------------------------------------------------------
 LABELS = {"as the paper": "supported", "alike": "no effect", "against the paper": "contradicted",
-          "undecided": "undecided", "not run": "not run"}
+          "undecided": "undecided", "not run": "not run", "not tested": "not tested"}
+# "not tested": a registry that declares how much a claim's mechanism must act (v3's engagement, Registry.acts) gives
+# this answer where it acted less, whatever the parts say: a mechanism that did not act has no effect to find
 LABEL_ORDER = ("supported", "no effect", "contradicted", "undecided")
 
 
@@ -712,10 +714,15 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+def world_of(seed: int) -> str:
+    """The synthetic world a registry's seed lives in: "b" for the seeds it lists as world B's (v3's), else "a"."""
+    return "b" if seed in R.world_b_seeds else "a"
+
+
 def config_key(variant: str, seed: int) -> str:
     """A hash of what the run's summary.json must say for it to stand for this variant and seed (runs.expected),
-    under the selected registry's flags for it."""
-    return _config_key(tuple(R.variants[variant]), R.long.get(variant, STEPS), seed)
+    under the selected registry's flags for it, in the seed's world."""
+    return _config_key(tuple(R.variants[variant]), R.long.get(variant, STEPS), seed, world_of(seed))
 
 
 # PPOConfig fields added after the registries' records, at the value that keeps the computation they were trained
@@ -724,9 +731,10 @@ LATER_FIELDS = {"generate_batch": 0}
 
 
 @functools.lru_cache(maxsize=None)
-def _config_key(flags: tuple, steps: int, seed: int) -> str:
+def _config_key(flags: tuple, steps: int, seed: int, world: str = "a") -> str:
     import runs
-    want = runs.expected(runs.argv_for("key", flags, seed, steps))
+    with runs.in_world(world):
+        want = runs.expected(runs.argv_for("key", flags, seed, steps))
     want["config"] = {k: v for k, v in want["config"].items() if LATER_FIELDS.get(k, object()) != v}
     return hashlib.sha256(json.dumps(want, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -749,6 +757,8 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
     # the machine too: the run under runs/ was trained here, and its last bits depend on the CPU
     rec = {"variant": variant, "flags": list(flags), "seed": seed, "steps": 0 if variant == BASE else steps_of(variant),
            "config": key, "code": runs.code_version(), "commit": git_commit(), "machine": machine(), "metrics": metrics}
+    if R.world_b_seeds:   # a registry of two worlds: each record names its own
+        rec = {"world": world_of(seed), **rec}
     if R.name != "v1":  # the per-step curve too (metrics.jsonl, or the reward model's log), so that a later question
         # (the §5.2 alarm on every run, a metric not planned here) reads the records without training again
         rec["curve"] = compress(got["rm_log"] if variant == BASE else got["metrics"])
@@ -830,7 +840,11 @@ def verdict(claim: Claim, recs: dict | None = None) -> dict:
         else:
             parts.append({"part": part, **R.judge(list(d.values()), R.margins[part.margin], part.direction)})
     answers = [p["answer"] for p in parts]
-    return {"claim": claim, "parts": parts, "answer": "not run" if "not run" in answers else combine(answers)}
+    answer = "not run" if "not run" in answers else combine(answers)
+    acts = R.acts(claim, recs) if R.acts is not None else None   # v3: did the mechanism act where it was judged
+    if acts is not None and acts["below"] and answer != "not run":
+        answer = "not tested"
+    return {"claim": claim, "parts": parts, "answer": answer, "acts": acts}
 
 
 def verdicts(recs: dict | None = None) -> list[dict]:
@@ -1217,7 +1231,8 @@ def planned(claims: list[Claim] | None = None) -> list[tuple[str, int]]:
 def base_name(seed: int) -> str:
     """The name of a seed's base under runs/_base/ (what runs.base_dir builds when it is missing), built or not."""
     import runs
-    return runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"]
+    with runs.in_world(world_of(seed)):
+        return runs.expected(runs.argv_for("ppo-max", (), seed, None))["base"]
 
 
 def recorded(variant: str, seed: int) -> bool:
@@ -1261,12 +1276,26 @@ def run_registry(only: list[str] | None = None, seeds: set[int] | None = None) -
     todo = [(v, s) for v, s in planned([c for c in R.claims if not only or c.id in only])
             if (seeds is None or s in seeds) and not recorded(v, s)]
     R.results.mkdir(exist_ok=True)
+    worlds = list(dict.fromkeys(world_of(s) for c in R.claims for s in c.seeds))   # in the claims' order
+    for w in worlds:   # a registry of two worlds (v3): each world's runs in turn, the first claims' world first
+        runs.configure(full=True, world=w)
+        _run_todo([(v, s) for v, s in todo if world_of(s) == w])
+    runs.configure(full=True)
+
+
+def _run_todo(todo: list[tuple[str, int]]) -> None:
+    """run_registry's work for one world's (variant, seed) pairs (runs.configure has chosen the world)."""
+    import runs
     by_config: dict[str, tuple[str, int]] = {}
     for v, s in todo:
         if v != BASE:
             by_config.setdefault(config_key(v, s), (v, s))
     per_seed: dict[int, list] = {}
-    for v, s in by_config.values():
+    # each seed's variants in the order of the first claim reading them, so that a budget cut short has finished
+    # whole claims rather than a few runs of every claim
+    rank = {v: i for i, v in enumerate(dict.fromkeys(v for c in R.claims for p in c.parts
+                                                      for v in sorted(part_variants(p))))}
+    for v, s in sorted(by_config.values(), key=lambda vs: (rank.get(vs[0], len(rank)), vs[1])):
         per_seed.setdefault(s, []).append((v, R.variants[v], s, R.long.get(v)))
     rounds = [[per_seed[s][k] for s in sorted(per_seed) if k < len(per_seed[s])]
               for k in range(max(map(len, per_seed.values()), default=0))]
@@ -1706,6 +1735,9 @@ class Registry:
     seeds: tuple
     plot_seeds: tuple
     qualifiers: dict = field(default_factory=dict)
+    world_b_seeds: tuple = ()    # the seeds that live in world B (v3's); every other seed is world A's
+    acts: object = None          # acts(claim, recs) -> {"below": bool, ...} or None: how much the claim's mechanism
+    #                              acted, where the registry declares it (v3); below its threshold → "not tested"
 
 
 V1 = Registry("v1", CLAIMS, MARGINS, VARIANTS, LONG, RESULTS, judge, part_text, rule_text, FIRST_PLAN, RUN_METRICS,
@@ -1713,13 +1745,17 @@ V1 = Registry("v1", CLAIMS, MARGINS, VARIANTS, LONG, RESULTS, judge, part_text, 
 
 
 def registry(name: str) -> Registry:
-    """The registry of that name: "v1" (exploratory, as committed) or "v2" (confirmatory, notebooks/registry_v2.py)."""
+    """The registry of that name: "v1" (exploratory, as committed), "v2" (confirmatory, notebooks/registry_v2.py) or
+    "v3" (does a verdict travel to world B; the claims v2 nearly decided: notebooks/registry_v3.py)."""
     if name == "v1":
         return V1
     if name == "v2":
         import registry_v2
         return registry_v2.REGISTRY
-    print(f"error: --registry {name}: choose v1 or v2", file=sys.stderr)
+    if name == "v3":
+        import registry_v3
+        return registry_v3.REGISTRY
+    print(f"error: --registry {name}: choose v1, v2 or v3", file=sys.stderr)
     raise SystemExit(2)
 
 

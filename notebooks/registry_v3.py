@@ -1,11 +1,9 @@
 """Registry v3, a DRAFT committed before any v3 record: does a verdict travel to another world, did the mechanism act
 where it was judged, and the claims v2 nearly decided, on fresh seeds. v1 and v2 stay as committed.
 
-Status: written and planned, not yet run and not yet read by notebooks/claims.py (`--registry v3` does not exist
-yet: claims.py is being changed for engagement labels, and v3 plugs in after that). World B's margins and its
-variants' flags come from world B's pilot (tools/world_b_pilot.py, docs/worlds.md), which has not run either: the
-functions below compute them from its records by the principle stated here, so nothing about them is chosen after
-seeing a v3 result.
+Status: committed before any v3 record (git log), read by notebooks/claims.py (`--registry v3`). World B's margins
+come from world B's pilot (tools/world_b_pilot.py margins, docs/worlds.md) by the principle stated here, and its
+variants' defaults from the pilot's rule (`--world b`), so nothing about them is chosen after seeing a v3 result.
 
 Implements: no equation of the paper.
   TRANSFER                v2's 15 decided claims, each judged in world B by v2's rule (registry_v2.judge)
@@ -38,8 +36,9 @@ N_MIN, N_CAP = 5, 15
 
 # =====================================================================================================================
 # Transfer: v2's decided claims (its records: 5 as the paper, 1 against, 9 alike), judged again in world B by the same
-# rule, parts and directions. Every variant gets `--world b` and world B's defaults (its pilot's learning rates and
-# operating point: world_b_flags()). "sec4.3" reads world B's probe of its own exploit (praise phrases added to a
+# rule, parts and directions. A world B seed's runs are v2's variants with `--world b` (notebooks/runs.py's world,
+# from the seed: claims.world_of), whose defaults are its pilot's (plumbing/config.py WORLD_B_PRESET, held to the
+# pilot's records by tests/test_toy_world_b.py). "sec4.3" reads world B's probe of its own exploit (praise phrases added to a
 # correct answer, eval.length_bias), not length: the paper's claim generalised to "the reward model over-pays for
 # what the annotators favoured", the only reading world B can test.
 # =====================================================================================================================
@@ -82,20 +81,14 @@ def margins_for(op: dict, bases: list[dict], sft_length: float, sft_entropy: flo
     return out
 
 
-def world_b_flags() -> tuple[str, ...]:
-    """World B's defaults from its pilot's records (docs/worlds.md's rule, steps 1-5): every world B variant's flags
-    start with these. An error until the pilot has run: no world B record may exist before them."""
-    need = [PILOT_B / f"{s}.json" for s in ("lr2", "policy-lr", "operating-point")]   # lr2: the amended rule
-    missing = [str(p) for p in need if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"world B's pilot has not run (missing {', '.join(missing)}): python "
-                                f"tools/world_b_pilot.py lr | policy-lr | operating-point")
-    lr, plr, op = (json.loads(p.read_text()) for p in need)
-    chosen = dict(zip(op["candidates"][op["choice"]]["flags"][::2], op["candidates"][op["choice"]]["flags"][1::2])) \
-        if "flags" in op["candidates"][op["choice"]] else {}
-    flags = ["--world", "b", "--sft-lr", str(lr["sft_lr"]), "--rm-lr", str(lr["rm_lr"]),
-             "--policy-lr", str(plr["policy_lr"]), "--critic-lr", f"{plr['policy_lr'] * 5e-4 / 7e-5:.3g}"]
-    return tuple(flags + [x for k, v in chosen.items() for x in (k, v)])
+def world_b_margins() -> dict[str, float]:
+    """World B's margins under MARGIN_PRINCIPLE, as its pilot's record holds them (tools/world_b_pilot.py margins:
+    notebooks/results/world-b/margins.json, committed before any v3 record). An error until that step has run."""
+    path = PILOT_B / "margins.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"world B's margins are not computed (missing {path}): python tools/world_b_pilot.py "
+                                "margins")
+    return json.loads(path.read_text())["margins"]
 
 
 # =====================================================================================================================
@@ -208,6 +201,97 @@ def claims_v3() -> list:
     by_claim = {c.id: c for c in v2.CLAIMS}
     return [claims.replace(by_claim[i], seeds=(SEEDS_B if PLAN["world"][i] == "b" else SEEDS_A)[:k])
             for i, k in PLAN["n"].items()]
+
+
+# =====================================================================================================================
+# Engagement in code: ENGAGEMENT's measures, read from the judged runs' records (mean over the claim's seeds; a run
+# without a record, or whose curve lacks the key, is left out and named). acts(claim, recs) is claims.verdict's
+# Registry.acts: below the threshold the claim is "not tested" in that world.
+# =====================================================================================================================
+def _last10(rows: list[dict], key: str) -> float:
+    return float(sum(r[key] for r in rows[-10:]) / len(rows[-10:]))
+
+
+MEASURES = {   # the measure's name in ENGAGEMENT → f(rows of one run's per-step curve) → a number
+    "mean:ppo/clipfrac": lambda rows: sum(r["ppo/clipfrac"] for r in rows) / len(rows),
+    "share:grad/norm>1": lambda rows: sum(r["grad/norm"] > 1.0 for r in rows) / len(rows),
+    "share:policy/entropy>1.0": lambda rows: sum(r["policy/entropy"] > 1.0 for r in rows) / len(rows),
+    "mean:|ppo/ratio-1|": lambda rows: sum(abs(r["ppo/ratio"] - 1) for r in rows) / len(rows),
+    "last10:kl/ref": lambda rows: _last10(rows, "kl/ref"),
+    # η · KL per response over |the total reward per response| (kl/coef · kl/ref_seq, reward/total), last 10 steps
+    "share:eta*kl": lambda rows: sum(r["kl/coef"] * r["kl/ref_seq"] for r in rows[-10:]) / max(
+        sum(abs(r["reward/total"]) for r in rows[-10:]), 1e-12),
+    # 1 − λ^T (λ = 0.9, train.py's) at the run's mean response length T over its steps
+    "decay:response/length": lambda rows: 1 - 0.9 ** (sum(r["response/length"] for r in rows) / len(rows)),
+}
+
+
+def acts(claim, recs: dict, margins: dict | None = None) -> dict | None:
+    """How much the claim's mechanism acted in the runs it judges (ENGAGEMENT), or None for a claim without an entry.
+    {"what", "value" (mean over the seeds with records), "threshold", "below", "runs" (how many), "missing"}.
+    margins: the world's margins a threshold named by a margin kind reads (default: the registry's, by the claim's
+    world)."""
+    if claim.id not in ENGAGEMENT:
+        return None
+    what, measure, threshold = ENGAGEMENT[claim.id]
+    world = "b" if claim.seeds and claims.world_of(claim.seeds[0]) == "b" else "a"
+    if margins is None:
+        margins = {k.removeprefix("b:"): v for k, v in MARGINS.items() if k.startswith("b:") == (world == "b")}
+    if isinstance(threshold, str):
+        threshold = margins[threshold]
+    values, missing = [], []
+    for s in claim.seeds:
+        if measure == "topp-cost":   # a final metric: win − lose of the top-p sampler's run against PPO-max's
+            a, b = (recs.get((v, s)) for v in ("topp", "ppo-max"))
+            if a is None or b is None:
+                missing.append(f"seed {s}")
+                continue
+            values.append(abs(a["metrics"]["win_lose"] - b["metrics"]["win_lose"]))
+            continue
+        variant, key = measure.split(" ", 1)
+        r = recs.get((variant, s))
+        rows = claims.decompress(r["curve"]) if r is not None and r.get("curve") else []
+        try:
+            values.append(float(MEASURES[key](rows)))
+        except (KeyError, ZeroDivisionError, TypeError):
+            missing.append(f"{variant} seed {s}")
+    value = sum(values) / len(values) if values else None
+    return {"what": what, "value": value, "threshold": threshold, "runs": len(values), "missing": missing,
+            "below": value is not None and not missing and round(value, 12) < threshold}
+
+
+# =====================================================================================================================
+# The registry claims.py reads: v2's claims re-seeded by PLAN (world B's seeds for the transfer claims, their margins
+# world B's: "b:gold" and so on), v2's variants, metrics and rule, v2's qualifiers as descriptions, and acts().
+# =====================================================================================================================
+def _in_world_b(claim):
+    return claims.replace(claim, parts=tuple(claims.replace(p, margin="b:" + p.margin) for p in claim.parts))
+
+
+def _registry():
+    """claims.Registry for v3 (world B's margins must exist: world_b_margins())."""
+    global MARGINS
+    MARGINS = {**v2.MARGINS, **{"b:" + k: v for k, v in world_b_margins().items()}}
+    cs = [(_in_world_b(c) if PLAN["world"][c.id] == "b" else c) for c in claims_v3()]
+    return claims.Registry("v3", cs, MARGINS, v2.VARIANTS, v2.LONG, RESULTS, v2.judge, v2.part_text, rule_text,
+                           {c.id: c.seeds for c in cs}, v2.RUN_METRICS, v2.BASE_METRICS, v2.FINAL_METRICS, v2.SUMMARY,
+                           SEEDS_A[:max(PLAN["n"].values())], v2.PLOT_SEEDS, v2.QUALIFIERS,
+                           world_b_seeds=SEEDS_B, acts=acts)
+
+
+def rule_text() -> str:
+    """What docs/findings.md prints above v3's table."""
+    b = ", ".join(f"{k[2:]} ±{v:.3g}" for k, v in MARGINS.items() if k.startswith("b:") and k[2:] not in SCALE_FREE)
+    return (f"**The rule** is v2's, unchanged, for every part ({v2.RULE}); parts combine as in v2 ({v2.COMBINE}). "
+            f"**Engagement:** a claim whose mechanism acted less than its declared threshold in the runs judging it "
+            f"(`ENGAGEMENT`) is **not tested** there, whatever its parts say. **Margins:** world A's claims keep v2's; "
+            f"world B's come from its pilot by `MARGIN_PRINCIPLE` (half the pilot's gain of PPO-max over SFT, and so "
+            f"on): {b}; the scale-free ones are v2's. **Seeds:** world A from {SEEDS_A[0]}, world B from "
+            f"{SEEDS_B[0]}, per claim by `PLAN` ({PLAN['run_units']:g} run units of a budget of {BUDGET:g}).")
+
+
+MARGINS: dict = {}
+REGISTRY = _registry()
 
 
 if __name__ == "__main__":

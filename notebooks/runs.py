@@ -123,6 +123,20 @@ def configure(full: bool | None = None, mode: str | None = None, world: str = "a
     return MODE
 
 
+@contextlib.contextmanager
+def in_world(world: str):
+    """configure()'s world for the duration of a `with` block (a registry whose seeds live in two worlds reads each
+    seed's config key in its own), the mode and budget unchanged."""
+    global WORLD
+    if world not in ("a", "b"):
+        raise ValueError(f"runs.in_world: unknown world {world!r}: a or b")
+    old, WORLD = WORLD, world
+    try:
+        yield
+    finally:
+        WORLD = old
+
+
 def figures_dir(here: Path) -> Path:
     """Where a notebook writes its PNGs: notebooks/figures/ (the committed ones) in records mode, runs/figures/ in
     full, runs/small/figures/ in small, so that a retrain never replaces a committed figure; PPO_MAX_FIGURES

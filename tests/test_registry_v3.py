@@ -1,6 +1,7 @@
 """Registry v3's draft, checked before any v3 record: its transfer claims are exactly v2's decided ones, its nearly
 decided ones exactly v2's undecided claims that 10 seeds or fewer would decide, its plan is what plan() computes and
-fits its budget, its seeds are fresh, and world B's variants cannot be built before world B's pilot has run."""
+fits its budget, its seeds are fresh, world B's seeds run in world B at its pilot's defaults and margins, and its
+engagement measures compute what they declare."""
 import json
 import sys
 from pathlib import Path
@@ -53,9 +54,73 @@ def test_margin_principle_gives_world_a_numbers_near_v2s():
     assert {k: m[k] for k in registry_v3.SCALE_FREE} == {k: registry_v2.MARGINS[k] for k in registry_v3.SCALE_FREE}
 
 
-def test_world_b_variants_need_world_bs_pilot_first():
-    if all((registry_v3.PILOT_B / f"{s}.json").is_file() for s in ("lr2", "policy-lr", "operating-point")):
-        assert registry_v3.world_b_flags()[:2] == ("--world", "b")
-    else:
-        with pytest.raises(FileNotFoundError, match="world B's pilot has not run"):
-            registry_v3.world_b_flags()
+def test_world_b_seeds_run_in_world_b_at_its_defaults_and_world_a_keys_are_v2s():
+    """A v3 world B seed's run is v2's variant with --world b (runs.argv_for from the seed's world), whose defaults
+    are the pilot's (WORLD_B_PRESET); a world A seed's config key is computed exactly as v2's records' keys are."""
+    import runs
+    claims.select("v3")
+    try:
+        assert claims.world_of(registry_v3.SEEDS_B[0]) == "b" and claims.world_of(registry_v3.SEEDS_A[0]) == "a"
+        with runs.in_world("b"):
+            argv = runs.argv_for("vanilla", registry_v2.VARIANTS["vanilla"], registry_v3.SEEDS_B[0], None)
+        assert argv[argv.index("--world") + 1] == "b"
+        from plumbing import flags
+        _, _, rm, ppo, world, _ = flags.parse_configs(argv)
+        assert world.name == "b" and rm.rm_lr == 1e-2 and ppo.kl_coef == 0   # world B's RM rate; vanilla stays vanilla
+        key_b = claims.config_key("vanilla", registry_v3.SEEDS_B[0])
+        assert key_b != claims._config_key(tuple(registry_v2.VARIANTS["vanilla"]), 80, registry_v3.SEEDS_B[0])
+        claims.select("v2")
+        rec = json.loads(claims.record_path("vanilla", 1000).read_text())
+        assert claims.config_key("vanilla", 1000) == rec["config"]   # v2's keys unchanged by the world
+    finally:
+        claims.select("v2")
+
+
+def test_world_b_margins_follow_the_principle_from_the_pilots_record():
+    rec = json.loads((registry_v3.PILOT_B / "margins.json").read_text())
+    op = json.loads((registry_v3.PILOT_B / "operating-point.json").read_text())
+    runs_ = list(rec["runs"].values())
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    got = registry_v3.margins_for(op, runs_, mean([r["sft_length"] for r in runs_]),
+                                  mean([r["sft_entropy"] for r in runs_]))
+    assert got == rec["margins"] == registry_v3.world_b_margins()
+    chosen = op["candidates"][op["choice"]]
+    assert got["gold"] == pytest.approx(0.5 * mean(chosen["gold_vs_sft"]))
+    assert got["win-lose"] == pytest.approx(0.5 * mean(chosen["win_lose"]))
+    assert got["kl"] == pytest.approx((1.3862943611198906 - 0.75) / 6 / mean([r["sft_length"] for r in runs_]))
+    assert {k: v for k, v in registry_v3.MARGINS.items() if k.startswith("b:")} == {"b:" + k: v for k, v in got.items()}
+
+
+def test_engagement_measures_by_hand():
+    """Each ENGAGEMENT measure against a loop written here on made-up curves, and acts()'s threshold and 'below'."""
+    rows = [{"ppo/clipfrac": 0.02 * (i % 3), "grad/norm": 0.5 + 0.2 * i, "policy/entropy": 0.9 + 0.05 * i,
+             "ppo/ratio": 1 + (-1) ** i * 0.01 * i, "kl/ref": 0.01 * i, "kl/coef": 0.2, "kl/ref_seq": 0.1 * i,
+             "reward/total": (-1) ** i * (1.0 + i), "response/length": 4 + i} for i in range(12)]
+    m = registry_v3.MEASURES
+    assert m["mean:ppo/clipfrac"](rows) == pytest.approx(sum(0.02 * (i % 3) for i in range(12)) / 12)
+    assert m["share:grad/norm>1"](rows) == pytest.approx(len([i for i in range(12) if 0.5 + 0.2 * i > 1]) / 12)
+    assert m["share:policy/entropy>1.0"](rows) == pytest.approx(len([i for i in range(12) if 0.9 + 0.05 * i > 1]) / 12)
+    assert m["mean:|ppo/ratio-1|"](rows) == pytest.approx(sum(0.01 * i for i in range(12)) / 12)
+    assert m["last10:kl/ref"](rows) == pytest.approx(sum(0.01 * i for i in range(2, 12)) / 10)
+    num = sum(0.2 * 0.1 * i for i in range(2, 12))
+    den = sum(1.0 + i for i in range(2, 12))
+    assert m["share:eta*kl"](rows) == pytest.approx(num / den)
+    t = sum(4 + i for i in range(12)) / 12
+    assert m["decay:response/length"](rows) == pytest.approx(1 - 0.9 ** t)
+    claims.select("v3")
+    try:
+        c = next(c for c in registry_v3.REGISTRY.claims if c.id == "cispo")
+        recs = {("ppo-max", s): {"curve": claims.compress(rows), "metrics": {}} for s in c.seeds}
+        a = registry_v3.acts(c, recs)
+        assert a["value"] == pytest.approx(m["mean:ppo/clipfrac"](rows)) and a["threshold"] == 0.01
+        assert a["below"] is False and a["runs"] == len(c.seeds)
+        low = [{**r, "ppo/clipfrac": 0.001} for r in rows]
+        recs = {("ppo-max", s): {"curve": claims.compress(low), "metrics": {}} for s in c.seeds}
+        assert registry_v3.acts(c, recs)["below"] is True
+        tis = next(c for c in registry_v3.REGISTRY.claims if c.id == "tis")
+        recs = {(v, s): {"metrics": {"win_lose": w}} for s in tis.seeds for v, w in (("topp", 0.1), ("ppo-max", 0.2))}
+        a = registry_v3.acts(tis, recs)
+        assert a["value"] == pytest.approx(0.1) and a["threshold"] == registry_v3.MARGINS["b:win-lose"]
+        assert registry_v3.acts(tis, {})["below"] is False   # nothing recorded yet: not below, "not run"
+    finally:
+        claims.select("v2")
