@@ -256,12 +256,14 @@ def _rm_after20(base: dict) -> float:
 
 
 def _rm_gold_agree(base: dict) -> float:
-    """Over held-out pairs of helpful prompts whose gold rewards differ: the share the reward model orders like gold."""
+    """Over held-out pairs of helpful prompts whose gold rewards differ: the share the reward model orders like gold
+    (the gold of the base's world, base["world"]: world B has no harmful prompts)."""
     import toy_world
+    world = toy_world.world(base.get("world", "a"))
     agree = []
     for r, c, j in zip(base["pairs_heldout"], base["scores"]["chosen"], base["scores"]["rejected"]):
-        g = toy_world.gold_reward(r["prompt"], r["chosen"]) - toy_world.gold_reward(r["prompt"], r["rejected"])
-        if g != 0 and not toy_world.parse_prompt(r["prompt"]).harmful:
+        g = world.gold_reward(r["prompt"], r["chosen"]) - world.gold_reward(r["prompt"], r["rejected"])
+        if g != 0 and not getattr(world.parse_prompt(r["prompt"]), "harmful", False):
             agree.append(np.sign(c - j) == np.sign(g))
     return float(np.mean(agree))
 
@@ -744,7 +746,7 @@ def make_record(variant: str, seed: int, run_dir: Path | None, base: Path | None
     from (config, code version, commit and machine)."""
     import runs
     if variant == BASE:
-        got = load_base(base)
+        got = {**load_base(base), "world": world_of(seed)}
         metrics = {k: float(f(got)) for k, f in R.base_metrics.items()}
         key, flags = base.name, ()
     else:
