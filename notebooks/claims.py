@@ -1128,6 +1128,9 @@ def table(recs: dict | None = None) -> str:
 FINDINGS = ROOT / "docs" / "findings.md"
 README = ROOT / "README.md"
 SUMMARY_MARKS = ("<!-- claims.py --summary -->", "<!-- end of claims.py --summary -->")
+TRAVEL_MARKS = ("<!-- claims.py --registry v3 --travel -->", "<!-- end of claims.py --registry v3 --travel -->")
+TRAVEL_TALLY_MARKS = ("<!-- claims.py --registry v3 --travel --tally -->",
+                      "<!-- end of claims.py --registry v3 --travel --tally -->")
 
 
 def rule_text() -> str:
@@ -1156,7 +1159,13 @@ def findings_blocks(recs: dict | None = None) -> dict[tuple[str, str], str]:
     its records."""
     recs = records() if recs is None else recs
     rule, table_marks, tally_marks = marks(R.name)
-    return {rule: R.rule_text(), table_marks: table(recs), tally_marks: f"`{json.dumps(tally(recs))}`"}
+    blocks = {rule: R.rule_text(), table_marks: table(recs), tally_marks: f"`{json.dumps(tally(recs))}`"}
+    if R.name == "v3":   # and "Does a verdict travel?": v2's verdicts beside v3's world B ones
+        import registry_v3
+        rows = registry_v3.travel_rows()
+        blocks[TRAVEL_MARKS] = registry_v3.travel_table(rows)
+        blocks[TRAVEL_TALLY_MARKS] = f"`{json.dumps(registry_v3.travel_tally(rows))}`"
+    return blocks
 
 
 def write_findings(recs: dict | None = None, path: Path = FINDINGS, blocks: dict | None = None) -> None:
@@ -1792,8 +1801,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write-docs", action="store_true", help="write the table and the tally into docs/findings.md, "
                    "and --summary into README.md (between their marks)")
     p.add_argument("--show", action="store_true", help="print every claim (or --claims) part by part")
+    p.add_argument("--travel", action="store_true", help="with --registry v3: v2's decided verdicts (world A) beside "
+                   "v3's in world B, with the engagement in each (with --tally: the outcomes' counts)")
     p.add_argument("--registry", default="v2", help="v2 (the confirmatory registry, notebooks/registry_v2.py: the "
-                   "default) or v1 (the exploratory one, this file's, as committed)")
+                   "default), v1 (the exploratory one, this file's, as committed) or v3 (v2's decided claims in world "
+                   "B and its nearly decided ones on fresh seeds: notebooks/registry_v3.py)")
     p.add_argument("--operating-point", action="store_true", help="run OPERATING_POINT's pilot and print its choice")
     p.add_argument("--operating-point-v2", action="store_true", help="run registry_v2.OPERATING_POINT's pilot, write "
                    "notebooks/results/v2/operating-point.json and print its choice")
@@ -1807,6 +1819,9 @@ def main(argv: list[str] | None = None) -> None:
                    "on seeds, how many claims 80 %% power reaches and what it costs (JSON lines; not v2's plan)")
     args = p.parse_args(argv)
     select(args.registry)
+    if args.travel and args.registry != "v3":
+        print("error: --travel: reads registry v3's world B runs; add --registry v3", file=sys.stderr)
+        raise SystemExit(2)
     ids = [c for c in args.claims.split(",") if c]
     unknown = [c for c in ids if c not in {x.id for x in R.claims}]
     if unknown:
@@ -1818,20 +1833,23 @@ def main(argv: list[str] | None = None) -> None:
         run_operating_point_v2(reuse=args.reuse)
     if args.run and not args.summary:
         run_registry(ids or None, parse_seeds(args.seeds) if args.seeds else None)
+    if args.travel:
+        import registry_v3
+        print(json.dumps(registry_v3.travel_tally()) if args.tally else registry_v3.travel_table())
     if args.table:
         print(table())
-    if args.tally:
+    if args.tally and not args.travel:
         print(json.dumps(tally()))
     if args.show:
         show(ids or [c.id for c in R.claims])
     if args.write_docs:  # both registries' blocks; the README's summary from v2's records, v1's until v2 has some
-        for name in ("v1", "v2"):
+        for name in ("v1", "v2", "v3"):
             select(name)
             write_findings()
         text = readme_summary()
         write_findings(path=README, blocks={SUMMARY_MARKS: text})
         select(args.registry)
-        print(f"wrote both registries' rules, verdict tables and tallies into {FINDINGS.relative_to(ROOT)}, and "
+        print(f"wrote every registry's rules, verdict tables and tallies into {FINDINGS.relative_to(ROOT)}, and "
               f"the summary ({text.splitlines()[0]}) into README.md")
     if args.records:
         print(f"{rewrite_records()} records written from cached runs")

@@ -251,6 +251,9 @@ def acts(claim, recs: dict, margins: dict | None = None) -> dict | None:
         variant, key = measure.split(" ", 1)
         r = recs.get((variant, s))
         rows = claims.decompress(r["curve"]) if r is not None and r.get("curve") else []
+        if not rows:
+            missing.append(f"{variant} seed {s}")
+            continue
         try:
             values.append(float(MEASURES[key](rows)))
         except (KeyError, ZeroDivisionError, TypeError):
@@ -292,6 +295,89 @@ def rule_text() -> str:
 
 MARGINS: dict = {}
 REGISTRY = _registry()
+
+
+# =====================================================================================================================
+# Does a verdict travel? v2's verdict in world A beside v3's in world B, with the engagement (ENGAGEMENT's measure) in
+# each: world A's read from v2's records of the claim's v2 seeds, thresholds named by a margin kind at v2's margins.
+# =====================================================================================================================
+TRAVEL = ("travels", "does not travel", "undecided in B", "not tested", "not run yet")
+
+
+def travel_rows() -> list[dict]:
+    """One row per transfer claim: the claim, v2's verdict (world A) and v3's (world B), each world's engagement
+    (acts(), None where ENGAGEMENT has no entry) and the outcome, one of TRAVEL:
+      not run yet      a seed v3 plans in world B has no record (the seeds run so far are printed, interim);
+      not tested       the mechanism acted below its threshold in either world (v2's verdict read by v3's measure);
+      undecided in B   world B's rule answers undecided;
+      travels          the same label in both worlds; does not travel: two decided labels that differ."""
+    before = claims.R.name
+    try:
+        claims.select("v2")
+        recs_a = claims.records()
+        a = {v["claim"].id: v for v in claims.verdicts(recs_a)}
+        acts_a = {i: acts(a[i]["claim"], recs_a, v2.MARGINS) for i in TRANSFER}
+        claims.select("v3")
+        recs_b = claims.records()
+        b = {v["claim"].id: v for v in claims.verdicts(recs_b)}
+    finally:
+        claims.select(before)
+    rows = []
+    for i in TRANSFER:
+        va, vb, ea, eb = a[i], b[i], acts_a[i], b[i]["acts"]
+        la, lb = claims.label(va["answer"]), claims.label(vb["answer"])
+        if vb["answer"] == "not run":
+            out = "not run yet"
+        elif (ea is not None and ea["below"]) or lb == "not tested":
+            out = "not tested"
+        elif lb == "undecided":
+            out = "undecided in B"
+        else:
+            out = "travels" if la == lb else "does not travel"
+        rows.append({"claim": vb["claim"], "a": va, "b": vb, "label_a": la, "label_b": lb, "acts_a": ea, "acts_b": eb,
+                     "outcome": out})
+    return rows
+
+
+def _acts_text(e: dict | None) -> str:
+    if e is None:
+        return "always acts (the comparison itself)"
+    if e["value"] is None:
+        return "no record yet"
+    return f"{e['value']:.3g} (threshold {e['threshold']:.3g}){' → below' if e['below'] else ''}"
+
+
+def travel_tally(rows: list[dict] | None = None) -> dict:
+    rows = travel_rows() if rows is None else rows
+    return {k: sum(r["outcome"] == k for r in rows) for k in TRAVEL}
+
+
+def travel_table(rows: list[dict] | None = None) -> str:
+    """docs/findings.md's "Does a verdict travel?" table, markdown."""
+    rows = travel_rows() if rows is None else rows
+    lines = ["| fig | the claim (the source's words) | world A (v2, seeds from 1000) | engagement in A | world B (v3, "
+             "seeds from 3000) | engagement in B | does it travel? |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, vb = r["claim"], r["b"]
+        if vb["answer"] == "not run":
+            done = len(c.seeds) - max(len(p.get("missing", [])) for p in vb["parts"])
+            b = f"not run ({done} of {len(c.seeds)} seeds recorded)"
+        else:
+            b = f"**{r['label_b']}** ({len(c.seeds)} seeds)"
+        lines.append(f"| {c.figure} | {c.sentence} | **{r['label_a']}** ({len(r['a']['claim'].seeds)} seeds) | "
+                     f"{_acts_text(r['acts_a'])} | {b} | {_acts_text(r['acts_b'])} | {r['outcome']} |")
+    lines.append("")
+    lines.append("What each engagement measures (`ENGAGEMENT`, declared before the runs): " + "; ".join(
+        f"{i}: {ENGAGEMENT[i][0]}" for i in TRANSFER if i in ENGAGEMENT) + ".")
+    return "\n".join(lines)
+
+
+def readme_sentence(rows: list[dict] | None = None) -> str:
+    """The README's sentence on registry v3 (a test holds the README to it)."""
+    t = travel_tally(rows)
+    return (f"Registry v3 (`--registry v3 --travel`) judges v2's {sum(t.values())} decided claims again in world B: "
+            f"{t['travels']} travel, {t['does not travel']} do not, {t['undecided in B']} are undecided there, "
+            f"{t['not tested']} not tested in one world, {t['not run yet']} not run yet")
 
 
 if __name__ == "__main__":

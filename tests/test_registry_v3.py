@@ -124,3 +124,48 @@ def test_engagement_measures_by_hand():
         assert registry_v3.acts(tis, {})["below"] is False   # nothing recorded yet: not below, "not run"
     finally:
         claims.select("v2")
+
+
+def between(text: str, start: str, end: str) -> str:
+    assert start in text and end in text, f"the page has lost the marks {start} … {end}"
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+def test_findings_v3_blocks_and_the_readme_sentence_are_what_the_committed_records_give():
+    """docs/findings.md's v3 rule, table, tally and "Does a verdict travel?" blocks, and the README's v3 sentence, are
+    claims.py's and registry_v3's output from the committed records (python notebooks/claims.py --write-docs)."""
+    claims.select("v3")
+    try:
+        text = claims.FINDINGS.read_text()
+        blocks = claims.findings_blocks()
+        assert claims.TRAVEL_MARKS in blocks and len(blocks) == 5
+        for (start, end), body in blocks.items():
+            assert between(text, start, end) == body.strip(), start
+    finally:
+        claims.select("v2")
+    assert registry_v3.readme_sentence() in " ".join(claims.README.read_text().split())
+
+
+def test_travel_outcome_by_hand():
+    """travel_rows' outcome for made-up verdicts: the same label travels, two decided labels differ, undecided in B,
+    an engagement below its threshold in either world is not tested, and B not run is not run yet."""
+    claim = registry_v3.REGISTRY.claims[0]
+    base = {"claim": claim, "parts": [], "acts": None}
+
+    def outcome(a, b, ea=None, eb=None):
+        import unittest.mock as m
+        va, vb = {**base, "answer": a}, {**base, "answer": b, "acts": eb}
+        with m.patch.object(claims, "verdicts", side_effect=lambda recs=None: [
+                {**(va if claims.R.name == "v2" else vb), "claim": c} for c in claims.R.claims]), \
+                m.patch.object(claims, "records", return_value={}), \
+                m.patch.object(registry_v3, "acts", return_value=ea):
+            return registry_v3.travel_rows()[0]["outcome"]
+    below, above = {"below": True}, {"below": False}
+    assert outcome("as the paper", "as the paper") == "travels"
+    assert outcome("alike", "alike", above, above) == "travels"
+    assert outcome("as the paper", "alike") == "does not travel"
+    assert outcome("alike", "against the paper") == "does not travel"
+    assert outcome("as the paper", "undecided") == "undecided in B"
+    assert outcome("alike", "alike", below, above) == "not tested"      # world A's mechanism did not act
+    assert outcome("alike", "not tested", above, below) == "not tested"
+    assert outcome("as the paper", "not run") == "not run yet"
