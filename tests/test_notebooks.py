@@ -44,7 +44,7 @@ def kernel_dirs(root: Path) -> list[str]:
 
 # the notebooks executed in records mode, and the PNGs of their panels of a registry's runs (drawn from the records)
 RECORDS_NOTEBOOKS = {"vanilla_collapse": ("vanilla_collapse_fig4.png", "vanilla_collapse_fig4_gold.png"),
-                     "methods": ("methods_tricks.png",)}
+                     "methods": ("methods_tricks.png",), "worlds": ("worlds_fig4.png",)}
 # a last cell for those: the (name, seed) of every run the kernel's runner trained, as one JSON line
 TRAINED_CELL = 'import json as _json, runs as _runs; print("TRAINED " + _json.dumps(_runs.TRAINED["names"]))'
 
