@@ -267,8 +267,20 @@ def acts(claim, recs: dict, margins: dict | None = None) -> dict | None:
 # The registry claims.py reads: v2's claims re-seeded by PLAN (world B's seeds for the transfer claims, their margins
 # world B's: "b:gold" and so on), v2's variants, metrics and rule, v2's qualifiers as descriptions, and acts().
 # =====================================================================================================================
+WORLD_B_CONSTRUCTION = ("world B was built with an exploit (annotators who favour praise, 2.0 log-odds per phrase, "
+                        "set before any run); its learning rates came from its pilot rule, not from a vanilla run; one "
+                        "edit ('repeat frame') was added after its first vanilla run repeated the frame (docs/worlds.md)")
+
+
 def _in_world_b(claim):
-    return claims.replace(claim, parts=tuple(claims.replace(p, margin="b:" + p.margin) for p in claim.parts))
+    """A v2 claim as world B judges it: world B's margins ("b:…"); the exploit probe's words are world B's (praise
+    phrases, not filler words); world A's "by construction" replaced by what world B was built to have. The metrics,
+    variants and directions are v2's."""
+    def part(p):
+        what = p.what.replace("per filler token", "per praise phrase") if p.metric == "length_bias" else p.what
+        return claims.replace(p, margin="b:" + p.margin, what=what)
+    return claims.replace(claim, parts=tuple(part(p) for p in claim.parts),
+                          construction=WORLD_B_CONSTRUCTION if claim.construction else "")
 
 
 def _registry():

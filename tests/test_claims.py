@@ -83,10 +83,10 @@ def test_v2_is_the_default_and_select_switches_what_every_function_reads(monkeyp
 
 def test_an_unknown_registry_is_a_one_line_exit(capsys):
     with pytest.raises(SystemExit) as e:
-        claims.main(["--registry", "v3", "--tally"])
+        claims.main(["--registry", "v4", "--tally"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--registry v3" in err
+    assert len(err.splitlines()) == 1 and "--registry v4" in err
 
 
 def test_v1_tally_is_as_committed(capsys):
@@ -508,7 +508,7 @@ def test_run_registry_sends_every_seed_to_the_pool_and_writes_each_record_when_i
     records go to the selected registry's folder."""
     import runs
     todo = [("a", 10), ("b", 10), ("a", 11), ("b", 11), ("long", 12), ("a", 12), ("base", 10), ("base", 13)]
-    monkeypatch.setattr(runs, "configure", lambda full: None)
+    monkeypatch.setattr(runs, "configure", lambda full, world="a": None)
     monkeypatch.setattr(runs, "report", lambda: "")
     monkeypatch.setattr(runs, "base_dir", lambda s: Path(f"runs/_base/seed{s}"))
     use(monkeypatch, dataclasses.replace(claims.registry(name), results=tmp_path / name,
