@@ -1047,6 +1047,11 @@ def qualifiers(v: dict, recs: dict | None = None) -> list[str]:
     recs = records() if recs is None else recs
     c = v["claim"]
     out = [f"by construction: {c.construction}"] if c.construction else []
+    a = v.get("acts")   # a registry's declared engagement (v3's): it decides "not tested", so it is printed first
+    if a is not None:
+        out.insert(0, f"engagement (declared before the runs): {a['what']}: " + (
+            "no record yet" if a["value"] is None else f"{a['value']:.3g} over {a['runs']} runs, threshold "
+            f"{a['threshold']:.3g}" + (" → not tested" if a["below"] else "")))
     below = []
     for q in getattr(R, "qualifiers", {}).get(c.id, ()):
         if isinstance(q, Setting):
@@ -1128,6 +1133,7 @@ def table(recs: dict | None = None) -> str:
 FINDINGS = ROOT / "docs" / "findings.md"
 README = ROOT / "README.md"
 SUMMARY_MARKS = ("<!-- claims.py --summary -->", "<!-- end of claims.py --summary -->")
+V3_SENTENCE_MARKS = ("<!-- v3 -->", "<!-- /v3 -->")   # the README's sentence on registry v3 (registry_v3.readme_sentence)
 TRAVEL_MARKS = ("<!-- claims.py --registry v3 --travel -->", "<!-- end of claims.py --registry v3 --travel -->")
 TRAVEL_TALLY_MARKS = ("<!-- claims.py --registry v3 --travel --tally -->",
                       "<!-- end of claims.py --registry v3 --travel --tally -->")
@@ -1847,7 +1853,8 @@ def main(argv: list[str] | None = None) -> None:
             select(name)
             write_findings()
         text = readme_summary()
-        write_findings(path=README, blocks={SUMMARY_MARKS: text})
+        import registry_v3
+        write_findings(path=README, blocks={SUMMARY_MARKS: text, V3_SENTENCE_MARKS: registry_v3.readme_sentence()})
         select(args.registry)
         print(f"wrote every registry's rules, verdict tables and tallies into {FINDINGS.relative_to(ROOT)}, and "
               f"the summary ({text.splitlines()[0]}) into README.md")

@@ -367,7 +367,7 @@ def travel_tally(rows: list[dict] | None = None) -> dict:
 def travel_table(rows: list[dict] | None = None) -> str:
     """docs/findings.md's "Does a verdict travel?" table, markdown."""
     rows = travel_rows() if rows is None else rows
-    lines = ["| fig | the claim (the source's words) | world A (v2, seeds from 1000) | engagement in A | world B (v3, "
+    lines = ["| fig (claim) | the claim (the source's words) | world A (v2, seeds from 1000) | engagement in A | world B (v3, "
              "seeds from 3000) | engagement in B | does it travel? |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         c, vb = r["claim"], r["b"]
@@ -376,7 +376,7 @@ def travel_table(rows: list[dict] | None = None) -> str:
             b = f"not run ({done} of {len(c.seeds)} seeds recorded)"
         else:
             b = f"**{r['label_b']}** ({len(c.seeds)} seeds)"
-        lines.append(f"| {c.figure} | {c.sentence} | **{r['label_a']}** ({len(r['a']['claim'].seeds)} seeds) | "
+        lines.append(f"| {c.figure} (`{c.id}`) | {c.sentence} | **{r['label_a']}** ({len(r['a']['claim'].seeds)} seeds) | "
                      f"{_acts_text(r['acts_a'])} | {b} | {_acts_text(r['acts_b'])} | {r['outcome']} |")
     lines.append("")
     lines.append("What each engagement measures (`ENGAGEMENT`, declared before the runs): " + "; ".join(
@@ -388,8 +388,8 @@ def readme_sentence(rows: list[dict] | None = None) -> str:
     """The README's sentence on registry v3 (a test holds the README to it)."""
     t = travel_tally(rows)
     return (f"Registry v3 (`--registry v3 --travel`) judges v2's {sum(t.values())} decided claims again in world B: "
-            f"{t['travels']} travel, {t['does not travel']} do not, {t['undecided in B']} are undecided there, "
-            f"{t['not tested']} not tested in one world, {t['not run yet']} not run yet")
+            f"travels {t['travels']}, does not travel {t['does not travel']}, undecided there {t['undecided in B']}, "
+            f"not tested in one world {t['not tested']}, not run yet {t['not run yet']}")
 
 
 if __name__ == "__main__":
