@@ -1094,12 +1094,12 @@ def qualifiers(v: dict, recs: dict | None = None) -> list[str]:
                     f"{_size(q.threshold, q.unit)}")
             if e["missing"]:
                 text += f"; no curve of {q.key} in {', '.join(e['missing'])}"
-            if e["below"]:
-                text += " → not really tested here"
+            if e["below"]:   # where the registry declares its own engagement (a), this one is a description
+                text += " → below its threshold" if a is not None else " → not really tested here"
                 below.append(q)
             out.append(text)
     engaged = [q for q in getattr(R, "qualifiers", {}).get(c.id, ()) if isinstance(q, Engaged)]
-    if below:
+    if below and a is None:   # where the registry declares the claim's engagement, that one alone says "not tested"
         out.insert(0, "**not really tested here**" if len(below) == len(engaged) else "**partly tested here**")
     return out
 
