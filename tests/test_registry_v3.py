@@ -169,3 +169,34 @@ def test_travel_outcome_by_hand():
     assert outcome("alike", "alike", below, above) == "not tested"      # world A's mechanism did not act
     assert outcome("alike", "not tested", above, below) == "not tested"
     assert outcome("as the paper", "not run") == "not run yet"
+
+
+def test_a_mechanism_below_its_threshold_is_not_tested_whatever_its_parts_say():
+    """claims.verdict under v3: the same decided parts give the rule's answer when the declared engagement is met, and
+    "not tested" when it is not (cispo: PPO-clip's clipped share in PPO-max against 1 %)."""
+    claims.select("v3")
+    try:
+        c = next(c for c in registry_v3.REGISTRY.claims if c.id == "cispo")
+        (part,) = c.parts
+
+        def recs(clipfrac):
+            rows = [{"ppo/clipfrac": clipfrac}] * 10
+            out = {}
+            for i, s in enumerate(c.seeds):
+                out[("ppo-max", s)] = {"metrics": {part.metric: 0.1}, "curve": claims.compress(rows)}
+                out[("cispo", s)] = {"metrics": {part.metric: 1.0 + 0.01 * i}}   # far above any margin: decided
+            return out
+        acted, idle = claims.verdict(c, recs(0.05)), claims.verdict(c, recs(0.001))
+        assert acted["answer"] == "as the paper" and acted["acts"]["below"] is False
+        assert idle["answer"] == "not tested" and idle["parts"][0]["answer"] == "as the paper"
+        assert claims.label(idle["answer"]) == "not tested"
+        assert claims.qualifiers(idle, recs(0.001))[0].endswith("→ not tested")
+    finally:
+        claims.select("v2")
+
+
+def test_travel_needs_registry_v3(capsys):
+    with pytest.raises(SystemExit) as e:
+        claims.main(["--travel"])
+    assert e.value.code == 2 and "--registry v3" in capsys.readouterr().err
+    claims.select("v2")
