@@ -1133,7 +1133,7 @@ def table(recs: dict | None = None) -> str:
 FINDINGS = ROOT / "docs" / "findings.md"
 README = ROOT / "README.md"
 SUMMARY_MARKS = ("<!-- claims.py --summary -->", "<!-- end of claims.py --summary -->")
-V3_SENTENCE_MARKS = ("<!-- v3 -->", "<!-- /v3 -->")   # the README's sentence on registry v3 (registry_v3.readme_sentence)
+V3_SENTENCE_MARKS = ("<!-- v3 -->", "<!-- /v3 -->")   # the README's v3 sentence (registry_v3.readme_sentence)
 TRAVEL_MARKS = ("<!-- claims.py --registry v3 --travel -->", "<!-- end of claims.py --registry v3 --travel -->")
 TRAVEL_TALLY_MARKS = ("<!-- claims.py --registry v3 --travel --tally -->",
                       "<!-- end of claims.py --registry v3 --travel --tally -->")

@@ -1,9 +1,10 @@
-"""Registry v3, a DRAFT committed before any v3 record: does a verdict travel to another world, did the mechanism act
-where it was judged, and the claims v2 nearly decided, on fresh seeds. v1 and v2 stay as committed.
+"""Registry v3: does a verdict travel to another world, did the mechanism act where it was judged, and the claims v2
+nearly decided, on fresh seeds. v1 and v2 stay as committed.
 
-Status: committed before any v3 record (git log), read by notebooks/claims.py (`--registry v3`). World B's margins
-come from world B's pilot (tools/world_b_pilot.py margins, docs/worlds.md) by the principle stated here, and its
-variants' defaults from the pilot's rule (`--world b`), so nothing about them is chosen after seeing a v3 result.
+Committed (2f16ae5) before any v3 record; its campaign trained from the tag registry-v3 and is complete
+(docs/findings.md, "Does a verdict travel?"). notebooks/claims.py reads it (`--registry v3`). World B's margins come
+from world B's pilot (tools/world_b_pilot.py margins, docs/worlds.md) by the principle stated here, and its variants'
+defaults from the pilot's rule (`--world b`), so nothing about them was chosen after seeing a v3 result.
 
 Implements: no equation of the paper.
   TRANSFER                v2's 15 decided claims, each judged in world B by v2's rule (registry_v2.judge)
@@ -14,6 +15,10 @@ Implements: no equation of the paper.
                           undecided part's seeds_to_decide ≤ 10), in world A on seeds from 2000
   plan()                  each claim's seeds (80 % power from v2's spreads, registry_v2.power_n) and the run units,
                           within BUDGET (300); PLAN is it as committed (a test checks plan() still gives it)
+  acts(claim, recs)       ENGAGEMENT's measure on the judged runs' records (MEASURES); below its threshold,
+                          claims.verdict answers "not tested"
+  REGISTRY                what claims.py reads: v2's claims re-seeded by PLAN, world B's with world B's margins ("b:…")
+  travel_rows/_table      v2's verdict (world A) beside v3's (world B) with each world's engagement; readme_sentence
 Seeds: world A from 2000, world B from 3000: none of v1's (0-19, pilot 100-102), v2's (300-302, 1000-1039) or world
 B's pilot's (500-502, 510-512, 520-522). The campaign trains from one tagged commit, as v2's did; its records go under
 notebooks/results/v3/, each naming its world, code, commit and machine.
@@ -38,9 +43,9 @@ N_MIN, N_CAP = 5, 15
 # Transfer: v2's decided claims (its records: 5 as the paper, 1 against, 9 alike), judged again in world B by the same
 # rule, parts and directions. A world B seed's runs are v2's variants with `--world b` (notebooks/runs.py's world,
 # from the seed: claims.world_of), whose defaults are its pilot's (plumbing/config.py WORLD_B_PRESET, held to the
-# pilot's records by tests/test_toy_world_b.py). "sec4.3" reads world B's probe of its own exploit (praise phrases added to a
-# correct answer, eval.length_bias), not length: the paper's claim generalised to "the reward model over-pays for
-# what the annotators favoured", the only reading world B can test.
+# pilot's records by tests/test_toy_world_b.py). "sec4.3" reads world B's probe of its own exploit (praise phrases
+# added to a correct answer, eval.length_bias), not length: the paper's claim generalised to "the reward model
+# over-pays for what the annotators favoured", the only reading world B can test.
 # =====================================================================================================================
 TRANSFER = ("sec4.3", "fig4-reward", "fig7-is", "fig15-ppomax", "fig16-diverges-0.1", "fig8-policy", "fig8-pretrain",
             "fig18", "fig19", "leave-one-out", "tis", "k1-reward", "value-returns", "decoupled-lam", "cispo")
@@ -100,9 +105,10 @@ def world_b_margins() -> dict[str, float]:
 ENGAGEMENT = {
     "cispo": ("share of tokens PPO-clip clips in PPO-max (ppo/clipfrac, mean over steps)", "ppo-max mean:ppo/clipfrac",
               0.01),   # CISPO differs from PPO-clip only on clipped tokens; v2's runs clipped 0.07-0.09 %
-    "tis": ("what the uncorrected top-p sampler costs: |win − lose(topp) − win − lose(ppo-max)|", "topp-cost", "win-lose"),
-    "fig18": ("share of PPO-max's optimizer steps whose gradient norm exceeds the clip (1.0)", "ppo-max share:grad/norm>1",
-              0.10),
+    "tis": ("what the uncorrected top-p sampler costs: |win − lose(topp) − win − lose(ppo-max)|", "topp-cost",
+            "win-lose"),
+    "fig18": ("share of PPO-max's optimizer steps whose gradient norm exceeds the clip (1.0)",
+              "ppo-max share:grad/norm>1", 0.10),
     "fig16-diverges-0.1": ("share of steps whose mean token entropy is above the clip δ in the unclipped run",
                            "kl-ent-0.1-noclip share:policy/entropy>1.0", 0.10),
     "fig7-is": ("mean |ratio − 1| of the importance weights (ppo/ratio)", "kl-0.05-is mean:|ppo/ratio-1|", 0.01),
@@ -269,7 +275,8 @@ def acts(claim, recs: dict, margins: dict | None = None) -> dict | None:
 # =====================================================================================================================
 WORLD_B_CONSTRUCTION = ("world B was built with an exploit (annotators who favour praise, 2.0 log-odds per phrase, "
                         "set before any run); its learning rates came from its pilot rule, not from a vanilla run; one "
-                        "edit ('repeat frame') was added after its first vanilla run repeated the frame (docs/worlds.md)")
+                        "edit ('repeat frame') was added after its first vanilla run repeated the frame "
+                        "(docs/worlds.md)")
 
 
 def _in_world_b(claim):
@@ -367,8 +374,8 @@ def travel_tally(rows: list[dict] | None = None) -> dict:
 def travel_table(rows: list[dict] | None = None) -> str:
     """docs/findings.md's "Does a verdict travel?" table, markdown."""
     rows = travel_rows() if rows is None else rows
-    lines = ["| fig (claim) | the claim (the source's words) | world A (v2, seeds from 1000) | engagement in A | world B (v3, "
-             "seeds from 3000) | engagement in B | does it travel? |", "|---|---|---|---|---|---|---|"]
+    lines = ["| fig (claim) | the claim (the source's words) | world A (v2, seeds from 1000) | engagement in A | "
+             "world B (v3, seeds from 3000) | engagement in B | does it travel? |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         c, vb = r["claim"], r["b"]
         if vb["answer"] == "not run":
@@ -376,7 +383,8 @@ def travel_table(rows: list[dict] | None = None) -> str:
             b = f"not run ({done} of {len(c.seeds)} seeds recorded)"
         else:
             b = f"**{r['label_b']}** ({len(c.seeds)} seeds)"
-        lines.append(f"| {c.figure} (`{c.id}`) | {c.sentence} | **{r['label_a']}** ({len(r['a']['claim'].seeds)} seeds) | "
+        seeds_a = len(r["a"]["claim"].seeds)
+        lines.append(f"| {c.figure} (`{c.id}`) | {c.sentence} | **{r['label_a']}** ({seeds_a} seeds) | "
                      f"{_acts_text(r['acts_a'])} | {b} | {_acts_text(r['acts_b'])} | {r['outcome']} |")
     lines.append("")
     lines.append("What each engagement measures (`ENGAGEMENT`, declared before the runs): " + "; ".join(

@@ -190,10 +190,12 @@ def test_world_b_reward_model_learns_the_exploit_and_a_collapsing_run_shows_it(t
     """End to end on a small world B: the reward model pays for praise (its score rises per praise phrase added to a
     correct answer while gold falls), and vanilla PPO (no KL, no normalisation) at a high learning rate collapses
     into the reward model's blind spots: its proxy score rises, held-out gold falls far below SFT's, and its last
-    samples are full of praise or repeated full stops, which SFT's first samples are not."""
+    samples are full of praise or repeated full stops, which SFT's first samples are not. The reward model trains at
+    1e-3, where world B's pilot measured its exploit strongest (+0.24 per phrase; world B's default 1e-2 pays +0.07,
+    docs/worlds.md): this checks the world's mechanics, not its defaults."""
     out = tmp_path / "vanilla"
     argv = [*SMALL_B, "--preset", "vanilla", "--steps", "30", "--rollout-batch", "32", "--minibatch", "16",
-            "--policy-lr", "3e-4", "--heldout-every", "0", "--out", str(out)]
+            "--policy-lr", "3e-4", "--rm-lr", "1e-3", "--heldout-every", "0", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(Path(tw.__file__).parent / "train.py"), *argv], capture_output=True,
                           text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
