@@ -310,10 +310,18 @@ INTERRUPTED = ["--world-n-sft", "3000", "--world-n-pairs", "900", "--world-n-pai
                "--eval-samples", "1", "--threads", "1", "--seed", "3"]
 
 
+def _as_in_a_terminal() -> None:
+    """The child's SIGINT and SIGTERM as a terminal's foreground command has them: default and unblocked, whatever
+    the test session inherited (a background job starts with SIGINT ignored, and an ignored or blocked signal is
+    passed on to every child, which would then never see the Ctrl-C this test sends)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def interrupt_when(cmd: list[str], work: Path, ready, sig=signal.SIGINT) -> tuple[int, str, str]:
     """Run `cmd` in `work`, send `sig` once ready() holds; (exit status, stdout, stderr)."""
     proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_as_in_a_terminal)
     deadline = time.time() + 300
     while not ready() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
