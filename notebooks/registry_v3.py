@@ -214,16 +214,12 @@ def claims_v3() -> list:
 # without a record, or whose curve lacks the key, is left out and named). acts(claim, recs) is claims.verdict's
 # Registry.acts: below the threshold the claim is "not tested" in that world.
 # =====================================================================================================================
-def _last10(rows: list[dict], key: str) -> float:
-    return float(sum(r[key] for r in rows[-10:]) / len(rows[-10:]))
-
-
 MEASURES = {   # the measure's name in ENGAGEMENT → f(rows of one run's per-step curve) → a number
-    "mean:ppo/clipfrac": lambda rows: sum(r["ppo/clipfrac"] for r in rows) / len(rows),
+    "mean:ppo/clipfrac": claims.token_share("ppo/clipfrac"),
     "share:grad/norm>1": lambda rows: sum(r["grad/norm"] > 1.0 for r in rows) / len(rows),
     "share:policy/entropy>1.0": lambda rows: sum(r["policy/entropy"] > 1.0 for r in rows) / len(rows),
     "mean:|ppo/ratio-1|": lambda rows: sum(abs(r["ppo/ratio"] - 1) for r in rows) / len(rows),
-    "last10:kl/ref": lambda rows: _last10(rows, "kl/ref"),
+    "last10:kl/ref": lambda rows: claims._window({"metrics": rows}, "kl/ref", "last10"),
     # η · KL per response over |the total reward per response| (kl/coef · kl/ref_seq, reward/total), last 10 steps
     "share:eta*kl": lambda rows: sum(r["kl/coef"] * r["kl/ref_seq"] for r in rows[-10:]) / max(
         sum(abs(r["reward/total"]) for r in rows[-10:]), 1e-12),
